@@ -21,6 +21,9 @@ class Cluster:
     intra_host_latency: float  # s per collective step
     inter_host_bandwidth: float  # bytes/s per device across hosts
     inter_host_latency: float
+    # Fixed cost of one collective whatever its size (kernel launch, group synchronisation):
+    # it is what makes one all-reduce cheaper than a reduce-scatter plus an all-gather.
+    collective_launch_s: float = 10e-6
     flops_per_s: dict[str, float] = field(default_factory=dict)  # achievable, by dtype
     memory_bandwidth: float = 1e12  # bytes/s, bounds memory-bound ops
     memory_per_device: int = 32 << 30
@@ -33,8 +36,8 @@ class Cluster:
 # FP32 training. NVLink2 ring bandwidth ~130 GB/s per GPU; 15.7 TFLOP/s FP32 peak, ~80% reachable.
 M8_V100 = Cluster(
     name="m8-v100", devices_per_host=8,
-    intra_host_bandwidth=130e9, intra_host_latency=5e-6,
-    inter_host_bandwidth=12.5e9, inter_host_latency=20e-6,
+    intra_host_bandwidth=130e9, intra_host_latency=1e-6,
+    inter_host_bandwidth=12.5e9, inter_host_latency=20e-6, collective_launch_s=10e-6,
     flops_per_s={"float32": 12.5e12, "float16": 100e12, "bfloat16": 12.5e12},
     memory_bandwidth=900e9, memory_per_device=32 << 30,
 )
@@ -43,8 +46,8 @@ M8_V100 = Cluster(
 # 8×400 Gb/s InfiniBand (50 GB/s per GPU) to other hosts. TF32 for float32 matmuls.
 H100_8X = Cluster(
     name="8x-h100", devices_per_host=8,
-    intra_host_bandwidth=370e9, intra_host_latency=3e-6,
-    inter_host_bandwidth=45e9, inter_host_latency=10e-6,
+    intra_host_bandwidth=370e9, intra_host_latency=0.7e-6,
+    inter_host_bandwidth=45e9, inter_host_latency=10e-6, collective_launch_s=6e-6,
     flops_per_s={"float32": 400e12, "bfloat16": 750e12, "float16": 750e12},
     memory_bandwidth=3.0e12, memory_per_device=80 << 30,
 )
@@ -71,6 +74,7 @@ class MeshTopology:
     axis_sizes: tuple[int, ...]
     bandwidth: tuple[float, ...]
     latency: tuple[float, ...]
+    launch: float = 0.0  # the cluster's collective_launch_s
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -99,4 +103,5 @@ class MeshTopology:
             same_host = bool(np.all(host == np.take(host, [0], axis=ax)))
             bws.append(cluster.intra_host_bandwidth if same_host else cluster.inter_host_bandwidth)
             lats.append(cluster.intra_host_latency if same_host else cluster.inter_host_latency)
-        return MeshTopology(tuple(mesh.axis_names), tuple(devices.shape), tuple(bws), tuple(lats))
+        return MeshTopology(tuple(mesh.axis_names), tuple(devices.shape), tuple(bws), tuple(lats),
+                            cluster.collective_launch_s)

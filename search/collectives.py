@@ -21,12 +21,13 @@ class Collective:
     bytes: int
 
     def time(self, topo: MeshTopology) -> float:
-        """Ring algorithms: all-reduce moves 2(n-1)/n of the buffer, the others (n-1)/n."""
+        """Ring algorithms: all-reduce moves 2(n-1)/n of the buffer, the others (n-1)/n; each
+        step pays the link latency and each collective one launch."""
         n, bw, lat = topo.link(self.axes)
         if n <= 1:
             return 0.0
         steps = (n - 1) * (2 if self.kind == "all-reduce" else 1)
-        return steps / n * self.bytes / bw + steps * lat
+        return topo.launch + steps / n * self.bytes / bw + steps * lat
 
 
 def total_time(collectives: list[Collective], topo: MeshTopology) -> float:

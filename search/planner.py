@@ -1,10 +1,8 @@
-"""Search: Graph IR + mesh + cluster → Plan, by one ILP over the whole graph (O2/O3 spine).
+"""Search: Graph IR + mesh + cluster → Plan (the spine's O2/O3: cones, then one ILP).
 
-Units of the ILP are entry arguments, ops and returned values. Elementwise ops and ops with a
-single input follow the producer of their (first) input: they take its layout when they can
-read it as it is, else their cheapest response to it. Followers join their leader's group, so
-chains collapse and the ILP decides only arguments, dots/convolutions, broadcasts and
-multi-input data movement; the reads between groups stay exact edges of the ILP. Values that depend on no
+Units are entry arguments, ops and returned values. Units that read a single live tensor join
+the cone of their reader (`cones`), whose root decides them by DP; the ILP then picks one
+strategy per cone, with every read between cones an exact edge. Values that depend on no
 argument (constants, iotas and their broadcasts) are left to XLA, which builds them locally.
 """
 from __future__ import annotations
@@ -12,7 +10,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,10 +21,11 @@ from ..hlo_passes.graph import Graph, Pin
 from . import ilp
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard
+from .cones import Cone, build_cones
 from .memory import plan_memory
-from .rules import COMPUTE_HEAVY, ELEMENTWISE
+from .rules import COMPUTE_HEAVY
 from .specs import ShardingSpec
-from .strategies import Strategy, node_strategies, tensor_specs
+from .strategies import Strategy, memory_traffic, node_strategies, tensor_specs
 
 
 @dataclass
@@ -39,14 +38,8 @@ class _Unit:
     results: tuple[int, ...]
     strategies: list[Strategy]
     name: str
-    leader: int | None = None  # unit this one follows (elementwise), else None
-    lead_pos: int = 0  # which operand comes from the leader
-    followers: list[int] = field(default_factory=list)
-
-
-# Ops that always get their own ILP unit: compute-heavy ones (the decisions that matter) and
-# broadcasts, whose best layout depends on their reader more than on their (smaller) input.
-_ROOT_OPS = COMPUTE_HEAVY | {"stablehlo.broadcast_in_dim"}
+    live: tuple[int, ...] = ()  # distinct operand values that other units produce
+    join: str = ""  # "reader" | "producer": the cone it may join (see `cones`), "" for a root
 
 
 def _arg_strategies(shape, topo) -> list[Strategy]:
@@ -89,31 +82,41 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster):
             strategies = [Strategy((s.results[0],), s.results, 0.0) for s in strategies]
         producer_unit[arg.value] = len(units)
         units.append(_Unit("arg", arg.index, operands, (arg.value,), strategies, arg.path))
-    pinned = {p.value for p in graph.pins}
+    traffic = memory_traffic(graph)
     for node in graph.nodes:
         if all(graph.values[r].constant for r in node.results):
             continue
-        strategies, has_rule = node_strategies(node, graph, topo, cluster)
+        strategies, has_rule = node_strategies(node, graph, topo, cluster, traffic[node.id])
         if not has_rule and any(graph.values[r].shape for r in node.results):
             fallback.append(f"{node.op.split('.')[-1]} ({node.name or f'%{node.id}'})")
-        u = _Unit("node", node.id, node.operands, node.results, strategies, node.name)
-        idx = len(units)
-        live = [o for o in node.operands if not graph.values[o].constant and graph.values[o].shape]
-        elementwise = node.op.split(".")[-1] in ELEMENTWISE
-        if (has_rule and (len(live) == 1 or elementwise and live) and len(node.results) == 1
-                and not pinned & set(node.results) and node.op not in _ROOT_OPS):
-            u.leader, u.lead_pos = producer_unit[live[0]], node.operands.index(live[0])
+        live = _live(node.operands, graph, producer_unit)
         for r in node.results:
-            producer_unit[r] = idx
-        units.append(u)
+            producer_unit[r] = len(units)
+        units.append(_Unit("node", node.id, node.operands, node.results, strategies, node.name,
+                           live, _join(node, live, has_rule, graph)))
     for k, out in enumerate(graph.outputs):
         if k in aliased or graph.values[out].constant:
             continue
         shape = graph.values[out].shape
         strategies = [Strategy((s,), (), 0.0) for s in tensor_specs(shape, topo)]
         units.append(_Unit("output", k, (out,), (), strategies, graph.output_paths[k],
-                           leader=producer_unit[out]))
+                           _live((out,), graph, producer_unit)))
+    for u in units[:len(graph.args)]:  # donated arguments read their aliased output
+        u.live = _live(u.operands, graph, producer_unit)
     return units, producer_unit, fallback
+
+
+def _join(node, live: tuple[int, ...], has_rule: bool, graph: Graph) -> str:
+    """Which cone a node may join: none for compute-heavy ops (the decisions that matter) and
+    ops with several inputs; its producer's when it shrinks its input, else its reader's."""
+    if not has_rule or len(live) != 1 or len(node.results) != 1 or node.op in COMPUTE_HEAVY:
+        return ""
+    return "producer" if graph.values[live[0]].nbytes > graph.values[node.results[0]].nbytes else "reader"
+
+
+def _live(operands, graph: Graph, producer_unit: dict[int, int]) -> tuple[int, ...]:
+    """Operands that another unit produces and that have a layout to choose (not scalars)."""
+    return tuple(dict.fromkeys(o for o in operands if o in producer_unit and graph.values[o].shape))
 
 
 def _apply_pins(graph: Graph, units: list[_Unit], producer_unit: dict[int, int], topo) -> None:
@@ -128,51 +131,7 @@ def _apply_pins(graph: Graph, units: list[_Unit], producer_unit: dict[int, int],
         u.strategies = kept
 
 
-@dataclass
-class _Group:
-    root: int
-    members: list[int]
-    # per group strategy j: unit index → chosen strategy of that unit
-    choice: list[dict[int, Strategy]]
-
-
-def _follow(strategies: list[Strategy], pos: int, spec: ShardingSpec, v: int, cost) -> Strategy:
-    """A follower's best response to its leader's layout: the strategy that reads `spec` with
-    the least resharding plus compute (ties: the first, which keeps the leader's layout)."""
-    return min(strategies, key=lambda s: cost(spec, s.operands[pos], v) + s.compute_s)
-
-
-def _groups(units: list[_Unit], reshard_cost) -> tuple[list[_Group], dict[int, int]]:
-    """Collapse followers into their leader's group; a group's strategy is its root's."""
-    root_of: dict[int, int] = {}
-    for i, u in enumerate(units):
-        root_of[i] = root_of[u.leader] if u.leader is not None else i
-        if u.leader is not None:
-            units[root_of[i]].followers.append(i)
-    groups: list[_Group] = []
-    group_of: dict[int, int] = {}
-    for i, u in enumerate(units):
-        if u.leader is not None:
-            continue
-        members = [i] + u.followers
-        choice = []
-        for s in u.strategies:
-            picked = {i: s}
-            specs = {v: sp for v, sp in zip(u.results, s.results)}
-            for f in u.followers:
-                fu = units[f]
-                v = fu.operands[fu.lead_pos]
-                fs = _follow(fu.strategies, fu.lead_pos, specs[v], v, reshard_cost)
-                picked[f] = fs
-                specs.update(zip(fu.results, fs.results))
-            choice.append(picked)
-        for m in members:
-            group_of[m] = len(groups)
-        groups.append(_Group(i, members, choice))
-    return groups, group_of
-
-
-def _result_spec(units, group: _Group, j: int, producer: int, v: int) -> ShardingSpec:
+def _result_spec(units, group: Cone, j: int, producer: int, v: int) -> ShardingSpec:
     s = group.choice[j][producer]
     return s.results[units[producer].results.index(v)]
 
@@ -196,17 +155,18 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
             rcache[key] = sum(c.time(topo) for c in reshard(src, dst, graph.values[v].nbytes, sizes))
         return rcache[key]
 
-    groups, group_of = _groups(units, reshard_cost)
-    costs = []
-    for g in groups:
-        costs.append(np.array([sum(s.compute_s + sum(c.time(topo) for c in s.collectives)
-                                   for s in ch.values()) for ch in g.choice]))
+    def own_cost(s: Strategy) -> float:
+        return s.compute_s + sum(c.time(topo) for c in s.collectives)
+
+    groups = build_cones(units, producer_unit, own_cost, reshard_cost)
+    group_of = {m: gi for gi, g in enumerate(groups) for m in g.members}
+    costs = [np.array([sum(own_cost(s) for s in ch.values()) for ch in g.choice]) for g in groups]
     # Edges: every read of a live value by a unit, grouped by (producer group, reader group).
     reads: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
     for gi, g in enumerate(groups):
         for m in g.members:
             for pos, v in enumerate(units[m].operands):
-                if graph.values[v].constant or v not in producer_unit:
+                if v not in producer_unit:
                     continue
                 reads[(group_of[producer_unit[v]], gi)].append((v, m, pos))
     edges = []

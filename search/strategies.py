@@ -14,7 +14,7 @@ import numpy as np
 from ..hlo_passes.graph import Graph, Node, Value
 from .cluster import Cluster, MeshTopology
 from .collectives import Collective
-from .rules import LoopSpace, loop_space
+from .rules import ELEMENTWISE, LoopSpace, loop_space
 from .specs import ShardingSpec
 
 
@@ -78,26 +78,53 @@ class _Assigned:
         return [_spec(d, self.loop_axes) for d in self.space.results]
 
 
-def compute_time(node: Node, values: tuple[Value, ...], split: float, cluster: Cluster) -> float:
-    """Roofline of the local piece: FLOPs at the dtype's rate or bytes at memory bandwidth."""
-    if node.op == "stablehlo.reshape":
-        return 0.0  # a bitcast after layout assignment
+# Ops XLA fuses into one loop kernel with their fusible producers and readers (reductions take
+# fused producers as their input too): the tensors between them never reach memory.
+FUSIBLE = {f"stablehlo.{k}" for k in ELEMENTWISE} | {
+    "stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.iota",
+    "stablehlo.constant", "sdy.sharding_constraint"}
+_FUSED_READERS = FUSIBLE | {"stablehlo.reduce"}
+
+
+def memory_traffic(graph: Graph) -> dict[int, int]:
+    """Bytes each node moves to and from device memory once XLA has fused it: a fused op reads
+    only operands made outside the fusion and writes only results read outside it."""
+    producer = {r: n.op for n in graph.nodes for r in n.results}
+    fused_only = {v: True for v in range(len(graph.values))}
+    for n in graph.nodes:
+        for o in n.operands:
+            fused_only[o] = fused_only[o] and n.op in _FUSED_READERS
+    for o in graph.outputs:
+        fused_only[o] = False
+    traffic = {}
+    for n in graph.nodes:
+        reads = [o for o in dict.fromkeys(n.operands)
+                 if not (n.op in _FUSED_READERS and producer.get(o) in FUSIBLE)]
+        writes = [r for r in n.results if not (n.op in FUSIBLE and fused_only[r])]
+        traffic[n.id] = sum(graph.values[v].nbytes for v in reads + writes)
+    return traffic
+
+
+def compute_time(node: Node, values: tuple[Value, ...], traffic: int, split: float,
+                 cluster: Cluster) -> float:
+    """Roofline of the local piece: FLOPs at the dtype's rate or its memory traffic at memory
+    bandwidth."""
     out = values[node.results[0]] if node.results else None
     dtype = out.dtype if out is not None else "float32"
-    nbytes = sum(values[v].nbytes for v in node.operands + node.results)
-    return max(node.flops / cluster.flops(dtype), nbytes / cluster.memory_bandwidth) / split
+    return max(node.flops / cluster.flops(dtype), traffic / cluster.memory_bandwidth) / split
 
 
-def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Cluster
+def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Cluster, traffic: int
                     ) -> tuple[list[Strategy], bool]:
-    """All strategies of a node, and whether it had a sharding rule (False: replicated only)."""
+    """All strategies of a node, and whether it had a sharding rule (False: replicated only).
+    `traffic` is the node's memory traffic from `memory_traffic`."""
     space = loop_space(node, graph)
     in_shapes = [graph.values[o].shape for o in node.operands]
     out_shapes = [graph.values[r].shape for r in node.results]
     if space is None:
         rep = Strategy(tuple(ShardingSpec.replicated(len(s)) for s in in_shapes),
                        tuple(ShardingSpec.replicated(len(s)) for s in out_shapes),
-                       compute_time(node, graph.values, 1, cluster))
+                       compute_time(node, graph.values, traffic, 1, cluster))
         return [rep], False
     reductions = space.reduction_loops()
     out: list[Strategy] = []
@@ -112,5 +139,6 @@ def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Clust
             local = sum(graph.values[r].nbytes // s.shard_factor(topo.sizes)
                         for r, s in zip(node.results, results))
             inner = (Collective("all-reduce", red_axes, local),)
-        out.append(Strategy(operands, results, compute_time(node, graph.values, split, cluster), inner))
+        out.append(Strategy(operands, results, compute_time(node, graph.values, traffic, split, cluster),
+                            inner))
     return out, True

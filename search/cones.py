@@ -1,0 +1,122 @@
+"""Level 1 of Rhino's subgraph merging (§4.3.2): cone structures.
+
+A cone root is a unit that reads several live tensors (or a compute-heavy op, an argument, a
+returned value: every unit that may not join another). Walking back from each root, units that
+read a single live tensor join the root's cone until another root is reached; a unit read by
+several others joins the cone of its last reader. Inside a cone every member feeds exactly one
+in-cone reader, so the cone is an in-tree, and for each strategy of its root a dynamic program
+over the tree picks the members' strategies that minimise their compute plus the resharding
+inside the cone. The cone becomes one unit of the ILP, with one strategy per root strategy; the
+reads that enter or leave the cone stay exact edges of the ILP.
+
+The DP cannot see the read that enters a cone, so an op whose input is larger than its output
+(a reduction, a slice) would pick its layout for its small result and pay to move its large
+input. Such ops join their producer's cone instead and read its layout at least cost (an
+addition to Rhino, whose cones only grow backwards).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .specs import ShardingSpec
+from .strategies import Strategy
+
+
+class ConeUnit(Protocol):
+    operands: tuple[int, ...]
+    results: tuple[int, ...]
+    strategies: list[Strategy]
+    live: tuple[int, ...]  # distinct operand values that come from other units
+    join: str  # "reader" or "producer": the cone it may join (it reads one live tensor); or ""
+
+
+@dataclass
+class Cone:
+    root: int
+    members: list[int]  # unit indices, the root first
+    choice: list[dict[int, Strategy]]  # per root strategy: unit index → its strategy
+
+
+def find_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int]
+               ) -> tuple[dict[int, int], dict[int, int]]:
+    """(unit → root of its cone, member → the reader that claimed it). Readers come after their
+    producers, so one pass from the end claims each reader-joining producer for its last
+    reader; a pass from the start then puts producer-joining units in their producer's cone."""
+    root_of: dict[int, int] = {}
+    claimed_by: dict[int, int] = {}
+    for i in reversed(range(len(units))):
+        if units[i].join == "producer":
+            continue
+        root = root_of.setdefault(i, i)
+        for v in units[i].live:
+            p = producer_unit[v]
+            if p < i and units[p].join == "reader" and p not in root_of:
+                root_of[p], claimed_by[p] = root, i
+    for i, u in enumerate(units):
+        if u.join == "producer":
+            root_of[i] = root_of[producer_unit[u.live[0]]]
+    return root_of, claimed_by
+
+
+def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
+                own_cost: Callable[[Strategy], float],
+                reshard_cost: Callable[[ShardingSpec, ShardingSpec, int], float]) -> list[Cone]:
+    """The cones of the graph, each with its strategies (one per root strategy, DP inside)."""
+    root_of, claimed_by = find_cones(units, producer_unit)
+    children: dict[int, list[int]] = {i: [] for i in range(len(units))}
+    for m, reader in claimed_by.items():
+        children[reader].append(m)
+    # best[m][t]: least cost of m's subtree when m takes strategy t; back[m, c][t]: c's choice.
+    best: dict[int, np.ndarray] = {}
+    back: dict[tuple[int, int], np.ndarray] = {}
+    for m, u in enumerate(units):  # producers before readers
+        cost = np.array([own_cost(s) for s in u.strategies])
+        for c in children[m]:
+            v = units[c].results[0]
+            positions = [k for k, o in enumerate(u.operands) if o == v]
+            step = np.array([[best[c][a] + sum(reshard_cost(cs.results[0], ms.operands[k], v)
+                                               for k in positions) for ms in u.strategies]
+                             for a, cs in enumerate(units[c].strategies)])
+            back[m, c] = step.argmin(axis=0)
+            cost = cost + step.min(axis=0)
+        best[m] = cost
+
+    def follow(m: int, out: dict[int, Strategy]) -> Strategy:
+        """A producer-joining unit reads its producer's layout as it is when it can (slicing
+        it further would look free here and cost a gather later), else at least cost."""
+        u = units[m]
+        v = u.live[0]
+        p = producer_unit[v]
+        spec = out[p].results[units[p].results.index(v)]
+        reads = [k for k, o in enumerate(u.operands) if o == v]
+        as_is = [s for s in u.strategies if all(s.operands[k] == spec for k in reads)]
+        if as_is:
+            return min(as_is, key=own_cost)
+        return min(u.strategies, key=lambda s: own_cost(s) + sum(
+            reshard_cost(spec, s.operands[k], v) for k in reads))
+
+    def pick(root: int, t: int, forward: list[int]) -> dict[int, Strategy]:
+        out: dict[int, Strategy] = {}
+        stack = [(root, t)]
+        while stack:
+            m, t = stack.pop()
+            out[m] = units[m].strategies[t]
+            stack.extend((c, int(back[m, c][t])) for c in children[m])
+        for m in forward:  # in program order: each one's producer is already picked
+            out[m] = follow(m, out)
+        return out
+
+    members: dict[int, list[int]] = {}
+    for i in range(len(units)):
+        members.setdefault(root_of[i], []).append(i)
+    cones = []
+    for root, ms in members.items():
+        forward = [m for m in ms if units[m].join == "producer"]
+        choice = [pick(root, t, forward) for t in range(len(units[root].strategies))]
+        cones.append(Cone(root, [root] + [m for m in ms if m != root], choice))
+    cones.sort(key=lambda c: c.root)
+    return cones
