@@ -7,6 +7,7 @@ One `Node` per top-level StableHLO op of the (inlined) entry function, in progra
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ class Value:
     producer: int  # node id, or -1 for an entry argument
     constant: bool  # depends on no entry argument: XLA materialises it locally at no cost
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * dtype_size(self.dtype)
 

@@ -52,6 +52,43 @@ class Solution:
         return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
 
 
+def _classes(keys: list) -> tuple[tuple[int, ...], list]:
+    """Number equal keys alike: (class of each key, the distinct keys in class order)."""
+    index: dict = {}
+    return tuple(index.setdefault(k, len(index)) for k in keys), list(index)
+
+
+def make_edge(src: int, dst: int, src_keys: list, dst_keys: list, cost) -> Edge:
+    """An edge whose strategies are classed by the spec they present; cost(a, b) in seconds."""
+    sc, sk = _classes(src_keys)
+    dc, dk = _classes(dst_keys)
+    return Edge(src, dst, sc, dc, np.array([[cost(a, b) for b in dk] for a in sk], dtype=float))
+
+
+def tie(problem: Problem, class_of: list[int]) -> tuple[Problem, list[int]]:
+    """The problem in which groups of one class take the same strategy, and the index of each
+    group's class in it. Costs add up; an edge inside a class becomes a cost of the class; edges
+    between the same two classes merge into one."""
+    index, owner = _classes(class_of)
+    costs = [np.zeros_like(problem.costs[g], dtype=float) for g in owner]
+    for g, c in enumerate(problem.costs):
+        costs[index[g]] = costs[index[g]] + c
+    merged: dict[tuple[int, int], Edge] = {}
+    for e in problem.edges:
+        src, dst = index[e.src], index[e.dst]
+        if src == dst:
+            costs[src] = costs[src] + e.matrix[list(e.src_class), list(e.dst_class)]
+            continue
+        old = merged.get((src, dst))
+        if old is None:
+            merged[src, dst] = Edge(src, dst, e.src_class, e.dst_class, e.matrix)
+            continue
+        merged[src, dst] = make_edge(
+            src, dst, list(zip(old.src_class, e.src_class)), list(zip(old.dst_class, e.dst_class)),
+            lambda a, b: old.matrix[a[0], b[0]] + e.matrix[a[1], b[1]])  # noqa: B023
+    return Problem(tuple(costs), tuple(merged.values())), list(index)
+
+
 def evaluate(problem: Problem, choice: tuple[int, ...]) -> float:
     """Objective (seconds) of an assignment."""
     total = sum(float(c[j]) for c, j in zip(problem.costs, choice))

@@ -22,6 +22,8 @@ from . import ilp
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard
 from .cones import Cone, build_cones
+from .critical import backbone
+from .repeats import group_segments, tie_repeats
 from .memory import plan_memory
 from .rules import COMPUTE_HEAVY
 from .specs import ShardingSpec
@@ -83,10 +85,16 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster):
         producer_unit[arg.value] = len(units)
         units.append(_Unit("arg", arg.index, operands, (arg.value,), strategies, arg.path))
     traffic = memory_traffic(graph)
+    known: dict[tuple, tuple[list[Strategy], bool]] = {}  # identical ops (repeated layers)
     for node in graph.nodes:
         if all(graph.values[r].constant for r in node.results):
             continue
-        strategies, has_rule = node_strategies(node, graph, topo, cluster, traffic[node.id])
+        key = (node.op, repr(node.attrs), node.flops, traffic[node.id],
+               tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.operands + node.results))
+        if key not in known:
+            known[key] = node_strategies(node, graph, topo, cluster, traffic[node.id])
+        strategies, has_rule = known[key]
+        strategies = list(strategies)
         if not has_rule and any(graph.values[r].shape for r in node.results):
             fallback.append(f"{node.op.split('.')[-1]} ({node.name or f'%{node.id}'})")
         live = _live(node.operands, graph, producer_unit)
@@ -136,13 +144,10 @@ def _result_spec(units, group: Cone, j: int, producer: int, v: int) -> ShardingS
     return s.results[units[producer].results.index(v)]
 
 
-def _classes(keys: list) -> tuple[tuple[int, ...], list]:
-    index: dict = {}
-    return tuple(index.setdefault(k, len(index)) for k in keys), list(index)
-
-
 def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str = "O2",
            backend: str = "HIGHS", time_limit_s: float = 60.0) -> Plan:
+    """O3: cones, then one ILP over the whole graph. O2: the same ILP with the cones of
+    repeated segments tied together (`repeats`), so it is solved once per distinct layer."""
     t0 = time.perf_counter()
     units, producer_unit, fallback = _build_units(graph, topo, cluster)
     _apply_pins(graph, units, producer_unit, topo)
@@ -150,9 +155,9 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
     rcache: dict = {}
 
     def reshard_cost(src: ShardingSpec, dst: ShardingSpec, v: int) -> float:
-        key = (src, dst, v)
+        key = (src, dst, graph.values[v].nbytes)
         if key not in rcache:
-            rcache[key] = sum(c.time(topo) for c in reshard(src, dst, graph.values[v].nbytes, sizes))
+            rcache[key] = sum(c.time(topo) for c in reshard(src, dst, key[2], sizes))
         return rcache[key]
 
     def own_cost(s: Strategy) -> float:
@@ -160,15 +165,39 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
 
     groups = build_cones(units, producer_unit, own_cost, reshard_cost)
     group_of = {m: gi for gi, g in enumerate(groups) for m in g.members}
+    problem = _problem(units, groups, group_of, producer_unit, own_cost, reshard_cost)
+    bb = backbone(graph)
+    stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges))
+    solved, index = problem, list(range(len(groups)))
+    if opt_level == "O2":
+        segments = group_segments(units, groups, group_of, bb, producer_unit)
+        class_of, stats["tied_segments"] = tie_repeats(units, groups, segments, graph, producer_unit)
+        solved, index = ilp.tie(problem, class_of)
+    stats["build_s"] = time.perf_counter() - t0
+    solution = ilp.solve(solved, backend, time_limit_s)
+    if solution.status == "feasible":
+        warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with a gap of "
+                      f"{solution.gap:.1%}; the plan is feasible but may not be optimal (raise "
+                      "solver_time_limit_s for a better one)", SolverTimeLimitWarning, stacklevel=3)
+    choice = [solution.choice[index[g]] for g in range(len(groups))]
+    stats.update(ilp_groups=len(solved.costs), ilp_vars=solution.num_vars,
+                 ilp_constraints=solution.num_constraints, solve_s=solution.solve_s,
+                 backend=solution.backend, status=solution.status, gap=solution.gap,
+                 objective_s=solution.objective_s)
+    return _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, stats)
+
+
+def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit: dict[int, int],
+             own_cost, reshard_cost) -> ilp.Problem:
+    """The ILP over cones: a cost per cone strategy, and an edge per pair of cones with reads
+    between them (reads inside a cone, or from a cone with one layout, fold into the costs)."""
     costs = [np.array([sum(own_cost(s) for s in ch.values()) for ch in g.choice]) for g in groups]
-    # Edges: every read of a live value by a unit, grouped by (producer group, reader group).
     reads: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
     for gi, g in enumerate(groups):
         for m in g.members:
             for pos, v in enumerate(units[m].operands):
-                if v not in producer_unit:
-                    continue
-                reads[(group_of[producer_unit[v]], gi)].append((v, m, pos))
+                if v in producer_unit:
+                    reads[(group_of[producer_unit[v]], gi)].append((v, m, pos))
     edges = []
     for (src, dst), rs in reads.items():
         gs, gd = groups[src], groups[dst]
@@ -180,33 +209,22 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
         src_keys = [tuple(_result_spec(units, gs, j, producer_unit[v], v) for v, _, _ in rs)
                     for j in range(len(gs.choice))]
         dst_keys = [tuple(gd.choice[j][m].operands[pos] for _, m, pos in rs) for j in range(len(gd.choice))]
-        sc, sk = _classes(src_keys)
-        dc, dk = _classes(dst_keys)
-        matrix = np.array([[sum(reshard_cost(a[i], b[i], v) for i, (v, _, _) in enumerate(rs)) for b in dk]
-                           for a in sk])
-        if not matrix.any():
+        edge = ilp.make_edge(src, dst, src_keys, dst_keys, lambda a, b: sum(  # noqa: B023
+            reshard_cost(a[i], b[i], v) for i, (v, _, _) in enumerate(rs)))
+        if not edge.matrix.any():
             continue
-        if len(sk) == 1:
-            costs[dst] += matrix[0, list(dc)]
-        elif len(dk) == 1:
-            costs[src] += matrix[list(sc), 0]
+        if edge.matrix.shape[0] == 1:
+            costs[dst] += edge.matrix[0, list(edge.dst_class)]
+        elif edge.matrix.shape[1] == 1:
+            costs[src] += edge.matrix[list(edge.src_class), 0]
         else:
-            edges.append(ilp.Edge(src, dst, sc, dc, matrix))
-    problem = ilp.Problem(tuple(costs), tuple(edges))
-    build_s = time.perf_counter() - t0
-    solution = ilp.solve(problem, backend, time_limit_s)
-    if solution.status == "feasible":
-        warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with a gap of "
-                      f"{solution.gap:.1%}; the plan is feasible but may not be optimal (raise "
-                      "solver_time_limit_s for a better one)", SolverTimeLimitWarning, stacklevel=3)
-    return _make_plan(graph, topo, cluster, units, groups, solution, fallback, opt_level, build_s,
-                      len(problem.edges))
+            edges.append(edge)
+    return ilp.Problem(tuple(costs), tuple(edges))
 
 
-def _make_plan(graph, topo, cluster, units, groups, solution, fallback, opt_level, build_s,
-               num_edges) -> Plan:
+def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, stats) -> Plan:
     chosen: dict[int, Strategy] = {}
-    for g, j in zip(groups, solution.choice):
+    for g, j in zip(groups, choice):
         chosen.update(g.choice[j])
     specs: dict[int, ShardingSpec] = {}
     for i, s in chosen.items():
@@ -225,10 +243,10 @@ def _make_plan(graph, topo, cluster, units, groups, solution, fallback, opt_leve
     comm = sum(c.time_s for c in planned)
     arg_specs = tuple(specs[a.value] for a in graph.args)
     out_specs = []
+    output_unit = {u.ref: i for i, u in enumerate(units) if u.kind == "output"}
     for k, o in enumerate(graph.outputs):
-        unit = next((u for u in units if u.kind == "output" and u.ref == k), None)
-        if unit is not None:
-            out_specs.append(chosen[units.index(unit)].operands[0])
+        if k in output_unit:
+            out_specs.append(chosen[output_unit[k]].operands[0])
         elif graph.values[o].constant:
             out_specs.append(ShardingSpec.replicated(len(graph.values[o].shape)))
         else:  # aliased to a donated argument
@@ -250,9 +268,5 @@ def _make_plan(graph, topo, cluster, units, groups, solution, fallback, opt_leve
         cost=PlanCost(compute, comm, compute + comm, memory),
         collectives=tuple(planned),
         fallback_ops=tuple(fallback),
-        search_stats=dict(
-            ops=len(graph.nodes), units=len(units), groups=len(groups), edges=num_edges,
-            ilp_vars=solution.num_vars, ilp_constraints=solution.num_constraints,
-            build_s=build_s, solve_s=solution.solve_s, backend=solution.backend,
-            status=solution.status, gap=solution.gap, objective_s=solution.objective_s),
+        search_stats=dict(ops=len(graph.nodes), **stats),
     )

@@ -1,0 +1,70 @@
+"""O2: segments that repeat (a model's identical layers) share one set of ILP variables.
+
+Rhino solves structurally identical segments once. We keep every edge of the whole-graph ILP
+exact and instead tie the cones of identical segments together: the k-th cone of each copy of a
+segment takes the same strategy. The ILP then has one copy of each distinct segment, its costs
+summed over the copies, so it grows with the number of distinct layers rather than with depth,
+and reads between far-apart segments (a forward activation saved for the backward pass, a
+parameter read by the optimizer) are still charged exactly. Segments come from `critical`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..hlo_passes.graph import Graph
+from .cones import Cone
+from .critical import Backbone
+
+
+def group_segments(units, groups: Sequence[Cone], group_of: dict[int, int], backbone: Backbone,
+                   producer_unit: dict[int, int]) -> list[int]:
+    """Segment of each cone: its root op's, an argument's first reader's, an output's producer's."""
+    seg = [-1] * len(groups)
+    for gi, g in enumerate(groups):
+        u = units[g.root]
+        if u.kind == "node":
+            seg[gi] = backbone.segment[u.ref]
+    for gi, g in enumerate(groups):
+        if units[g.root].kind == "output":
+            seg[gi] = seg[group_of[producer_unit[units[g.root].operands[0]]]]
+    readers: dict[int, list[int]] = {}
+    for gi, g in enumerate(groups):
+        for m in g.members:
+            for v in units[m].live:
+                readers.setdefault(group_of[producer_unit[v]], []).append(gi)
+    for gi, g in enumerate(groups):
+        if seg[gi] < 0:
+            seg[gi] = min((seg[r] for r in readers.get(gi, ()) if seg[r] >= 0), default=0)
+    return seg
+
+
+def _unit_signature(u, graph: Graph, local: dict[int, tuple[int, int]], producer_unit) -> tuple:
+    values = graph.values
+    op = graph.nodes[u.ref].op if u.kind == "node" else u.kind
+    attrs = repr(sorted(graph.nodes[u.ref].attrs.items())) if u.kind == "node" else ""
+    reads = tuple(local.get(producer_unit[v], ("outside", values[v].shape)) for v in u.live)
+    return (op, attrs, tuple((values[v].shape, values[v].dtype) for v in u.operands),
+            tuple((values[v].shape, values[v].dtype) for v in u.results), reads, tuple(u.strategies))
+
+
+def tie_repeats(units, groups: Sequence[Cone], segments: list[int], graph: Graph,
+                producer_unit: dict[int, int]) -> tuple[list[int], int]:
+    """(class of each cone, number of segments tied to an earlier copy). Cones in one class
+    take the same strategy; a cone that repeats nothing is a class of its own."""
+    by_segment: dict[int, list[int]] = {}
+    for gi, s in enumerate(segments):
+        by_segment.setdefault(s, []).append(gi)
+    first_copy: dict[tuple, list[int]] = {}
+    class_of = list(range(len(groups)))
+    tied = 0
+    for s in sorted(by_segment):
+        gs = by_segment[s]
+        local = {m: (k, i) for k, gi in enumerate(gs) for i, m in enumerate(groups[gi].members)}
+        signature = tuple(tuple(_unit_signature(units[m], graph, local, producer_unit) for m in groups[gi].members)
+                          for gi in gs)
+        original = first_copy.setdefault(signature, gs)
+        if original is not gs:
+            tied += 1
+            for gi, oi in zip(gs, original):
+                class_of[gi] = class_of[oi]
+    return class_of, tied
