@@ -20,5 +20,5 @@ setup(
         "rhino_jax.runtime": "runtime",
     },
     install_requires=["jax>=0.10.2,<0.11", "jaxlib>=0.10.2,<0.11", "numpy", "ortools>=9.10", "networkx"],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
 )

@@ -1,0 +1,79 @@
+"""O2 against O3: critical nodes, segments, tied repeats, and the plans they give."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import rhino_jax as rj
+from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.lowering import lower_on_mesh
+from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
+from rhino_jax.search import ilp
+from rhino_jax.search.critical import backbone
+
+from helpers import assert_same_numbers
+
+DEEP_TINY = dataclasses.replace(gpt.GPT_TINY, n_layers=4)
+
+
+def _graph(step, args, mesh):
+    lowered = lower_on_mesh(step, args, mesh, (0, 1))
+    return import_module(lowered.module, lowered.arg_paths, lowered.arg_roles, lowered.output_paths)
+
+
+def test_critical_nodes_are_the_dots_of_the_backbone():
+    mesh = rj.device_mesh((8,), ("data",))
+    layers = 4
+    graph = _graph(make_mlp_train_step(), mlp_example((32,) * (layers + 1), 16, abstract=True), mesh)
+    bb = backbone(graph)
+    assert all(graph.nodes[c].op == "stablehlo.dot_general" for c in bb.critical)
+    # Forward dots and the backward dots that carry the gradient down are on the critical path;
+    # weight-gradient dots hang off it (nothing waits for them but the optimizer).
+    dots = [n for n in graph.nodes if n.op == "stablehlo.dot_general"]
+    assert layers <= len(bb.critical) < len(dots)
+    assert list(bb.critical) == sorted(bb.critical, key=lambda c: bb.earliest[c])
+    stats = bb.stats(len(graph.nodes))
+    assert stats["subgraphs"] == len(bb.critical) + 1 and 0 < stats["critical_proportion"] < 1
+    # Segments follow data flow: a node is never in an earlier segment than the data it reads.
+    producer = {r: n.id for n in graph.nodes for r in n.results}
+    assert all(bb.segment[n.id] >= bb.segment[producer[o]] for n in graph.nodes for o in n.operands
+               if o in producer)
+    assert sorted(set(bb.segment)) == list(range(bb.num_segments))
+
+
+def test_tied_problem_charges_exactly_what_the_full_problem_charges():
+    rng = np.random.default_rng(0)
+    costs = tuple(rng.uniform(0, 1, 3) for _ in range(4))
+    edges = tuple(ilp.Edge(s, d, (0, 1, 1), (0, 1, 2), rng.uniform(0, 1, (2, 3)))
+                  for s, d in [(0, 1), (2, 3), (1, 2), (0, 3)])
+    problem = ilp.Problem(costs, edges)
+    tied, index = ilp.tie(problem, [0, 1, 0, 1])  # groups 0 and 2, 1 and 3 are copies
+    assert len(tied.costs) == 2
+    for a in range(3):
+        for b in range(3):
+            choice = (a, b, a, b)
+            assert ilp.evaluate(tied, (a, b)) == pytest.approx(ilp.evaluate(problem, choice))
+    solution = ilp.solve(tied)
+    assert [solution.choice[i] for i in index] == [solution.choice[0], solution.choice[1]] * 2
+
+
+def test_o2_ties_repeated_layers_and_stays_close_to_o3():
+    mesh = rj.device_mesh((8,), ("data",))
+    step = gpt.make_gpt_train_step(DEEP_TINY)
+    args = gpt.gpt_example(DEEP_TINY, abstract=True)
+    o2 = rj.parallelize(step, mesh=mesh, opt_level="O2").lower(*args).plan
+    o3 = rj.parallelize(step, mesh=mesh, opt_level="O3").lower(*args).plan
+    assert o2.search_stats["tied_segments"] > 0
+    assert o2.search_stats["ilp_groups"] < o3.search_stats["ilp_groups"]
+    assert o3.cost.total_s <= o2.cost.total_s * (1 + 1e-9)
+    assert o2.cost.total_s <= o3.cost.total_s * 1.03
+
+
+@pytest.mark.parametrize("shape,names", [((8,), ("data",)), ((2, 4), ("data", "model"))])
+def test_o2_plan_matches_one_device(shape, names):
+    step = gpt.make_gpt_train_step(DEEP_TINY)
+    args = gpt.gpt_example(DEEP_TINY)
+    reference = jax.jit(step)(*args)
+    result = rj.parallelize(step, mesh=rj.device_mesh(shape, names), opt_level="O2")(*args)
+    assert_same_numbers(reference, result)
