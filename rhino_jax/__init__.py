@@ -3,13 +3,14 @@ from rhino_jax.search.cluster import H100_8X, M8_V100, Cluster
 
 from .annotate import annotate
 from .api import Compiled, Lowered, Parallelized, parallelize
-from .errors import MeshError, RhinoError, ShardingPinError, SolverError, SolverTimeLimitWarning
+from .errors import (MemoryLimitError, MeshError, NoFeasibleMeshError, RhinoError, ShardingPinError,
+                     SolverError, SolverTimeLimitWarning)
 from .mesh import device_mesh
-from .plan import Plan, PlanCost
+from .plan import MeshCandidate, Plan, PlanCost
 
 __all__ = [
     "parallelize", "annotate", "device_mesh", "Plan", "PlanCost", "Lowered", "Compiled", "Parallelized",
     "Cluster", "M8_V100", "H100_8X", "RhinoError", "ShardingPinError", "SolverError", "MeshError",
-    "SolverTimeLimitWarning",
+    "SolverTimeLimitWarning", "NoFeasibleMeshError", "MemoryLimitError", "MeshCandidate",
 ]
 __version__ = "0.1.0"

@@ -23,9 +23,9 @@ from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_module
 from rhino_jax.search.cluster import MeshTopology, get_cluster
-from rhino_jax.search.planner import search
 
 from .errors import MeshError
+from .mesh_search import plan_on, search_meshes
 from .options import Options
 from .plan import Plan
 
@@ -118,9 +118,11 @@ class Lowered:
 class Parallelized:
     """What `rj.parallelize` returns: call it, or `.lower(*args)` for the plan."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, options: Options, donate_argnums: tuple[int, ...]):
+    def __init__(self, fn: Callable, mesh: Mesh | None, options: Options, donate_argnums: tuple[int, ...],
+                 devices: Sequence | None = None):
         self._fn = fn
-        self.mesh = mesh
+        self.mesh = mesh  # None: each lowering picks its mesh shape (then see `Lowered.mesh`)
+        self.devices = devices  # with mesh=None: the devices to build meshes of (None: jax.devices())
         self.options = options
         self.donate_argnums = donate_argnums
         self._cache: dict = {}
@@ -130,18 +132,22 @@ class Parallelized:
         key = _signature(args)
         if key in self._cache:
             return self._cache[key]
-        step = lower_on_mesh(self._fn, args, self.mesh, self.donate_argnums)
-        graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
-        cluster = get_cluster(self.options.cluster)
-        topo = MeshTopology.from_mesh(self.mesh, cluster)
-        plan = search(graph, topo, cluster, opt_level=self.options.opt_level, backend=self.options.solver,
-                      time_limit_s=self.options.solver_time_limit_s)
+        if self.mesh is None:
+            mesh, step, graph, plan = search_meshes(self._fn, args, self.donate_argnums, self.devices,
+                                                    self.options)
+        else:
+            mesh = self.mesh
+            step = lower_on_mesh(self._fn, args, mesh, self.donate_argnums)
+            graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
+            cluster = get_cluster(self.options.cluster)
+            topo = MeshTopology.from_mesh(mesh, cluster)
+            plan = plan_on(graph, topo, cluster, self.options)
         tree = jax.tree.structure(args)
         out_tree = step.lowered.out_tree
-        named = lambda specs: [NamedSharding(self.mesh, s.to_partition_spec()) for s in specs]  # noqa: E731
+        named = lambda specs: [NamedSharding(mesh, s.to_partition_spec()) for s in specs]  # noqa: E731
         plan = dataclasses.replace(plan, input_shardings=jax.tree.unflatten(tree, named(plan.arg_specs)),
                                    output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)))
-        lowered = Lowered(plan, graph, self.mesh, step, key)
+        lowered = Lowered(plan, graph, mesh, step, key)
         self._cache[key] = lowered
         return lowered
 
@@ -156,17 +162,34 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
                 opt_level: str = "O2", memory_limit_bytes: int | None = None, cluster=None,
                 num_micro_batches: int = 1, pipeline: str | int = "off", schedule: str = "1f1b",
                 donate_argnums: int | Sequence[int] | None = None, solver: str = "HIGHS",
-                solver_time_limit_s: float = 60.0):
+                solver_time_limit_s: float = 60.0, axis_names: Sequence[str] | None = None,
+                search_workers: int | None = None):
     """Parallelize a train step over `mesh`. Usable as `parallelize(fn, mesh=...)` or as a
-    decorator `@parallelize(mesh=...)`; `fn` may already be `jax.jit`-ed (its donation is kept)."""
+    decorator `@parallelize(mesh=...)`; `fn` may already be `jax.jit`-ed (its donation is kept).
+
+    `mesh=None` searches over mesh shapes of `devices` (default: all): every 1-, 2- and 3-axis
+    shape whose inner axes stay inside one host (`cluster.devices_per_host`), axes of size >= 2,
+    a k-axis mesh named by the first k of `axis_names` (default ("data", "model", "extra"); give
+    fewer names for fewer axes). The step is planned on each and the least predicted step time
+    wins: `lowered.mesh` is the chosen mesh, `lowered.plan.mesh_candidates` (and the report) list
+    every candidate, best first. A candidate whose axes a pin (`rj.annotate`) does not find is
+    infeasible. `search_workers`: processes searching candidates in parallel ('spawn'; None:
+    only when the first search is slow enough to pay for them; 0: in this process). Progress
+    is logged to the `rhino_jax` logger at INFO."""
     options = Options(opt_level, memory_limit_bytes, cluster, num_micro_batches, pipeline, schedule,
-                      solver, solver_time_limit_s)
+                      solver, solver_time_limit_s, axis_names, search_workers)
     if mesh is None:
-        raise MeshError("mesh=None (searching over mesh shapes) is not built yet; pass "
-                        "mesh=rj.device_mesh(shape, axis_names)")
-    if devices is not None and set(d.id for d in devices) != set(d.id for d in mesh.devices.flat):
-        raise MeshError("devices and mesh disagree: pass one of them")
-    if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        if devices is not None:
+            devices = list(devices)
+            if not devices or len({d.id for d in devices}) != len(devices):
+                raise MeshError("devices must be a non-empty list of distinct devices, e.g. jax.devices()[:4]")
+    else:
+        if axis_names is not None:
+            raise MeshError("axis_names names the axes of enumerated meshes (mesh=None); with a given mesh, "
+                            "name its axes in rj.device_mesh(shape, axis_names)")
+        if devices is not None and set(d.id for d in devices) != set(d.id for d in mesh.devices.flat):
+            raise MeshError("devices and mesh disagree: pass one of them")
+    if mesh is not None and any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
         raise MeshError("the mesh has Explicit/Manual axes, which reject added shardings; build it with "
                         "rj.device_mesh(...) or jax.sharding.Mesh(..., axis_types=(AxisType.Auto, ...))")
 
@@ -176,6 +199,6 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
             info = getattr(f, "_jit_info", None)
             donate = getattr(info, "donate_argnums", ()) or ()
         donate = (donate,) if isinstance(donate, int) else tuple(donate)
-        return Parallelized(f, mesh, options, donate)
+        return Parallelized(f, mesh, options, donate, devices)
 
     return wrap if fn is None else wrap(fn)

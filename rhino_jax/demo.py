@@ -19,13 +19,13 @@ from rhino_jax.models import gpt  # noqa: E402
 
 
 def main() -> None:
-    cfg = gpt.GPTConfig(vocab=256, seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256, batch=16)
+    cfg = gpt.GPTConfig(vocab=512, seq_len=64, d_model=128, n_heads=4, n_layers=2, d_ff=512, batch=32)
     mesh = rj.device_mesh((2, 4), ("data", "model"))
     train_step = gpt.make_gpt_train_step(cfg)
     params, opt_state, batch = gpt.gpt_example(cfg)
     print(f"GPT {cfg}\nmesh {dict(mesh.shape)} on {len(jax.devices())} {jax.devices()[0].platform} devices\n")
 
-    step = rj.parallelize(train_step, mesh=mesh, opt_level="O3")
+    step = rj.parallelize(train_step, mesh=mesh, opt_level="O2", donate_argnums=(0, 1))
     start = time.perf_counter()
     lowered = step.lower(params, opt_state, batch)
     print(f"lowered and searched in {time.perf_counter() - start:.1f} s")

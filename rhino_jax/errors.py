@@ -19,3 +19,12 @@ class MeshError(RhinoError, ValueError):
 
 class SolverTimeLimitWarning(UserWarning):
     """The solver stopped at its time limit; the plan is feasible but may not be optimal."""
+
+
+class NoFeasibleMeshError(MeshError):
+    """`parallelize(mesh=None)`: no enumerated mesh shape has a plan (each candidate's reason is
+    in the message)."""
+
+
+class MemoryLimitError(RhinoError, ValueError):
+    """No plan fits `memory_limit_bytes`, even with every parameter and optimizer state sharded."""

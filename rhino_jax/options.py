@@ -18,6 +18,11 @@ class Options:
     schedule: str = "1f1b"
     solver: str = "HIGHS"
     solver_time_limit_s: float = 60.0
+    # mesh=None only: names of the enumerated meshes' axes (a k-axis candidate takes the first k;
+    # there are at most len(axis_names) axes), and how many processes search candidates
+    # (None: decide from the first candidate's search time; 0 or 1: in this process).
+    axis_names: tuple[str, ...] | None = None
+    search_workers: int | None = None
 
     def __post_init__(self):
         if self.opt_level not in ("O2", "O3"):
@@ -28,8 +33,20 @@ class Options:
         if self.pipeline != "off" or self.num_micro_batches != 1:
             raise MeshError("pipelining (pipeline != 'off', num_micro_batches > 1) is not built yet; "
                             "use pipeline='off' for a pure SPMD plan")
-        if self.memory_limit_bytes is not None:
-            raise ValueError("memory_limit_bytes is not supported yet: the memory-constrained "
-                             "search is not built; leave it None")
+        if self.memory_limit_bytes is not None and (isinstance(self.memory_limit_bytes, bool) or not isinstance(
+                self.memory_limit_bytes, int) or self.memory_limit_bytes <= 0):
+            raise ValueError(f"memory_limit_bytes must be a positive int (bytes per device) or None, "
+                             f"got {self.memory_limit_bytes!r}")
         if self.solver_time_limit_s <= 0:
             raise ValueError("solver_time_limit_s must be positive")
+        if self.axis_names is not None:
+            names = (self.axis_names,) if isinstance(self.axis_names, str) else tuple(self.axis_names)
+            if not names or not all(isinstance(a, str) and a for a in names) or len(set(names)) != len(names):
+                raise MeshError(f"axis_names must be distinct non-empty strings, e.g. ('data', 'model'); "
+                                f"got {self.axis_names!r}")
+            object.__setattr__(self, "axis_names", names)
+        if self.search_workers is not None and (isinstance(self.search_workers, bool)
+                                                or not isinstance(self.search_workers, int)
+                                                or self.search_workers < 0):
+            raise ValueError("search_workers must be None (automatic) or an int >= 0, "
+                             f"got {self.search_workers!r}")

@@ -30,6 +30,30 @@ class PlannedCollective:
 
 
 @dataclass(frozen=True)
+class MeshCandidate:
+    """One mesh shape tried by `parallelize(mesh=None)`: its best plan's predicted cost, or why it
+    has no plan (`error`, e.g. a pin naming an axis this mesh lacks)."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    cost: PlanCost | None  # None when infeasible
+    search_s: float = 0.0  # lowering + import + search of this candidate
+    error: str = ""
+    chosen: bool = False
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.shape))
+
+    @property
+    def feasible(self) -> bool:
+        return self.cost is not None
+
+    def label(self) -> str:
+        return " × ".join(f"{a}={n}" for a, n in self.mesh_axes.items())
+
+
+@dataclass(frozen=True)
 class Plan:
     mesh_axes: dict[str, int]
     cluster: str
@@ -46,6 +70,9 @@ class Plan:
     collectives: tuple[PlannedCollective, ...] = ()
     fallback_ops: tuple[str, ...] = ()  # ops without a sharding rule, kept replicated
     search_stats: dict = field(default_factory=dict)
+    # With `parallelize(mesh=None)`: every mesh shape searched, best predicted first (the chosen
+    # one is marked), infeasible ones last with their reason. Empty for a given mesh.
+    mesh_candidates: tuple[MeshCandidate, ...] = ()
     # Set by `parallelize` when the plan belongs to a call: the user's pytrees and mesh.
     input_shardings: object = field(default=None, compare=False, repr=False)
     output_shardings: object = field(default=None, compare=False, repr=False)
@@ -57,6 +84,23 @@ class Plan:
             n, b = out.get(c.kind, (0, 0))
             out[c.kind] = (n + 1, b + c.bytes)
         return out
+
+    def mesh_candidates_report(self) -> str:
+        """The mesh shapes searched (mesh=None), best predicted step first."""
+        cands = self.mesh_candidates
+        n_ok = sum(c.feasible for c in cands)
+        lines = [f"mesh candidates ({len(cands)} searched, {n_ok} feasible; best predicted first):",
+                 f"    {'mesh':<34} {'step ms':>10} {'compute ms':>11} {'comm ms':>10} {'MiB/dev':>9} "
+                 f"{'search s':>9}"]
+        for c in cands:
+            mark = "  *" if c.chosen else "   "
+            if c.feasible:
+                k = c.cost
+                lines.append(f"{mark} {c.label():<34} {k.total_s * 1e3:>10.4g} {k.compute_s * 1e3:>11.4g} "
+                             f"{k.comm_s * 1e3:>10.4g} {k.memory_bytes / 2**20:>9.1f} {c.search_s:>9.2f}")
+            else:
+                lines.append(f"{mark} {c.label():<34} infeasible: {c.error.splitlines()[0][:120]}")
+        return "\n".join(lines)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -75,9 +119,19 @@ class Plan:
             f"communication {c.comm_s * 1e3:.3f} ms;  memory {c.memory_bytes / 2**20:.1f} MiB/device",
         ]
         if s:
-            lines.append(f"search          {s['ops']} ops → {s['groups']} groups; ILP {s['ilp_vars']} vars, "
-                         f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
-                         f"(gap {s['gap']:.2%}) in {s['solve_s']:.2f} s")
+            tied = f", {s['tied_segments']} repeats tied" if "tied_segments" in s else ""
+            lines += [
+                f"coarsening      {s['ops']} ops, {s['critical_nodes']} critical nodes "
+                f"({s['critical_proportion']:.1%}), {s['subgraphs']} segments{tied}; {s['groups']} cones",
+                f"search          ILP over {s['ilp_groups']} groups: {s['ilp_vars']} vars, "
+                f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
+                f"(gap {s['gap']:.2%}) in {s['solve_s']:.2f} s"]
+            if s.get("not_replicated"):
+                forced = ", ".join(s["not_replicated"][:6]) + (" ..." if len(s["not_replicated"]) > 6 else "")
+                lines.append(f"memory limit    kept from replication ({len(s['not_replicated'])}, largest first): "
+                             f"{forced}")
+        if self.mesh_candidates:
+            lines += ["", self.mesh_candidates_report()]
         lines += ["", f"largest arguments (of {len(self.arg_paths)}):",
                   f"  {'argument':<44} {'role':<16} {'shape':<18} {'MiB':>8}  spec"]
         sizes = [int(np.prod(sh, dtype=np.int64)) * dtype_size(dt) for sh, dt in zip(self.arg_shapes, self.arg_dtypes)]

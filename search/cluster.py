@@ -27,6 +27,7 @@ class Cluster:
     flops_per_s: dict[str, float] = field(default_factory=dict)  # achievable, by dtype
     memory_bandwidth: float = 1e12  # bytes/s, bounds memory-bound ops
     memory_per_device: int = 32 << 30
+    host_to_device_bandwidth: float = 12e9  # bytes/s per device (PCIe), to feed each batch
 
     def flops(self, dtype: str) -> float:
         return self.flops_per_s.get(dtype, self.flops_per_s.get("float32", 1e13))
@@ -39,7 +40,7 @@ M8_V100 = Cluster(
     intra_host_bandwidth=130e9, intra_host_latency=1e-6,
     inter_host_bandwidth=12.5e9, inter_host_latency=20e-6, collective_launch_s=10e-6,
     flops_per_s={"float32": 12.5e12, "float16": 100e12, "bfloat16": 12.5e12},
-    memory_bandwidth=900e9, memory_per_device=32 << 30,
+    memory_bandwidth=900e9, memory_per_device=32 << 30, host_to_device_bandwidth=12e9,  # PCIe 3 x16
 )
 
 # One DGX/HGX H100 host: NVLink4 (450 GB/s per direction per GPU, ~370 GB/s achieved in rings),
@@ -49,7 +50,7 @@ H100_8X = Cluster(
     intra_host_bandwidth=370e9, intra_host_latency=0.7e-6,
     inter_host_bandwidth=45e9, inter_host_latency=10e-6, collective_launch_s=6e-6,
     flops_per_s={"float32": 400e12, "bfloat16": 750e12, "float16": 750e12},
-    memory_bandwidth=3.0e12, memory_per_device=80 << 30,
+    memory_bandwidth=3.0e12, memory_per_device=80 << 30, host_to_device_bandwidth=50e9,  # PCIe 5 x16
 )
 
 PRESETS = {c.name: c for c in (M8_V100, H100_8X)}

@@ -30,7 +30,7 @@ class Edge:
 
 @dataclass(frozen=True)
 class Problem:
-    costs: tuple[np.ndarray, ...]  # per group: seconds per strategy
+    costs: tuple[np.ndarray, ...]  # per group: seconds per strategy (inf: forbidden)
     edges: tuple[Edge, ...]
 
 
@@ -127,9 +127,13 @@ def solve(problem: Problem, backend: str = "HIGHS", time_limit_s: float = 60.0) 
     x = [[solver.BoolVar(f"x{g}_{j}") for j in range(len(c))] for g, c in enumerate(problem.costs)]
     objective = solver.Objective()
     for g, c in enumerate(problem.costs):
+        if np.isinf(c).all():
+            raise SolverError(f"group {g} has no allowed strategy")
         solver.Add(solver.Sum(x[g]) == 1)
         for j, cost in enumerate(c):
-            if cost:
+            if np.isinf(cost):
+                x[g][j].SetUb(0.0)
+            elif cost:
                 objective.SetCoefficient(x[g][j], float(cost) * SCALE)
     for e, edge in enumerate(problem.edges):
         na, nb = edge.matrix.shape

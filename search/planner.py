@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rhino_jax.errors import ShardingPinError, SolverTimeLimitWarning
+from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverTimeLimitWarning
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
-from ..hlo_passes.graph import Graph, Pin
+from ..hlo_passes.graph import Graph, Pin, dtype_size
 from . import ilp
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard
@@ -44,8 +44,13 @@ class _Unit:
     join: str = ""  # "reader" | "producer": the cone it may join (see `cones`), "" for a root
 
 
-def _arg_strategies(shape, topo) -> list[Strategy]:
-    return [Strategy((), (s,), 0.0) for s in tensor_specs(shape, topo)]
+def _arg_strategies(graph: Graph, arg, topo: MeshTopology, cluster: Cluster) -> list[Strategy]:
+    """Every layout of an argument. A batch is fed from the host every step, so its layout
+    costs the transfer of each device's piece; the others stay on the devices between steps."""
+    value = graph.values[arg.value]
+    per_byte = 1.0 / cluster.host_to_device_bandwidth if arg.role == "batch" else 0.0
+    return [Strategy((), (s,), value.nbytes // s.shard_factor(topo.sizes) * per_byte)
+            for s in tensor_specs(value.shape, topo)]
 
 
 def _check_pin(pin: Pin, graph: Graph, topo: MeshTopology) -> None:
@@ -74,8 +79,7 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster):
     fallback: list[str] = []
     aliased = {a.donated_to: a for a in graph.args if a.donated_to is not None}
     for arg in graph.args:
-        shape = graph.values[arg.value].shape
-        strategies = _arg_strategies(shape, topo)
+        strategies = _arg_strategies(graph, arg, topo, cluster)
         operands: tuple[int, ...] = ()
         if arg.donated_to is not None:
             # A donated argument and the output that reuses its buffer share one layout.
@@ -145,9 +149,12 @@ def _result_spec(units, group: Cone, j: int, producer: int, v: int) -> ShardingS
 
 
 def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str = "O2",
-           backend: str = "HIGHS", time_limit_s: float = 60.0) -> Plan:
+           backend: str = "HIGHS", time_limit_s: float = 60.0,
+           memory_limit_bytes: int | None = None) -> Plan:
     """O3: cones, then one ILP over the whole graph. O2: the same ILP with the cones of
-    repeated segments tied together (`repeats`), so it is solved once per distinct layer."""
+    repeated segments tied together (`repeats`), so it is solved once per distinct layer.
+    Under a memory limit, the largest parameters and optimizer states may not stay replicated
+    (`_fit_memory`)."""
     t0 = time.perf_counter()
     units, producer_unit, fallback = _build_units(graph, topo, cluster)
     _apply_pins(graph, units, producer_unit, topo)
@@ -168,23 +175,80 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
     problem = _problem(units, groups, group_of, producer_unit, own_cost, reshard_cost)
     bb = backbone(graph)
     stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges))
-    solved, index = problem, list(range(len(groups)))
+    class_of = list(range(len(groups)))
     if opt_level == "O2":
         segments = group_segments(units, groups, group_of, bb, producer_unit)
         class_of, stats["tied_segments"] = tie_repeats(units, groups, segments, graph, producer_unit)
-        solved, index = ilp.tie(problem, class_of)
     stats["build_s"] = time.perf_counter() - t0
-    solution = ilp.solve(solved, backend, time_limit_s)
-    if solution.status == "feasible":
-        warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with a gap of "
-                      f"{solution.gap:.1%}; the plan is feasible but may not be optimal (raise "
-                      "solver_time_limit_s for a better one)", SolverTimeLimitWarning, stacklevel=3)
-    choice = [solution.choice[index[g]] for g in range(len(groups))]
-    stats.update(ilp_groups=len(solved.costs), ilp_vars=solution.num_vars,
-                 ilp_constraints=solution.num_constraints, solve_s=solution.solve_s,
-                 backend=solution.backend, status=solution.status, gap=solution.gap,
-                 objective_s=solution.objective_s)
-    return _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, stats)
+
+    def plan_with(forced: list[int]) -> Plan:
+        """The best plan in which the arguments of the `forced` groups are not replicated."""
+        costs = list(problem.costs)
+        for g in forced:
+            replicated = [ch[groups[g].root].results[0].shard_factor(sizes) == 1 for ch in groups[g].choice]
+            costs[g] = np.where(replicated, np.inf, costs[g])
+        solved, index = ilp.tie(ilp.Problem(tuple(costs), problem.edges), class_of)
+        solution = ilp.solve(solved, backend, time_limit_s)
+        if solution.status == "feasible":
+            warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with a gap of "
+                          f"{solution.gap:.1%}; the plan is feasible but may not be optimal (raise "
+                          "solver_time_limit_s for a better one)", SolverTimeLimitWarning, stacklevel=4)
+        choice = [solution.choice[index[g]] for g in range(len(groups))]
+        st = dict(stats, ilp_groups=len(solved.costs), ilp_vars=solution.num_vars,
+                  ilp_constraints=solution.num_constraints, solve_s=solution.solve_s,
+                  backend=solution.backend, status=solution.status, gap=solution.gap,
+                  objective_s=solution.objective_s,
+                  not_replicated=tuple(units[groups[g].root].name for g in forced))
+        return _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st)
+
+    plan = plan_with([])
+    if memory_limit_bytes is not None and plan.cost.memory_bytes > memory_limit_bytes:
+        plan = _fit_memory(plan_with, _by_size(graph, units, groups, sizes), memory_limit_bytes)
+    return plan
+
+
+def _by_size(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -> list[int]:
+    """Groups of the parameters and optimizer states that can be sharded, largest first."""
+    found = []
+    for g, cone in enumerate(groups):
+        u = units[cone.root]
+        if u.kind != "arg" or graph.args[u.ref].role not in ("parameter", "optimizer_state"):
+            continue
+        if any(ch[cone.root].results[0].shard_factor(sizes) > 1 for ch in cone.choice):
+            found.append(g)
+    return sorted(found, key=lambda g: -graph.values[units[groups[g].root].results[0]].nbytes)
+
+
+def _fit_memory(plan_with, candidates: list[int], limit: int) -> Plan:
+    """Rhino §4.4: forbid replicating the k largest parameters (and optimizer states), with the
+    smallest k whose plan fits the limit, found by bisection."""
+    best = plan_with(candidates)
+    if best.cost.memory_bytes > limit:
+        args = list(zip(best.arg_paths, best.arg_shapes, best.arg_dtypes, best.arg_specs))
+        local = [_local_arg_bytes(a, best.mesh_axes) for a in args]
+        largest = sorted(range(len(args)), key=lambda i: -local[i])[:5]
+        listing = ", ".join(f"{args[i][0]} {tuple(args[i][1])} {args[i][3]} ({local[i] / 2**20:.1f} MiB)"
+                            for i in largest)
+        raise MemoryLimitError(
+            f"no plan fits memory_limit_bytes={limit:,}: with every parameter and optimizer state "
+            f"sharded the best plan needs {best.cost.memory_bytes:,} bytes per device "
+            f"({sum(local):,} in arguments, the rest in intermediates at the peak), "
+            f"{best.cost.memory_bytes - limit:,} more than the limit. Largest arguments per device: "
+            f"{listing}. Raise the limit, use more devices, or shrink the batch or model.")
+    lo, hi = 0, len(candidates)  # the plan with k = hi fits, k = lo does not
+    while hi - lo > 1:
+        k = (lo + hi) // 2
+        plan = plan_with(candidates[:k])
+        if plan.cost.memory_bytes <= limit:
+            hi, best = k, plan
+        else:
+            lo = k
+    return best
+
+
+def _local_arg_bytes(arg, mesh_axes: dict[str, int]) -> int:
+    _, shape, dtype, spec = arg
+    return int(np.prod(shape, dtype=np.int64)) * dtype_size(dtype) // spec.shard_factor(mesh_axes)
 
 
 def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit: dict[int, int],

@@ -1,0 +1,221 @@
+"""`parallelize(mesh=None)`: enumerate mesh shapes over the devices, plan on each, keep the best.
+
+Rhino §3/§4: "We enumerate different device mesh configurations, run strategy search algorithms
+for them in parallel, and pick out the best strategy." The shapes come from `search.meshes`
+(1-, 2- and 3-axis meshes, inner axes inside one host). Each candidate is lowered on its own
+mesh in this process (the mesh is the lowering's context: `rj.annotate` pins are checked there
+and become Shardy constraints, and the module the plan rewrites carries that mesh), then searched;
+the searches are plain functions of plain data (Graph, MeshTopology, Cluster pickle), so they can
+run in worker processes ('spawn'). The candidate with the least predicted step time wins (ties:
+fewer axes); every candidate and its prediction goes into `plan.mesh_candidates` and the report.
+
+Progress goes to the `rhino_jax` logger at INFO (`logging.basicConfig(level=logging.INFO)`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import os
+import pickle
+import sys
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
+
+from jax.sharding import Mesh
+
+from rhino_jax.hlo_passes.graph import Graph
+from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
+from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
+from rhino_jax.search.meshes import candidate_meshes, host_ids
+from rhino_jax.search.planner import search
+
+from .errors import NoFeasibleMeshError, RhinoError
+from .mesh import device_mesh
+from .options import Options
+from .plan import MeshCandidate, Plan
+
+log = logging.getLogger("rhino_jax")
+
+# With search_workers=None the first candidate is searched here, and its time decides whether the
+# rest go to worker processes: a 'spawn' worker (a fresh interpreter importing jax and rhino_jax)
+# takes about this long to start, and the pool must beat searching the rest here by a margin.
+SPAWN_OVERHEAD_S = 3.0
+
+
+@dataclass
+class _Candidate:
+    index: int
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    mesh: Mesh
+    step: LoweredStep | None = None
+    graph: Graph | None = None
+    topo: MeshTopology | None = None
+    plan: Plan | None = None
+    error: str = ""
+    seconds: float = 0.0  # lowering + import + search
+    search_s: float = 0.0
+    done: bool = False
+
+    @property
+    def label(self) -> str:
+        return " × ".join(f"{a}={n}" for a, n in zip(self.names, self.shape))
+
+
+def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options) -> Plan:
+    """The search, with the user's options, on one mesh."""
+    return search(graph, topo, cluster, opt_level=options.opt_level, backend=options.solver,
+                  time_limit_s=options.solver_time_limit_s, memory_limit_bytes=options.memory_limit_bytes)
+
+
+def search_worker(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options):
+    """Search one candidate, here or in a worker process: (plan, error, warnings, seconds).
+
+    A RhinoError (a pin this mesh cannot satisfy, no solution) makes the candidate infeasible;
+    any other exception is a bug and propagates. Warnings are returned to be re-issued by the
+    caller (a worker's warnings would otherwise be lost)."""
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            plan = plan_on(graph, topo, cluster, options)
+            error = ""
+        except RhinoError as e:
+            plan, error = None, f"{type(e).__name__}: {e}"
+    return plan, error, [(str(w.message), w.category) for w in caught], time.perf_counter() - t0
+
+
+def _lower(c: _Candidate, fn, args, donate_argnums, cluster: Cluster) -> None:
+    t0 = time.perf_counter()
+    log.info("rhino_jax: lowering on mesh [%s]", c.label)
+    try:
+        c.step = lower_on_mesh(fn, args, c.mesh, donate_argnums)
+    except RhinoError as e:  # rj.annotate: unknown axis, or a size this mesh does not divide
+        c.error, c.done = f"{type(e).__name__}: {e}", True
+    except ValueError as e:  # jax.lax.with_sharding_constraint naming an axis this mesh lacks
+        if "not found in mesh" not in str(e):
+            raise
+        c.error, c.done = f"{type(e).__name__}: {e}", True
+    else:
+        c.graph = import_module(c.step.module, c.step.arg_paths, c.step.arg_roles, c.step.output_paths)
+        c.topo = MeshTopology.from_mesh(c.mesh, cluster)
+    c.seconds += time.perf_counter() - t0
+
+
+def _record(c: _Candidate, result, n: int) -> None:
+    plan, error, caught, seconds = result
+    c.plan, c.error, c.search_s, c.seconds, c.done = plan, error, seconds, c.seconds + seconds, True
+    for message, category in caught:
+        warnings.warn(f"mesh [{c.label}]: {message}", category, stacklevel=4)
+    if plan is not None:
+        log.info("rhino_jax: mesh [%s] (%d/%d): predicted step %.4g ms (searched in %.2f s)",
+                 c.label, c.index + 1, n, plan.cost.total_s * 1e3, seconds)
+    else:
+        log.info("rhino_jax: mesh [%s] (%d/%d): infeasible: %s", c.label, c.index + 1, n, error)
+
+
+def _search_here(todo: list[_Candidate], cluster: Cluster, options: Options, n: int) -> None:
+    for c in todo:
+        log.info("rhino_jax: searching mesh [%s] (%d/%d)", c.label, c.index + 1, n)
+        _record(c, search_worker(c.graph, c.topo, cluster, options), n)
+
+
+def _main_is_spawn_safe() -> bool:
+    """Will a 'spawn' worker start without re-running the user's script? Spawn imports the main
+    module; a script without an `if __name__ == "__main__":` guard would run again in every
+    worker. Interactive sessions and `python -m pkg` have nothing to re-run."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec = getattr(main, "__spec__", None)
+    if path is None or (spec is not None and spec.name.endswith("__main__")):
+        return True
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "__main__" in f.read()
+    except OSError:
+        return False
+
+
+def _pool_size(options: Options, todo: int, first_s: float | None) -> int:
+    """How many worker processes search the `todo` candidates left (0: search them here)."""
+    cpus = os.cpu_count() or 1
+    if options.search_workers is not None:
+        return min(options.search_workers, todo) if options.search_workers > 1 and todo > 1 else 0
+    workers = min(todo, cpus)
+    if workers < 2 or first_s is None or not _main_is_spawn_safe():
+        return 0
+    # The first search (the 1-axis mesh, usually the quickest) stands in for each of the rest.
+    pooled = SPAWN_OVERHEAD_S + math.ceil(todo / workers) * first_s
+    return workers if pooled < 0.8 * todo * first_s else 0
+
+
+def _search_pool(todo: list[_Candidate], workers: int, cluster: Cluster, options: Options, n: int) -> None:
+    log.info("rhino_jax: searching %d mesh shapes in %d worker processes: %s", len(todo), workers,
+             ", ".join(f"[{c.label}]" for c in todo))
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(search_worker, c.graph, c.topo, cluster, options): c for c in todo}
+            for future in as_completed(futures):
+                _record(futures[future], future.result(), n)
+    except (BrokenProcessPool, pickle.PicklingError) as e:
+        rest = [c for c in todo if not c.done]
+        warnings.warn(f"searching mesh shapes in worker processes failed ({type(e).__name__}: {e}); searching "
+                      f"the {len(rest)} left in this process. If your script has no `if __name__ == "
+                      "'__main__':` guard, add one, or pass search_workers=0.", RuntimeWarning, stacklevel=4)
+        _search_here(rest, cluster, options, n)
+
+
+def search_meshes(fn, args, donate_argnums: tuple[int, ...], devices, options: Options
+                  ) -> tuple[Mesh, LoweredStep, Graph, Plan]:
+    """Lower and search `fn` on every candidate mesh over `devices`; the best one's mesh, lowered
+    step, graph and plan (with `mesh_candidates` filled in)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError("rhino_jax: a mesh search started while a worker process was starting up: the "
+                           "script runs again in each worker. Put its top-level code under `if __name__ == "
+                           "'__main__':`, or pass search_workers=0.")
+    import jax
+
+    devices = list(jax.devices() if devices is None else devices)
+    cluster = get_cluster(options.cluster)
+    shapes = candidate_meshes(host_ids(devices, cluster.devices_per_host), options.axis_names)
+    n = len(shapes)
+    log.info("rhino_jax: mesh=None: %d candidate mesh shapes over %d devices: %s", n, len(devices),
+             ", ".join(str(s) for s, _ in shapes))
+    cands = [_Candidate(i, s, names, device_mesh(s, names, devices)) for i, (s, names) in enumerate(shapes)]
+    for c in cands:
+        _lower(c, fn, args, donate_argnums, cluster)
+    todo = [c for c in cands if not c.done]
+    workers = _pool_size(options, len(todo), None)
+    if not workers and todo:
+        # Search one here; if that was slow, search the rest in worker processes.
+        first, todo = todo[0], todo[1:]
+        _search_here([first], cluster, options, n)
+        workers = _pool_size(options, len(todo), first.search_s)
+    if workers:
+        _search_pool(todo, workers, cluster, options, n)
+    else:
+        _search_here(todo, cluster, options, n)
+    return _choose(cands)
+
+
+def _choose(cands: list[_Candidate]) -> tuple[Mesh, LoweredStep, Graph, Plan]:
+    key = lambda c: (c.plan.cost.total_s, len(c.shape), c.index)  # noqa: E731
+    feasible = sorted((c for c in cands if c.plan is not None), key=key)
+    if not feasible:
+        reasons = "\n".join(f"  [{c.label}]: {c.error}" for c in cands)
+        raise NoFeasibleMeshError(
+            f"mesh=None: none of the {len(cands)} candidate meshes has a plan:\n{reasons}\n"
+            "Pins (rj.annotate / with_sharding_constraint) must name axes of the enumerated meshes, whose "
+            "k axes are the first k of axis_names (default ('data', 'model', 'extra')): rename the pinned "
+            "axes, pass axis_names=(...) with the names your pins use, or pass an explicit "
+            "mesh=rj.device_mesh(shape, axis_names).")
+    best = feasible[0]
+    table = [MeshCandidate(c.shape, c.names, c.plan.cost, c.seconds, chosen=c is best) for c in feasible]
+    table += [MeshCandidate(c.shape, c.names, None, c.seconds, error=c.error) for c in cands if c.plan is None]
+    log.info("rhino_jax: chose mesh [%s]: predicted step %.4g ms", best.label, best.plan.cost.total_s * 1e3)
+    return best.mesh, best.step, best.graph, replace(best.plan, mesh_candidates=tuple(table))
