@@ -1,15 +1,19 @@
 """Rewrite: put a plan's shardings into the module, for XLA's SPMD partitioner to realise.
 
-Arguments and results get `sdy.sharding`; every op whose results the plan fixes gets a closed
-`sdy.sharding_per_value`, so propagation cannot drift from the plan. Values the plan keeps as
-partial sums are left open: the partitioner settles them where their readers' layouts demand,
-which is where the plan charged the all-reduce or reduce-scatter.
+Arguments and results get `sdy.sharding`. Every value the plan fixes is followed by a closed
+`sdy.sharding_constraint`, and where an op reads a value in another layout (a reshard the plan
+paid for) one more constraint, shared by all readers of that layout, sits before the first
+reader. Constraints, not op attributes: XLA keeps the shardings of constraint ops and drops
+those on other ops when it imports the module, then re-propagates from what is left, which
+is not the plan. Values the plan keeps as partial sums are left open: the partitioner settles
+them at their readers' constraints, which is where the plan charged the reduction.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import sdy
 
 from ..search.specs import ShardingSpec
 from . import module as mod
@@ -38,22 +42,36 @@ def _with_sharding(attrs: ir.ArrayAttr, specs: Sequence[ShardingSpec], name: str
 
 
 def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec],
+            read_specs: dict[tuple[int, int], ShardingSpec],
             arg_specs: Sequence[ShardingSpec], out_specs: Sequence[ShardingSpec]) -> ir.Module:
-    """Annotate `module` (the inlined module `graph` was imported from) in place."""
+    """Annotate `module` (the inlined module `graph` was imported from) in place.
+    `read_specs[node, operand]`: the layout an op reads where it differs from the producer's."""
     name = mesh_name(module)
     main = mod.entry_function(module)
+
+    def constrain(value: ir.Value, spec: ShardingSpec, before: ir.Operation) -> sdy.ShardingConstraintOp:
+        with ir.InsertionPoint(before), before.location:
+            return sdy.ShardingConstraintOp(value, ir.Attribute.parse(f"#sdy.sharding{spec.sdy(name)}"))
+
     with module.context:
         main.attributes["arg_attrs"] = _with_sharding(main.attributes["arg_attrs"], arg_specs, name)
         main.attributes["res_attrs"] = _with_sharding(main.attributes["res_attrs"], out_specs, name)
-        for node, op in zip(graph.nodes, mod.entry_ops(module)):
+        reads: dict[tuple[int, ShardingSpec], ir.Value] = {}
+        for node, op in zip(graph.nodes, list(mod.entry_ops(module))):
             assert node.op == op.name, "module and graph are out of step"
-            if node.op in _LEFT_TO_XLA or not node.results:
+            if node.op in _LEFT_TO_XLA:
                 continue
-            specs = [value_specs.get(r) for r in node.results]
-            if any(s is None or s.partial for s in specs):
-                continue
-            if any(graph.values[r].dtype == "token" for r in node.results):
-                continue
-            body = ", ".join(s.sdy(name) for s in specs)
-            op.attributes["sdy.sharding"] = ir.Attribute.parse(f"#sdy.sharding_per_value<[{body}]>")
+            for pos, v in enumerate(node.operands):
+                spec = read_specs.get((node.id, pos))
+                if spec is not None:
+                    if (v, spec) not in reads:
+                        reads[v, spec] = constrain(op.operands[pos], spec, op.operation).result
+                    op.operands[pos] = reads[v, spec]
+            for r, result in zip(node.results, op.results):
+                spec = value_specs.get(r)
+                if spec is None or spec.partial or graph.values[r].dtype == "token":
+                    continue
+                c = constrain(result, spec, op.operation)
+                c.operation.move_after(op.operation)
+                result.replace_all_uses_except(c.result, c.operation)
     return module

@@ -45,11 +45,12 @@ class Compiled:
 
     @property
     def input_shardings(self):
-        return self.plan.input_shardings
+        """The compiled program's argument shardings (the user's pytree structure)."""
+        return self._executable.input_shardings[0]
 
     @property
     def output_shardings(self):
-        return self.plan.output_shardings
+        return self._executable.output_shardings
 
     def as_text(self) -> str:
         return self._executable.as_text()
@@ -107,7 +108,7 @@ class Lowered:
     def compile(self) -> Compiled:
         if self._compiled is None:
             module = rewrite_pass.rewrite(copy_module(self._step.module), self.graph, self.plan.value_specs,
-                                          self.plan.arg_specs, self.plan.output_specs)
+                                          self.plan.read_specs, self.plan.arg_specs, self.plan.output_specs)
             ins = jax.tree.leaves(self.plan.input_shardings)
             outs = jax.tree.leaves(self.plan.output_shardings)
             executable = compile_module(self._step.lowered, module, ins, outs)

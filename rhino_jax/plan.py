@@ -66,6 +66,8 @@ class Plan:
     output_paths: tuple[str, ...]
     output_specs: tuple[ShardingSpec, ...]
     value_specs: dict[int, ShardingSpec] = field(repr=False)
+    # (node id, operand index) → the layout that op reads, where it differs from the producer's
+    read_specs: dict[tuple[int, int], ShardingSpec] = field(default_factory=dict, repr=False)
     cost: PlanCost = None  # type: ignore[assignment]
     collectives: tuple[PlannedCollective, ...] = ()
     fallback_ops: tuple[str, ...] = ()  # ops without a sharding rule, kept replicated
@@ -104,7 +106,7 @@ class Plan:
 
     def to_json(self) -> str:
         d = asdict(self)
-        for k in ("value_specs", "input_shardings", "output_shardings"):
+        for k in ("value_specs", "read_specs", "input_shardings", "output_shardings"):
             d.pop(k)
         return json.dumps(d, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o),
                           indent=1)

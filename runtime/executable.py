@@ -7,6 +7,7 @@ This touches jax internals (`Lowered._lowering`), which is why setup.py pins jax
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import jax
@@ -17,11 +18,18 @@ from jax.sharding import NamedSharding
 def compile_module(lowered: jax.stages.Lowered, module: ir.Module,
                    in_shardings: Sequence[NamedSharding],
                    out_shardings: Sequence[NamedSharding]) -> jax.stages.Compiled:
-    computation = lowered._lowering
-    if not hasattr(computation, "_hlo") or "in_shardings" not in computation.compile_args:
+    """Compile `module` in place of `lowered`'s own. jax caches lowerings per function and
+    shapes, and a lowering keeps the executable it compiled first, so we edit a copy: the
+    cached one (another plan's, or a plain `jax.jit`'s) stays as it was."""
+    original = lowered._lowering
+    if not hasattr(original, "_hlo") or "in_shardings" not in original.compile_args:
         raise RuntimeError(f"jax {jax.__version__} lays out Lowered differently than rhino_jax "
                            "expects; install jax 0.10.x")
+    computation = copy.copy(original)
     computation._hlo = module
-    computation.compile_args["in_shardings"] = tuple(in_shardings)
-    computation.compile_args["out_shardings"] = tuple(out_shardings)
-    return lowered.compile()
+    computation._executable = None
+    computation.compile_args = dict(original.compile_args, in_shardings=tuple(in_shardings),
+                                    out_shardings=tuple(out_shardings))
+    mine = jax.stages.Lowered(computation, lowered.args_info, lowered.out_tree, lowered._no_kwargs,
+                              lowered._in_types, lowered._out_types)
+    return mine.compile()

@@ -295,13 +295,20 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
         specs.update(zip(units[i].results, s.results))
     compute = sum(s.compute_s for s in chosen.values())
     planned: list[PlannedCollective] = []
-    for i, s in chosen.items():
+    read_specs: dict[tuple[int, int], ShardingSpec] = {}
+    moved: set[tuple[int, ShardingSpec]] = set()  # a value is resharded once per layout read
+    for i, s in sorted(chosen.items()):
         u = units[i]
         for c in s.collectives:
             planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind))
         for pos, v in enumerate(u.operands):
-            if graph.values[v].constant or v not in specs:
+            if graph.values[v].constant or v not in specs or specs[v] == s.operands[pos]:
                 continue
+            if u.kind == "node":
+                read_specs[u.ref, pos] = s.operands[pos]
+            if (v, s.operands[pos]) in moved:
+                continue
+            moved.add((v, s.operands[pos]))
             for c in reshard(specs[v], s.operands[pos], graph.values[v].nbytes, topo.sizes):
                 planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind))
     comm = sum(c.time_s for c in planned)
@@ -329,6 +336,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
         output_paths=graph.output_paths,
         output_specs=tuple(out_specs),
         value_specs=specs,
+        read_specs=read_specs,
         cost=PlanCost(compute, comm, compute + comm, memory),
         collectives=tuple(planned),
         fallback_ops=tuple(fallback),

@@ -100,7 +100,9 @@ def test_plan_input_shardings_follow_argument_pytree():
     assert jax.tree.structure(shardings) == jax.tree.structure(args)
     assert all(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings))
     compiled = lowered.compile()
-    assert compiled.input_shardings is shardings
+    assert jax.tree.structure(compiled.input_shardings) == jax.tree.structure(args)
+    assert all(c.is_equivalent_to(s, len(s.spec) + 1)
+               for c, s in zip(jax.tree.leaves(compiled.input_shardings), jax.tree.leaves(shardings)))
     assert "HloModule" in compiled.as_text()
 
 
@@ -111,3 +113,20 @@ def test_plan_is_cached_per_signature():
     args = mlp_example((16, 16), 8)
     assert parallel.lower(*args) is parallel.lower(*args)
     assert parallel.lower(*mlp_example((16, 16), 16)) is not parallel.lower(*args)
+
+
+def test_two_plans_of_one_function_compile_to_their_own_programs():
+    """jax caches a lowering per function and shapes; compiling a second plan of the same step
+    must not return the first plan's executable."""
+    step = make_mlp_train_step()
+    args = mlp_example((256, 256, 1024, 256), 16384, abstract=True)
+    mesh = rj.device_mesh((8,), ("data",))
+    free = rj.parallelize(step, mesh=mesh, donate_argnums=(0, 1)).lower(*args)
+    limit = free.plan.cost.memory_bytes - (2 << 20)
+    limited = rj.parallelize(step, mesh=mesh, donate_argnums=(0, 1), memory_limit_bytes=limit).lower(*args)
+    assert free.plan.arg_specs != limited.plan.arg_specs
+    for lowered in (free, limited):
+        compiled = lowered.compile()
+        got = jax.tree.leaves(compiled.input_shardings)
+        want = jax.tree.leaves(lowered.plan.input_shardings)
+        assert all(g.is_equivalent_to(w, len(w.spec) + 1) for g, w in zip(got, want))
