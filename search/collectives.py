@@ -81,10 +81,12 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
             dims[d] = [a for a in dims[d] if a not in moves]
         for a in moves:
             dims[dst.dim_of(a)].append(a)
-    if gathers:
-        for d in range(len(dims)):
+    # XLA gathers one tensor dimension at a time (the minor one first), each on its own group.
+    for d in reversed(range(len(dims))):
+        axes = tuple(a for a in dims[d] if a in gathers)
+        if axes:
             dims[d] = [a for a in dims[d] if a not in gathers]
-        out.append(Collective("all-gather", tuple(gathers), _local_bytes(cur(), full_bytes, sizes)))
+            out.append(Collective("all-gather", axes, _local_bytes(cur(), full_bytes, sizes)))
     # Same axes on a dim but in another order: the pieces are permuted across devices.
     final = cur()
     if final != dst.without_partial() and not moves:

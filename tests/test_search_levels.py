@@ -66,7 +66,9 @@ def test_o2_ties_repeated_layers_and_stays_close_to_o3():
     o3 = rj.parallelize(step, mesh=mesh, opt_level="O3").lower(*args).plan
     assert o2.search_stats["tied_segments"] > 0
     assert o2.search_stats["ilp_groups"] < o3.search_stats["ilp_groups"]
-    assert o3.cost.total_s <= o2.cost.total_s * (1 + 1e-9)
+    # O2 restricts O3's ILP, so its objective cannot be lower (the plans' reported costs charge
+    # a value once per layout and may differ from the objectives by a hair).
+    assert o3.search_stats["objective_s"] <= o2.search_stats["objective_s"] * (1 + 1e-9)
     assert o2.cost.total_s <= o3.cost.total_s * 1.03
 
 
