@@ -17,14 +17,14 @@ import numpy as np
 from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverTimeLimitWarning
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
-from ..hlo_passes.graph import Graph, Pin, dtype_size
+from ..hlo_passes.graph import Graph, Pin
 from . import ilp
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard
 from .cones import Cone, build_cones
 from .critical import backbone
 from .repeats import group_segments, tie_repeats
-from .memory import plan_memory
+from .memory import local_bytes, plan_memory
 from .rules import COMPUTE_HEAVY
 from .specs import ShardingSpec
 from .strategies import Strategy, memory_traffic, node_strategies, tensor_specs
@@ -46,7 +46,8 @@ class _Unit:
 
 def _arg_strategies(graph: Graph, arg, topo: MeshTopology, cluster: Cluster) -> list[Strategy]:
     """Every layout of an argument. A batch is fed from the host every step, so its layout
-    costs the transfer of each device's piece; the others stay on the devices between steps."""
+    costs the transfer of each device's piece (reported under compute in `PlanCost`); the others
+    stay on the devices between steps."""
     value = graph.values[arg.value]
     per_byte = 1.0 / cluster.host_to_device_bandwidth if arg.role == "batch" else 0.0
     return [Strategy((), (s,), value.nbytes // s.shard_factor(topo.sizes) * per_byte)
@@ -98,7 +99,6 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster):
         if key not in known:
             known[key] = node_strategies(node, graph, topo, cluster, traffic[node.id])
         strategies, has_rule = known[key]
-        strategies = list(strategies)
         if not has_rule and any(graph.values[r].shape for r in node.results):
             fallback.append(f"{node.op.split('.')[-1]} ({node.name or f'%{node.id}'})")
         live = _live(node.operands, graph, producer_unit)
@@ -203,7 +203,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
 
     plan = plan_with([])
     if memory_limit_bytes is not None and plan.cost.memory_bytes > memory_limit_bytes:
-        plan = _fit_memory(plan_with, _by_size(graph, units, groups, sizes), memory_limit_bytes)
+        plan = _fit_memory(plan_with, _by_size(graph, units, groups, sizes), memory_limit_bytes, graph)
     return plan
 
 
@@ -219,16 +219,15 @@ def _by_size(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -> 
     return sorted(found, key=lambda g: -graph.values[units[groups[g].root].results[0]].nbytes)
 
 
-def _fit_memory(plan_with, candidates: list[int], limit: int) -> Plan:
+def _fit_memory(plan_with, candidates: list[int], limit: int, graph: Graph) -> Plan:
     """Rhino §4.4: forbid replicating the k largest parameters (and optimizer states), with the
     smallest k whose plan fits the limit, found by bisection."""
     best = plan_with(candidates)
     if best.cost.memory_bytes > limit:
-        args = list(zip(best.arg_paths, best.arg_shapes, best.arg_dtypes, best.arg_specs))
-        local = [_local_arg_bytes(a, best.mesh_axes) for a in args]
-        largest = sorted(range(len(args)), key=lambda i: -local[i])[:5]
-        listing = ", ".join(f"{args[i][0]} {tuple(args[i][1])} {args[i][3]} ({local[i] / 2**20:.1f} MiB)"
-                            for i in largest)
+        local = [local_bytes(graph, a.value, spec, best.mesh_axes) for a, spec in zip(graph.args, best.arg_specs)]
+        largest = sorted(range(len(local)), key=lambda i: -local[i])[:5]
+        listing = ", ".join(f"{best.arg_paths[i]} {tuple(best.arg_shapes[i])} {best.arg_specs[i]} "
+                            f"({local[i] / 2**20:.1f} MiB)" for i in largest)
         raise MemoryLimitError(
             f"no plan fits memory_limit_bytes={limit:,}: with every parameter and optimizer state "
             f"sharded the best plan needs {best.cost.memory_bytes:,} bytes per device "
@@ -244,11 +243,6 @@ def _fit_memory(plan_with, candidates: list[int], limit: int) -> Plan:
         else:
             lo = k
     return best
-
-
-def _local_arg_bytes(arg, mesh_axes: dict[str, int]) -> int:
-    _, shape, dtype, spec = arg
-    return int(np.prod(shape, dtype=np.int64)) * dtype_size(dtype) // spec.shard_factor(mesh_axes)
 
 
 def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit: dict[int, int],
