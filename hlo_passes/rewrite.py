@@ -7,13 +7,20 @@ reader. Constraints, not op attributes: XLA keeps the shardings of constraint op
 those on other ops when it imports the module, then re-propagates from what is left, which
 is not the plan. Values the plan keeps as partial sums are left open: the partitioner settles
 them at their readers' constraints, which is where the plan charged the reduction.
+
+Strided specs (Rhino §4.1) have no Shardy form, so the program is changed to hold them: a value
+split n ways at stride s on a dim of size N gets the shape [..., N/(n·s), n·s, ...] with the
+minor part split (`ShardingSpec.split`), and the ops that make and read it are retyped (and
+their dimension attributes renumbered) to work on the split dims. Every row-major split keeps
+element order, so reshapes stay reshapes, and a reader that wants another layout gets a reshape
+to its own shape before its constraint. Arguments and results are never strided.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import sdy
+from jax._src.lib.mlir.dialects import hlo, sdy
 
 from ..search.specs import ShardingSpec
 from . import module as mod
@@ -41,17 +48,63 @@ def _with_sharding(attrs: ir.ArrayAttr, specs: Sequence[ShardingSpec], name: str
     return ir.ArrayAttr.get(out)
 
 
+def _dim_map(shape: tuple[int, ...], spec: ShardingSpec | None) -> list[list[int]]:
+    """For each dim of a tensor, its dims once strided dims are split in two."""
+    out, k = [], 0
+    for d in range(len(shape)):
+        width = 2 if spec is not None and spec.stride(d) is not None else 1
+        out.append(list(range(k, k + width)))
+        k += width
+    return out
+
+
+def _flat(dim_map: list[list[int]], dims) -> list[int]:
+    return [n for d in dims for n in dim_map[d]]
+
+
+def _renumber(op: ir.Operation, node, ins: list[list[list[int]]], outs: list[list[list[int]]]) -> None:
+    """Rewrite the dimension attributes of `op` for split dims (`ins`/`outs`: `_dim_map` of each
+    operand and result). Only ops in `strides.STRIDED_OPS` ever see a split dim."""
+    a = node.attrs
+    if node.op == "stablehlo.broadcast_in_dim":
+        # A size-1 operand dim broadcast into a split dim maps onto its major part.
+        op.attributes["broadcast_dimensions"] = ir.DenseI64ArrayAttr.get(
+            [n for i, d in enumerate(a["dims"]) for n in (outs[0][d] if len(ins[0][i]) == 2 else outs[0][d][:1])])
+    elif node.op == "stablehlo.transpose":
+        op.attributes["permutation"] = ir.DenseI64ArrayAttr.get(_flat(ins[0], a["perm"]))
+    elif node.op == "stablehlo.reduce":
+        op.attributes["dimensions"] = ir.DenseI64ArrayAttr.get(_flat(ins[0], a["dims"]))
+    elif node.op == "stablehlo.dot_general":
+        op.attributes["dot_dimension_numbers"] = hlo.DotDimensionNumbers.get(
+            lhs_batching_dimensions=_flat(ins[0], a["lhs_batch"]),
+            rhs_batching_dimensions=_flat(ins[1], a["rhs_batch"]),
+            lhs_contracting_dimensions=_flat(ins[0], a["lhs_contract"]),
+            rhs_contracting_dimensions=_flat(ins[1], a["rhs_contract"]))
+
+
 def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec],
             read_specs: dict[tuple[int, int], ShardingSpec],
-            arg_specs: Sequence[ShardingSpec], out_specs: Sequence[ShardingSpec]) -> ir.Module:
+            arg_specs: Sequence[ShardingSpec], out_specs: Sequence[ShardingSpec],
+            axis_sizes: dict[str, int]) -> ir.Module:
     """Annotate `module` (the inlined module `graph` was imported from) in place.
     `read_specs[node, operand]`: the layout an op reads where it differs from the producer's."""
     name = mesh_name(module)
     main = mod.entry_function(module)
 
-    def constrain(value: ir.Value, spec: ShardingSpec, before: ir.Operation) -> sdy.ShardingConstraintOp:
+    def split(v: int, spec: ShardingSpec | None) -> tuple[tuple[int, ...], ShardingSpec | None]:
+        shape = graph.values[v].shape
+        return (shape, None) if spec is None else spec.split(shape, axis_sizes)
+
+    def constrain(value: ir.Value, spec: ShardingSpec, before: ir.Operation) -> ir.Value:
         with ir.InsertionPoint(before), before.location:
-            return sdy.ShardingConstraintOp(value, ir.Attribute.parse(f"#sdy.sharding{spec.sdy(name)}"))
+            return sdy.ShardingConstraintOp(value, ir.Attribute.parse(f"#sdy.sharding{spec.sdy(name)}")).result
+
+    def reshaped(value: ir.Value, shape: tuple[int, ...], before: ir.Operation) -> ir.Value:
+        if tuple(ir.RankedTensorType(value.type).shape) == shape:
+            return value
+        element = ir.RankedTensorType(value.type).element_type
+        with ir.InsertionPoint(before), before.location:
+            return hlo.ReshapeOp(ir.RankedTensorType.get(shape, element), value).result
 
     with module.context:
         main.attributes["arg_attrs"] = _with_sharding(main.attributes["arg_attrs"], arg_specs, name)
@@ -59,19 +112,37 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
         reads: dict[tuple[int, ShardingSpec], ir.Value] = {}
         for node, op in zip(graph.nodes, list(mod.entry_ops(module))):
             assert node.op == op.name, "module and graph are out of step"
-            if node.op in _LEFT_TO_XLA:
-                continue
+            left = node.op in _LEFT_TO_XLA
+            ins = []
             for pos, v in enumerate(node.operands):
-                spec = read_specs.get((node.id, pos))
-                if spec is not None:
-                    if (v, spec) not in reads:
-                        reads[v, spec] = constrain(op.operands[pos], spec, op.operation).result
-                    op.operands[pos] = reads[v, spec]
+                spec = None if left else read_specs.get((node.id, pos))
+                if spec is None:  # read as produced (or, by ops left to XLA, unsplit)
+                    wanted = None if left else value_specs.get(v)
+                    op.operands[pos] = reshaped(op.operands[pos], split(v, wanted)[0], op.operation)
+                    ins.append(_dim_map(graph.values[v].shape, wanted))
+                    continue
+                if (v, spec) not in reads:
+                    shape, physical = split(v, spec)
+                    reads[v, spec] = constrain(reshaped(op.operands[pos], shape, op.operation), physical, op.operation)
+                op.operands[pos] = reads[v, spec]
+                ins.append(_dim_map(graph.values[v].shape, spec))
+            if left:
+                continue
+            outs = [_dim_map(graph.values[r].shape, value_specs.get(r)) for r in node.results]
+            if any(len(m) > 1 for dims in ins + outs for m in dims):
+                _renumber(op.operation, node, ins, outs)
+                for r, result in zip(node.results, op.results):
+                    with op.location:
+                        result.set_type(ir.RankedTensorType.get(split(r, value_specs.get(r))[0],
+                                                                ir.RankedTensorType(result.type).element_type))
             for r, result in zip(node.results, op.results):
                 spec = value_specs.get(r)
                 if spec is None or spec.partial or graph.values[r].dtype == "token":
                     continue
-                c = constrain(result, spec, op.operation)
-                c.operation.move_after(op.operation)
-                result.replace_all_uses_except(c.result, c.operation)
+                c = constrain(result, split(r, spec)[1], op.operation)
+                c.owner.operation.move_after(op.operation)
+                result.replace_all_uses_except(c, c.owner.operation)
+        ret = mod.entry_return(module)
+        for k, v in enumerate(graph.outputs):
+            ret.operands[k] = reshaped(ret.operands[k], graph.values[v].shape, ret)
     return module

@@ -108,7 +108,8 @@ class Lowered:
     def compile(self) -> Compiled:
         if self._compiled is None:
             module = rewrite_pass.rewrite(copy_module(self._step.module), self.graph, self.plan.value_specs,
-                                          self.plan.read_specs, self.plan.arg_specs, self.plan.output_specs)
+                                          self.plan.read_specs, self.plan.arg_specs, self.plan.output_specs,
+                                          self.plan.mesh_axes)
             ins = jax.tree.leaves(self.plan.input_shardings)
             outs = jax.tree.leaves(self.plan.output_shardings)
             executable = compile_module(self._step.lowered, module, ins, outs)
@@ -164,7 +165,7 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
                 num_micro_batches: int = 1, pipeline: str | int = "off", schedule: str = "1f1b",
                 donate_argnums: int | Sequence[int] | None = None, solver: str = "HIGHS",
                 solver_time_limit_s: float = 60.0, axis_names: Sequence[str] | None = None,
-                search_workers: int | None = None):
+                search_workers: int | None = None, strided_specs: bool = True):
     """Parallelize a train step over `mesh`. Usable as `parallelize(fn, mesh=...)` or as a
     decorator `@parallelize(mesh=...)`; `fn` may already be `jax.jit`-ed (its donation is kept).
 
@@ -176,9 +177,10 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
     every candidate, best first. A candidate whose axes a pin (`rj.annotate`) does not find is
     infeasible. `search_workers`: processes searching candidates in parallel ('spawn'; None:
     only when the first search is slow enough to pay for them; 0: in this process). Progress
-    is logged to the `rhino_jax` logger at INFO."""
+    is logged to the `rhino_jax` logger at INFO. `strided_specs=False` restricts the search to
+    maximum strides (each device holds one block per split dim), as most systems do."""
     options = Options(opt_level, memory_limit_bytes, cluster, num_micro_batches, pipeline, schedule,
-                      solver, solver_time_limit_s, axis_names, search_workers)
+                      solver, solver_time_limit_s, axis_names, search_workers, strided_specs)
     if mesh is None:
         if devices is not None:
             devices = list(devices)

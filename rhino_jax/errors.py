@@ -21,6 +21,10 @@ class SolverTimeLimitWarning(UserWarning):
     """The solver stopped at its time limit; the plan is feasible but may not be optimal."""
 
 
+class SolverInterruptedWarning(UserWarning):
+    """The search was interrupted (Ctrl-C); the plan is the best found so far."""
+
+
 class NoFeasibleMeshError(MeshError):
     """`parallelize(mesh=None)`: no enumerated mesh shape has a plan (each candidate's reason is
     in the message)."""

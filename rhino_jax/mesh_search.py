@@ -70,7 +70,8 @@ class _Candidate:
 def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options) -> Plan:
     """The search, with the user's options, on one mesh."""
     return search(graph, topo, cluster, opt_level=options.opt_level, backend=options.solver,
-                  time_limit_s=options.solver_time_limit_s, memory_limit_bytes=options.memory_limit_bytes)
+                  time_limit_s=options.solver_time_limit_s, memory_limit_bytes=options.memory_limit_bytes,
+                  strided=options.strided_specs)
 
 
 def search_worker(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options):
@@ -120,9 +121,13 @@ def _record(c: _Candidate, result, n: int) -> None:
 
 
 def _search_here(todo: list[_Candidate], cluster: Cluster, options: Options, n: int) -> None:
-    for c in todo:
+    for k, c in enumerate(todo):
         log.info("rhino_jax: searching mesh [%s] (%d/%d)", c.label, c.index + 1, n)
         _record(c, search_worker(c.graph, c.topo, cluster, options), n)
+        if c.plan is not None and c.plan.search_stats["status"] == "interrupted":
+            for rest in todo[k + 1:]:  # Ctrl-C: the user wants a plan now
+                rest.error, rest.done = "not searched: the search was interrupted (Ctrl-C)", True
+            return
 
 
 def _main_is_spawn_safe() -> bool:

@@ -23,6 +23,8 @@ class Options:
     # (None: decide from the first candidate's search time; 0 or 1: in this process).
     axis_names: tuple[str, ...] | None = None
     search_workers: int | None = None
+    # Rhino's strided specs (§4.1) where reshapes call for them; False: maximum strides only.
+    strided_specs: bool = True
 
     def __post_init__(self):
         if self.opt_level not in ("O2", "O3"):

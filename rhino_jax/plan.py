@@ -128,6 +128,9 @@ class Plan:
                 f"search          ILP over {s['ilp_groups']} groups: {s['ilp_vars']} vars, "
                 f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
                 f"(gap {s['gap']:.2%}) in {s['solve_s']:.2f} s"]
+            if s.get("strided_values"):
+                lines.append(f"strided specs   {s['strided_values']} values held at a non-maximum stride "
+                             "(split dims in the compiled program), e.g. " + ", ".join(s["strided_examples"]))
             if s.get("not_replicated"):
                 forced = ", ".join(s["not_replicated"][:6]) + (" ..." if len(s["not_replicated"]) > 6 else "")
                 lines.append(f"memory limit    kept from replication ({len(s['not_replicated'])}, largest first): "

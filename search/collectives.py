@@ -50,6 +50,7 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
     out: list[Collective] = []
     dims = [list(d) for d in src.dims]
     cur = lambda: ShardingSpec(tuple(tuple(d) for d in dims))  # noqa: E731
+    settled: set[str] = set()  # axes placed where dst wants them, at dst's stride
     # 1. partial sums
     if src.partial:
         before = _local_bytes(src, full_bytes, sizes)
@@ -61,6 +62,7 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
             out.append(Collective("reduce-scatter", tuple(scatter), before))
             for a in scatter:
                 dims[dst.dim_of(a)].append(a)
+                settled.add(a)
     # 2. free local slicing into axes that dst uses and the tensor does not use yet
     used = {a for d in dims for a in d}
     for d, axes in enumerate(dst.dims):
@@ -68,11 +70,13 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
             if a not in used:
                 dims[d].append(a)
                 used.add(a)
-    # 3. axes on the wrong dim move with all-to-all; 4. axes dst does not use are gathered
+                settled.add(a)
+    # 3. axes on the wrong dim (or at another stride) move with all-to-all; 4. axes dst does
+    # not use are gathered
     moves, gathers = [], []
     for d, axes in enumerate(dims):
         for a in axes:
-            if a in dst.dims[d]:
+            if a in dst.dims[d] and (a in settled or src.stride(d) == dst.stride(d)):
                 continue
             (moves if dst.dim_of(a) is not None else gathers).append(a)
     if moves:
@@ -89,7 +93,7 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
             out.append(Collective("all-gather", axes, _local_bytes(cur(), full_bytes, sizes)))
     # Same axes on a dim but in another order: the pieces are permuted across devices.
     final = cur()
-    if final != dst.without_partial() and not moves:
+    if final.dims != dst.dims and not moves:
         axes = tuple(a for d in dst.dims for a in d)
         out.append(Collective("all-to-all", axes, _local_bytes(dst, full_bytes, sizes)))
     return out

@@ -8,6 +8,7 @@ same spec at an edge share one class, which keeps the number of y variables smal
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ class Solution:
     choice: tuple[int, ...]
     objective_s: float
     bound_s: float
-    status: str  # "optimal" | "feasible"
+    status: str  # "optimal" | "feasible" (time limit) | "interrupted" (Ctrl-C)
     solve_s: float
     backend: str
     num_vars: int
@@ -153,22 +154,42 @@ def solve(problem: Problem, backend: str = "HIGHS", time_limit_s: float = 60.0) 
     if backend != "HIGHS":  # OR-Tools' HiGHS wrapper crashes on hints (seen with ortools 9.15)
         solver.SetHint([x[g][j] for g, j in enumerate(incumbent)], [1.0] * len(incumbent))
     solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
-    status = solver.Solve()
+    status, interrupted = _solve_interruptibly(solver)
     elapsed = time.perf_counter() - start
     size = (backend, solver.NumVariables(), solver.NumConstraints())
     if status == pywraplp.Solver.INFEASIBLE:
         raise SolverError("the strategy ILP is infeasible (the pins and limits leave no plan)")
     solver_choice = lambda: tuple(int(np.argmax([v.solution_value() for v in xs])) for xs in x)  # noqa: E731
-    if status == pywraplp.Solver.OPTIMAL:
+    if status == pywraplp.Solver.OPTIMAL and not interrupted:
         obj = objective.Value() / SCALE
         return Solution(solver_choice(), obj, obj, "optimal", elapsed, *size)
-    # Time limit: the better of the solver's incumbent and ours, with the best bound known.
+    # Time limit or interrupt: the better of the solver's incumbent and ours, with the best bound.
     bound = sum(float(np.min(c)) for c in problem.costs)  # edges cost ≥ 0
     choice, obj = incumbent, evaluate(problem, incumbent)
-    if status == pywraplp.Solver.FEASIBLE:
+    if status in (pywraplp.Solver.FEASIBLE, pywraplp.Solver.OPTIMAL):
         bound = max(bound, objective.BestBound() / SCALE)
         found = solver_choice()
         found_obj = evaluate(problem, found)
         if found_obj < obj:
             choice, obj = found, found_obj
-    return Solution(choice, obj, min(bound, obj), "feasible", elapsed, *size)
+    return Solution(choice, obj, min(bound, obj), "interrupted" if interrupted else "feasible", elapsed, *size)
+
+
+def _solve_interruptibly(solver: pywraplp.Solver) -> tuple[int | None, bool]:
+    """Solve in a thread (OR-Tools releases the GIL) so Ctrl-C reaches Python: then stop the
+    solver and keep its incumbent where the backend can stop (SCIP), or leave it to finish at
+    its time limit in the background and go on without it (HiGHS cannot be interrupted).
+    Returns (status or None when abandoned, whether interrupted)."""
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(solver.Solve()), daemon=True,
+                              name="rhino_jax-ilp")
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.05)
+    except KeyboardInterrupt:
+        if solver.InterruptSolve():
+            worker.join()
+            return result[0], True
+        return None, True
+    return result[0], False

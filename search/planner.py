@@ -7,6 +7,7 @@ argument (constants, iotas and their broadcasts) are left to XLA, which builds t
 """
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections import defaultdict
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverTimeLimitWarning
+from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverInterruptedWarning, SolverTimeLimitWarning
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
 from ..hlo_passes.graph import Graph, Pin
@@ -28,6 +29,9 @@ from .memory import local_bytes, plan_memory
 from .rules import COMPUTE_HEAVY
 from .specs import ShardingSpec
 from .strategies import Strategy, memory_traffic, node_strategies, tensor_specs
+from .strides import candidates as stride_candidates
+
+log = logging.getLogger("rhino_jax")
 
 
 @dataclass
@@ -71,10 +75,10 @@ def _check_pin(pin: Pin, graph: Graph, topo: MeshTopology) -> None:
 
 
 def _matches(spec: ShardingSpec, pin: Pin) -> bool:
-    return not spec.partial and all(p is None or tuple(p) == tuple(d) for p, d in zip(pin.dims, spec.dims))
+    return not spec.partial and not spec.strides and all(p is None or tuple(p) == tuple(d) for p, d in zip(pin.dims, spec.dims))
 
 
-def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster):
+def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bool):
     units: list[_Unit] = []
     producer_unit: dict[int, int] = {}  # value id → unit producing it
     fallback: list[str] = []
@@ -90,14 +94,16 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster):
         producer_unit[arg.value] = len(units)
         units.append(_Unit("arg", arg.index, operands, (arg.value,), strategies, arg.path))
     traffic = memory_traffic(graph)
+    facts = stride_candidates(graph, topo) if strided else {}
     known: dict[tuple, tuple[list[Strategy], bool]] = {}  # identical ops (repeated layers)
     for node in graph.nodes:
         if all(graph.values[r].constant for r in node.results):
             continue
         key = (node.op, repr(node.attrs), node.flops, traffic[node.id],
-               tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.operands + node.results))
+               tuple((graph.values[v].shape, graph.values[v].dtype, facts.get(v))
+                     for v in node.operands + node.results))
         if key not in known:
-            known[key] = node_strategies(node, graph, topo, cluster, traffic[node.id])
+            known[key] = node_strategies(node, graph, topo, cluster, traffic[node.id], facts)
         strategies, has_rule = known[key]
         if not has_rule and any(graph.values[r].shape for r in node.results):
             fallback.append(f"{node.op.split('.')[-1]} ({node.name or f'%{node.id}'})")
@@ -150,13 +156,13 @@ def _result_spec(units, group: Cone, j: int, producer: int, v: int) -> ShardingS
 
 def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str = "O2",
            backend: str = "HIGHS", time_limit_s: float = 60.0,
-           memory_limit_bytes: int | None = None) -> Plan:
+           memory_limit_bytes: int | None = None, strided: bool = True) -> Plan:
     """O3: cones, then one ILP over the whole graph. O2: the same ILP with the cones of
     repeated segments tied together (`repeats`), so it is solved once per distinct layer.
     Under a memory limit, the largest parameters and optimizer states may not stay replicated
-    (`_fit_memory`)."""
+    (`_fit_memory`). `strided`: offer non-maximum strides where reshapes call for them."""
     t0 = time.perf_counter()
-    units, producer_unit, fallback = _build_units(graph, topo, cluster)
+    units, producer_unit, fallback = _build_units(graph, topo, cluster, strided)
     _apply_pins(graph, units, producer_unit, topo)
     sizes = topo.sizes
     rcache: dict = {}
@@ -180,6 +186,9 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
         segments = group_segments(units, groups, group_of, bb, producer_unit)
         class_of, stats["tied_segments"] = tie_repeats(units, groups, segments, graph, producer_unit)
     stats["build_s"] = time.perf_counter() - t0
+    log.info("rhino_jax: %d ops → %d cones (%d critical nodes, %d segments, %d tied) in %.2f s",
+             len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],
+             stats.get("tied_segments", 0), stats["build_s"])
 
     def plan_with(forced: list[int]) -> Plan:
         """The best plan in which the arguments of the `forced` groups are not replicated."""
@@ -188,7 +197,15 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
             replicated = [ch[groups[g].root].results[0].shard_factor(sizes) == 1 for ch in groups[g].choice]
             costs[g] = np.where(replicated, np.inf, costs[g])
         solved, index = ilp.tie(ilp.Problem(tuple(costs), problem.edges), class_of)
+        log.info("rhino_jax: solving the ILP over %d groups%s (time limit %g s; Ctrl-C stops at the best "
+                 "plan so far)", len(solved.costs), f", {len(forced)} arguments not replicated" if forced else "",
+                 time_limit_s)
         solution = ilp.solve(solved, backend, time_limit_s)
+        log.info("rhino_jax: ILP %s in %.2f s: predicted %.4g ms", solution.status, solution.solve_s,
+                 solution.objective_s * 1e3)
+        if solution.status == "interrupted":
+            warnings.warn(f"strategy search interrupted after {solution.solve_s:.1f} s; the plan is the best "
+                          f"found so far (gap {solution.gap:.1%})", SolverInterruptedWarning, stacklevel=4)
         if solution.status == "feasible":
             warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with a gap of "
                           f"{solution.gap:.1%}; the plan is feasible but may not be optimal (raise "
@@ -203,6 +220,8 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
 
     plan = plan_with([])
     if memory_limit_bytes is not None and plan.cost.memory_bytes > memory_limit_bytes:
+        if plan.search_stats["status"] == "interrupted":
+            raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
         plan = _fit_memory(plan_with, _by_size(graph, units, groups, sizes), memory_limit_bytes, graph)
     return plan
 
@@ -223,6 +242,8 @@ def _fit_memory(plan_with, candidates: list[int], limit: int, graph: Graph) -> P
     """Rhino §4.4: forbid replicating the k largest parameters (and optimizer states), with the
     smallest k whose plan fits the limit, found by bisection."""
     best = plan_with(candidates)
+    if best.cost.memory_bytes > limit and best.search_stats["status"] == "interrupted":
+        raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
     if best.cost.memory_bytes > limit:
         local = [local_bytes(graph, a.value, spec, best.mesh_axes) for a, spec in zip(graph.args, best.arg_specs)]
         largest = sorted(range(len(local)), key=lambda i: -local[i])[:5]
@@ -238,10 +259,14 @@ def _fit_memory(plan_with, candidates: list[int], limit: int, graph: Graph) -> P
     while hi - lo > 1:
         k = (lo + hi) // 2
         plan = plan_with(candidates[:k])
+        log.info("rhino_jax: memory limit: %d largest not replicated → %.1f MiB per device (limit %.1f)",
+                 k, plan.cost.memory_bytes / 2**20, limit / 2**20)
         if plan.cost.memory_bytes <= limit:
             hi, best = k, plan
         else:
             lo = k
+        if plan.search_stats["status"] == "interrupted":
+            break  # Ctrl-C: the best plan that fits so far
     return best
 
 
@@ -296,6 +321,8 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
         for c in s.collectives:
             planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind))
         for pos, v in enumerate(u.operands):
+            if graph.values[v].constant and s.operands[pos].strides and u.kind == "node":
+                read_specs[u.ref, pos] = s.operands[pos]  # built locally, but split like its reader
             if graph.values[v].constant or v not in specs or specs[v] == s.operands[pos]:
                 continue
             if u.kind == "node":
@@ -318,6 +345,9 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
             arg = next(a for a in graph.args if a.donated_to == k)
             out_specs.append(specs[arg.value])
     memory = plan_memory(graph, specs, topo.sizes)
+    strided = [v for v, spec in specs.items() if spec.strides]
+    examples = dict.fromkeys(f"{graph.values[v].shape} {specs[v]}" for v in strided)
+    stats = dict(stats, strided_values=len(strided), strided_examples=tuple(examples)[:3])
     return Plan(
         mesh_axes=dict(zip(topo.axis_names, topo.axis_sizes)),
         cluster=cluster.name,

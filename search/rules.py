@@ -7,6 +7,7 @@ axis splits every dimension it indexes on that axis; operands that lack the loop
 on it. A loop that indexes no result dimension is a reduction: splitting it leaves each device
 with an addend (partial sum) when the combiner is `add`, or needs an all-reduce inside the op
 for other combiners. An op with no rule keeps every tensor replicated (see `strategies`).
+Reshapes are not loop nests: `strides.map_reshape` lays out one side from the other.
 """
 from __future__ import annotations
 
@@ -70,8 +71,6 @@ def loop_space(node: Node, graph: Graph) -> LoopSpace | None:
         for j, p in enumerate(a["perm"]):
             inv[p] = j
         return LoopSpace(out, (tuple(inv),), (_same(len(out)),))
-    if kind == "reshape":
-        return _reshape(shapes_in[0], shapes_out[0])
     if kind == "reduce":
         return _reduce(a, shapes_in, shapes_out)
     if kind in ("iota", "constant"):
@@ -149,31 +148,6 @@ def _convolution(a: dict, shapes_in, shapes_out) -> LoopSpace:
         kd[a["k_out"]] = od[a["out_feature"]] = 1
         xd[a["in_feature"]] = kd[a["k_in"]] = 2
     return LoopSpace(sizes, (tuple(xd), tuple(kd)), (tuple(od),), "none" if grouped else "sum")
-
-
-def _reshape(src: tuple[int, ...], dst: tuple[int, ...]) -> LoopSpace:
-    """Pair the major non-unit dims of each group of dims whose sizes multiply to the same number:
-    splitting both in n contiguous blocks cuts the same elements (maximum stride)."""
-    src_dims: list[int | None] = [None] * len(src)
-    i = j = 0
-    while i < len(src) and j < len(dst):
-        while i < len(src) and src[i] == 1:
-            i += 1
-        while j < len(dst) and dst[j] == 1:
-            j += 1
-        if i >= len(src) or j >= len(dst):
-            break
-        src_dims[i] = j
-        pi, pj = src[i], dst[j]
-        i, j = i + 1, j + 1
-        while pi != pj:
-            if pi < pj:
-                pi *= src[i]
-                i += 1
-            else:
-                pj *= dst[j]
-                j += 1
-    return LoopSpace(dst, (tuple(src_dims),), (_same(len(dst)),))
 
 
 def _reduce(a: dict, shapes_in, shapes_out) -> LoopSpace:

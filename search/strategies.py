@@ -16,6 +16,7 @@ from .cluster import Cluster, MeshTopology
 from .collectives import Collective
 from .rules import ELEMENTWISE, LoopSpace, loop_space
 from .specs import ShardingSpec
+from .strides import STRIDED_OPS, Fact, map_reshape
 
 
 @dataclass(frozen=True)
@@ -30,18 +31,33 @@ def _divides(n: int, size: int) -> bool:
     return size % n == 0
 
 
-def _spec(dims: tuple[int | None, ...], loop_axes: list[tuple[str, ...]], partial=()) -> ShardingSpec:
-    return ShardingSpec(tuple(() if l is None else loop_axes[l] for l in dims), tuple(partial))
+def _spec(dims: tuple[int | None, ...], asg: "_Assigned", partial=()) -> ShardingSpec:
+    return ShardingSpec(tuple(() if l is None else asg.loop_axes[l] for l in dims), tuple(partial),
+                        tuple((d, asg.strides[l]) for d, l in enumerate(dims)
+                              if l is not None and asg.strides[l] is not None))
 
 
-def tensor_specs(shape: tuple[int, ...], topo: MeshTopology) -> list[ShardingSpec]:
-    """Every non-partial spec of a tensor on the mesh that divides its dims evenly."""
+def tensor_specs(shape: tuple[int, ...], topo: MeshTopology, facts: frozenset[Fact] = frozenset()
+                 ) -> list[ShardingSpec]:
+    """Every non-partial spec of a tensor on the mesh that divides its dims evenly, with maximum
+    strides and the candidate strides in `facts`."""
     space = LoopSpace(shape, (), (tuple(range(len(shape))),))
-    return [s.results[0] for s in _assignments(space, [shape], topo)]
+    return [asg.results[0] for asg in _assignments(space, [shape], topo, facts_by_loop(facts))]
 
 
-def _assignments(space: LoopSpace, shapes: list[tuple[int, ...]], topo: MeshTopology):
-    """Yield (loop axes, dims check) per valid assignment of mesh axes to loops."""
+def facts_by_loop(facts, dims: tuple[int | None, ...] | None = None) -> dict[int, set[tuple[int, int]]]:
+    """(shard count, stride) candidates per loop, from a tensor's facts and its loop per dim."""
+    out: dict[int, set[tuple[int, int]]] = {}
+    for d, n, s in facts:
+        loop = d if dims is None else dims[d]
+        if loop is not None:
+            out.setdefault(loop, set()).add((n, s))
+    return out
+
+
+def _assignments(space: LoopSpace, shapes: list[tuple[int, ...]], topo: MeshTopology,
+                 loop_strides: dict[int, set[tuple[int, int]]]):
+    """Yield every valid assignment of mesh axes (and candidate strides) to loops."""
     loops = len(space.sizes)
     reductions = set(space.reduction_loops())
     all_dims = list(space.operands) + list(space.results)
@@ -64,7 +80,10 @@ def _assignments(space: LoopSpace, shapes: list[tuple[int, ...]], topo: MeshTopo
                 break
         if not ok or any(not _divides(split[l], space.sizes[l]) for l in range(loops)):
             continue
-        yield _Assigned(space, loop_axes, split)
+        options = [[None] + sorted(s for n, s in loop_strides.get(l, ()) if n == split[l] > 1)
+                   for l in range(loops)]
+        for strides in itertools.product(*options):
+            yield _Assigned(space, loop_axes, split, strides)
 
 
 @dataclass
@@ -72,10 +91,11 @@ class _Assigned:
     space: LoopSpace
     loop_axes: list[tuple[str, ...]]
     split: list[int]
+    strides: tuple[int | None, ...]  # per loop: None for the maximum stride
 
     @property
     def results(self) -> list[ShardingSpec]:
-        return [_spec(d, self.loop_axes) for d in self.space.results]
+        return [_spec(d, self) for d in self.space.results]
 
 
 # Ops XLA fuses into one loop kernel with their fusible producers and readers (reductions take
@@ -114,10 +134,13 @@ def compute_time(node: Node, values: tuple[Value, ...], traffic: int, split: flo
     return max(node.flops / cluster.flops(dtype), traffic / cluster.memory_bandwidth) / split
 
 
-def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Cluster, traffic: int
-                    ) -> tuple[list[Strategy], bool]:
+def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Cluster, traffic: int,
+                    facts: dict[int, frozenset[Fact]]) -> tuple[list[Strategy], bool]:
     """All strategies of a node, and whether it had a sharding rule (False: replicated only).
-    `traffic` is the node's memory traffic from `memory_traffic`."""
+    `traffic` is the node's memory traffic from `memory_traffic`; `facts` the candidate strides
+    per value (`strides.candidates`)."""
+    if node.op == "stablehlo.reshape":
+        return _reshape_strategies(node, graph, topo, cluster, traffic, facts), True
     space = loop_space(node, graph)
     in_shapes = [graph.values[o].shape for o in node.operands]
     out_shapes = [graph.values[r].shape for r in node.results]
@@ -126,13 +149,18 @@ def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Clust
                        tuple(ShardingSpec.replicated(len(s)) for s in out_shapes),
                        compute_time(node, graph.values, traffic, 1, cluster))
         return [rep], False
+    loop_strides: dict[int, set[tuple[int, int]]] = {}
+    if node.op in STRIDED_OPS:
+        for v, dims in zip(node.operands + node.results, space.operands + space.results):
+            for loop, found in facts_by_loop(facts.get(v, ()), dims).items():
+                loop_strides.setdefault(loop, set()).update(found)
     reductions = space.reduction_loops()
     out: list[Strategy] = []
-    for asg in _assignments(space, in_shapes + out_shapes, topo):
+    for asg in _assignments(space, in_shapes + out_shapes, topo, loop_strides):
         red_axes = tuple(a for l in reductions for a in asg.loop_axes[l])
         partial = red_axes if space.reduce_kind == "sum" else ()
-        operands = tuple(_spec(d, asg.loop_axes) for d in space.operands)
-        results = tuple(_spec(d, asg.loop_axes, partial) for d in space.results)
+        operands = tuple(_spec(d, asg) for d in space.operands)
+        results = tuple(_spec(d, asg, partial) for d in space.results)
         split = float(np.prod(asg.split))
         inner: tuple[Collective, ...] = ()
         if red_axes and space.reduce_kind == "other":
@@ -142,3 +170,19 @@ def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Clust
         out.append(Strategy(operands, results, compute_time(node, graph.values, traffic, split, cluster),
                             inner))
     return out, True
+
+
+def _reshape_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Cluster, traffic: int,
+                        facts: dict[int, frozenset[Fact]]) -> list[Strategy]:
+    """A reshape moves no data: every layout of its input (or output) that the other side can
+    keep without communication (`strides.map_reshape`)."""
+    (src,), (dst,) = node.operands, node.results
+    pairs: set[tuple[ShardingSpec, ShardingSpec]] = set()
+    for here, there, flip in ((src, dst, False), (dst, src, True)):
+        shape = graph.values[here].shape
+        for spec in tensor_specs(shape, topo, facts.get(here, frozenset())):
+            mapped = map_reshape(spec, shape, graph.values[there].shape, topo.sizes)
+            if mapped is not None:
+                pairs.add((mapped, spec) if flip else (spec, mapped))
+    return [Strategy((a,), (b,), compute_time(node, graph.values, traffic, a.shard_factor(topo.sizes), cluster))
+            for a, b in sorted(pairs)]
