@@ -58,6 +58,18 @@ def _combiner(op: ir.Operation, region: int = 0) -> str:
     return body[0] if len(body) == 1 else "complex"
 
 
+def _window_attrs(op: ir.Operation) -> dict:
+    """Window of a reduce_window or select_and_scatter, absent attributes at their defaults
+    (select_and_scatter has no base dilations); padding as low + high per dim. Window dilations
+    are left out: they only matter on dims a window crosses, which rules never split."""
+    rank = len(_ints(op.attributes["window_dimensions"]))
+    pad = _ints(_attr(op, "padding")) or [0] * (2 * rank)
+    return dict(window=_ints(op.attributes["window_dimensions"]),
+                strides=_ints(_attr(op, "window_strides")) or [1] * rank,
+                padding=[pad[2 * i] + pad[2 * i + 1] for i in range(rank)],
+                base_dilations=_ints(_attr(op, "base_dilations")) or [1] * rank)
+
+
 def _op_attrs(op: ir.Operation) -> dict:
     """The plain-data facts of one op that sharding rules and FLOP counts read."""
     name = op.name
@@ -110,14 +122,11 @@ def _op_attrs(op: ir.Operation) -> dict:
                  scatter_dims_to_operand=list(dn.scattered_dims_to_operand_dims),
                  index_vector_dim=dn.index_vector_dim, combiner=_combiner(op))
     elif name == "stablehlo.reduce_window":
-        rank = len(_ints(op.attributes["window_dimensions"]))
-        pad = _ints(_attr(op, "padding")) or [0] * (2 * rank)
-        a.update(window=_ints(op.attributes["window_dimensions"]),
-                 strides=_ints(_attr(op, "window_strides")) or [1] * rank,
-                 padding=[pad[2 * i] + pad[2 * i + 1] for i in range(rank)],
-                 base_dilations=_ints(_attr(op, "base_dilations")) or [1] * rank,
-                 window_dilations=_ints(_attr(op, "window_dilations")) or [1] * rank,
-                 combiner=_combiner(op))
+        a.update(_window_attrs(op), combiner=_combiner(op))
+    elif name == "stablehlo.select_and_scatter":
+        a.update(_window_attrs(op))
+    elif name == "stablehlo.reverse":
+        a["dims"] = _ints(op.attributes["dimensions"])
     elif name == "stablehlo.sort":
         a["dim"] = _int(op.attributes["dimension"])
     elif name == "stablehlo.iota":

@@ -103,15 +103,32 @@ def loop_space(node: Node, graph: Graph) -> LoopSpace | None:
         return LoopSpace(out, (dims,) * len(shapes_in), (dims,) * len(shapes_out))
     if kind == "reduce_window":
         out = shapes_out[0]
-        dims = tuple(d if (a["window"][d] == 1 and a["strides"][d] == 1 and a["padding"][d] == 0
-                           and a["base_dilations"][d] == 1) else None for d in range(len(out)))
+        dims = _unwindowed(a, len(out))
         n = len(shapes_in) // 2
         return LoopSpace(out, (dims,) * n + ((),) * n, (dims,) * len(shapes_out))
+    if kind == "select_and_scatter":
+        # The max-pool gradient: operand and result have the pooled input's shape, the source
+        # the pooled output's; an unwindowed dim has one size in all three.
+        out = shapes_out[0]
+        dims = _unwindowed(a, len(out))
+        return LoopSpace(out, (dims, dims, ()), (dims,))
+    if kind == "reverse":
+        # A reversed dim split n ways would also reverse the order of its shards: not a loop.
+        out = shapes_out[0]
+        dims = tuple(None if d in a["dims"] else d for d in range(len(out)))
+        return LoopSpace(out, (dims,), (dims,))
     if kind == "gather":
         return _gather(a, shapes_in, shapes_out)
     if kind == "scatter" and len(shapes_in) == 3:
         return _scatter(a, shapes_in, shapes_out)
     return None
+
+
+def _unwindowed(a: dict, rank: int) -> Dims:
+    """Dims a window does not cross (size 1, stride 1, no padding or base dilation): each output
+    element reads only its own index there, so they are parallel loops; the rest are not."""
+    return tuple(d if (a["window"][d] == 1 and a["strides"][d] == 1 and a["padding"][d] == 0
+                       and a["base_dilations"][d] == 1) else None for d in range(rank))
 
 
 def _dot(a: dict, shapes_in, shapes_out) -> LoopSpace:
@@ -166,7 +183,11 @@ def _reduce(a: dict, shapes_in, shapes_out) -> LoopSpace:
 
 
 def _gather(a: dict, shapes_in, shapes_out) -> LoopSpace | None:
-    """Split the indices' batch dims and the operand's fully-sliced (passthrough) dims."""
+    """Split the indices' batch dims, the operand's fully-sliced (passthrough) dims and its
+    indexed dims of slice size 1 (a vocabulary-split embedding table, Megatron's
+    vocabulary-parallel embedding). The last are reduction loops: XLA's partitioner gathers
+    the rows each device holds, zeroes the others and all-reduces the result inside the op
+    (also for an `add` reader, so "other", not a partial sum)."""
     operand, indices = shapes_in
     out = shapes_out[0]
     if a["operand_batching"]:
@@ -184,7 +205,13 @@ def _gather(a: dict, shapes_in, shapes_out) -> LoopSpace | None:
     batch_idx = [d for d in range(len(indices)) if d != a["index_vector_dim"]]
     for od, idd in zip(batch_out, batch_idx):
         idx_dims[idd] = od
-    return LoopSpace(out, (tuple(op_dims), tuple(idx_dims)), (tuple(out_dims),))
+    sizes = list(out)
+    for d in a["start_index_map"]:
+        if a["sizes"][d] == 1:
+            op_dims[d] = len(sizes)
+            sizes.append(operand[d])
+    return LoopSpace(tuple(sizes), (tuple(op_dims), tuple(idx_dims)), (tuple(out_dims),),
+                     "other" if len(sizes) > len(out) else "none")
 
 
 def _scatter(a: dict, shapes_in, shapes_out) -> LoopSpace | None:
