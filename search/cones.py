@@ -64,26 +64,37 @@ def find_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int]
 
 def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
                 own_cost: Callable[[Strategy], float],
-                reshard_cost: Callable[[ShardingSpec, ShardingSpec, int], float]) -> list[Cone]:
-    """The cones of the graph, each with its strategies (one per root strategy, DP inside)."""
+                reshard_cost: Callable[[ShardingSpec, ShardingSpec, int], float],
+                read_bytes: Callable[[ShardingSpec, int], int]) -> list[Cone]:
+    """The cones of the graph, each with its strategies (one per root strategy, DP inside).
+    `read_bytes(spec, value)`: bytes per device of a value in a layout (breaks the DP's ties)."""
     root_of, claimed_by = find_cones(units, producer_unit)
     children: dict[int, list[int]] = {i: [] for i in range(len(units))}
     for m, reader in claimed_by.items():
         children[reader].append(m)
-    # best[m][t]: least cost of m's subtree when m takes strategy t; back[m, c][t]: c's choice.
+    # best[m][t]: least cost of m's subtree when m takes strategy t; back[m, c][t]: c's choice;
+    # entering[m][t]: bytes per device that the subtree reads from outside the cone.
     best: dict[int, np.ndarray] = {}
+    entering: dict[int, np.ndarray] = {}
     back: dict[tuple[int, int], np.ndarray] = {}
     for m, u in enumerate(units):  # producers before readers
         cost = np.array([own_cost(s) for s in u.strategies])
+        inside = {units[c].results[0] for c in children[m]}
+        outside = [(k, v) for k, v in enumerate(u.operands) if v in u.live and v not in inside]
+        enter = np.array([sum(read_bytes(spec, v) for v, spec in {(v, s.operands[k]) for k, v in outside})
+                          for s in u.strategies], dtype=float)
         for c in children[m]:
             v = units[c].results[0]
             positions = [k for k, o in enumerate(u.operands) if o == v]
-            step = np.array([[best[c][a] + sum(reshard_cost(cs.results[0], ms.operands[k], v)
-                                               for k in positions) for ms in u.strategies]
+            step = np.array([[best[c][a] + sum(reshard_cost(cs.results[0], spec, v)
+                                               for spec in {ms.operands[k] for k in positions})
+                               for ms in u.strategies]
                              for a, cs in enumerate(units[c].strategies)])
-            back[m, c] = step.argmin(axis=0)
-            cost = cost + step.min(axis=0)
-        best[m] = cost
+            back[m, c] = _least(step, entering[c])
+            picked = (back[m, c], np.arange(step.shape[1]))
+            cost = cost + step[picked]
+            enter = enter + entering[c][back[m, c]]
+        best[m], entering[m] = cost, enter
 
     def follow(m: int, out: dict[int, Strategy]) -> Strategy:
         """A producer-joining unit reads its producer's layout as it is when it can (slicing
@@ -97,7 +108,7 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
         if as_is:
             return min(as_is, key=own_cost)
         return min(u.strategies, key=lambda s: own_cost(s) + sum(
-            reshard_cost(spec, s.operands[k], v) for k in reads))
+            reshard_cost(spec, to, v) for to in {s.operands[k] for k in reads}))
 
     def pick(root: int, t: int, forward: list[int]) -> dict[int, Strategy]:
         out: dict[int, Strategy] = {}
@@ -120,3 +131,15 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
         cones.append(Cone(root, [root] + [m for m in ms if m != root], choice))
     cones.sort(key=lambda c: c.root)
     return cones
+
+
+def _least(step: np.ndarray, entering: np.ndarray) -> np.ndarray:
+    """Per column of `step` ([child strategy, reader strategy] costs), the child strategy of least
+    cost; among equal costs, the one whose subtree reads the fewest bytes from outside the cone.
+    The DP cannot price those reads (their source layout is the ILP's choice), but a split read
+    costs nothing more than a replicated one when the source is split alike or replicated, while
+    the reverse gathers: without this, ties (a broadcast of a layer norm's mean, of a bias) went
+    to whichever came first, often the replicated read, and the ILP then paid an all-gather."""
+    low = step.min(axis=0)
+    near = step <= low + 1e-12 + 1e-9 * np.abs(low)
+    return np.where(near, entering[:, None], np.inf).argmin(axis=0)

@@ -176,7 +176,8 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
     def own_cost(s: Strategy) -> float:
         return s.compute_s + sum(c.time(topo) for c in s.collectives)
 
-    groups = build_cones(units, producer_unit, own_cost, reshard_cost)
+    groups = build_cones(units, producer_unit, own_cost, reshard_cost,
+                         lambda spec, v: graph.values[v].nbytes // spec.shard_factor(sizes))
     group_of = {m: gi for gi, g in enumerate(groups) for m in g.members}
     problem = _problem(units, groups, group_of, producer_unit, own_cost, reshard_cost)
     bb = backbone(graph)
@@ -275,6 +276,13 @@ def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit:
     """The ILP over cones: a cost per cone strategy, and an edge per pair of cones with reads
     between them (reads inside a cone, or from a cone with one layout, fold into the costs)."""
     costs = [np.array([sum(own_cost(s) for s in ch.values()) for ch in g.choice]) for g in groups]
+
+    def moves_cost(values, src_specs, dst_specs) -> float:
+        """A value read in one layout by several readers is resharded once (as in `_make_plan`
+        and in XLA, which shares the collective); reads of one value from different cones are
+        still charged per cone, an overestimate the ILP cannot avoid without a variable per move."""
+        return sum(reshard_cost(a, b, v) for v, a, b in set(zip(values, src_specs, dst_specs)))
+
     reads: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
     for gi, g in enumerate(groups):
         for m in g.members:
@@ -284,16 +292,16 @@ def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit:
     edges = []
     for (src, dst), rs in reads.items():
         gs, gd = groups[src], groups[dst]
+        values = [v for v, _, _ in rs]
         if src == dst:
             for j in range(len(gs.choice)):
-                costs[src][j] += sum(reshard_cost(_result_spec(units, gs, j, producer_unit[v], v),
-                                                  gd.choice[j][m].operands[pos], v) for v, m, pos in rs)
+                costs[src][j] += moves_cost(values, [_result_spec(units, gs, j, producer_unit[v], v) for v in values],
+                                            [gd.choice[j][m].operands[pos] for _, m, pos in rs])
             continue
-        src_keys = [tuple(_result_spec(units, gs, j, producer_unit[v], v) for v, _, _ in rs)
+        src_keys = [tuple(_result_spec(units, gs, j, producer_unit[v], v) for v in values)
                     for j in range(len(gs.choice))]
         dst_keys = [tuple(gd.choice[j][m].operands[pos] for _, m, pos in rs) for j in range(len(gd.choice))]
-        edge = ilp.make_edge(src, dst, src_keys, dst_keys, lambda a, b: sum(  # noqa: B023
-            reshard_cost(a[i], b[i], v) for i, (v, _, _) in enumerate(rs)))
+        edge = ilp.make_edge(src, dst, src_keys, dst_keys, lambda a, b: moves_cost(values, a, b))  # noqa: B023
         if not edge.matrix.any():
             continue
         if edge.matrix.shape[0] == 1:
