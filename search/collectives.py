@@ -2,7 +2,7 @@
 
 Bytes follow the convention of `hlo_passes.hlo_stats` so that predicted and compiled
 communication compare one to one: per device, all-reduce = its buffer, all-gather = the gathered
-result, reduce-scatter = the un-scattered operand, all-to-all = its buffer.
+result, reduce-scatter = the un-scattered operand, all-to-all and collective-permute = its buffer.
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from .cluster import MeshTopology
 from .specs import ShardingSpec
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
 
 @dataclass(frozen=True)
@@ -22,10 +21,13 @@ class Collective:
 
     def time(self, topo: MeshTopology) -> float:
         """Ring algorithms: all-reduce moves 2(n-1)/n of the buffer, the others (n-1)/n; each
-        step pays the link latency and each collective one launch."""
+        step pays the link latency and each collective one launch. A collective-permute sends
+        the whole buffer to one peer in one step."""
         n, bw, lat = topo.link(self.axes)
         if n <= 1:
             return 0.0
+        if self.kind == "collective-permute":
+            return topo.launch + self.bytes / bw + lat
         steps = (n - 1) * (2 if self.kind == "all-reduce" else 1)
         return topo.launch + steps / n * self.bytes / bw + steps * lat
 
@@ -91,9 +93,10 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
         if axes:
             dims[d] = [a for a in dims[d] if a not in gathers]
             out.append(Collective("all-gather", axes, _local_bytes(cur(), full_bytes, sizes)))
-    # Same axes on a dim but in another order: the pieces are permuted across devices.
-    final = cur()
-    if final.dims != dst.dims and not moves:
+    # Same axes on a dim but in another order (also after an all-to-all, which appends the axes
+    # it moves as the minor ones): each device's piece belongs to another device, which XLA
+    # does with a collective-permute.
+    if cur().dims != dst.dims:
         axes = tuple(a for d in dst.dims for a in d)
-        out.append(Collective("all-to-all", axes, _local_bytes(dst, full_bytes, sizes)))
+        out.append(Collective("collective-permute", axes, _local_bytes(dst, full_bytes, sizes)))
     return out
