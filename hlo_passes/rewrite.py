@@ -5,8 +5,9 @@ Arguments and results get `sdy.sharding`. Every value the plan fixes is followed
 paid for) one more constraint, shared by all readers of that layout, sits before the first
 reader. Constraints, not op attributes: XLA keeps the shardings of constraint ops and drops
 those on other ops when it imports the module, then re-propagates from what is left, which
-is not the plan. Values the plan keeps as partial sums are left open: the partitioner settles
-them at their readers' constraints, which is where the plan charged the reduction.
+is not the plan. Values the plan keeps as partial sums are left open (a sharding cannot say
+"partial"); a reader that wants another layout first gets a constraint with the sums settled as
+the plan priced it (`collectives.settle`: reduce-scattered or all-reduced), then its own.
 
 Strided specs (Rhino §4.1) have no Shardy form, so the program is changed to hold them: a value
 split n ways at stride s on a dim of size N gets the shape [..., N/(n·s), n·s, ...] with the
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo, sdy
 
+from ..search.collectives import settle
 from ..search.specs import ShardingSpec
 from . import module as mod
 from .graph import Graph
@@ -123,7 +125,17 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
                     continue
                 if (v, spec) not in reads:
                     shape, physical = split(v, spec)
-                    reads[v, spec] = constrain(reshaped(op.operands[pos], shape, op.operation), physical, op.operation)
+                    source = op.operands[pos]
+                    produced = value_specs.get(v)
+                    if produced is not None and produced.partial and not produced.strides:
+                        # Settle the partial sums as the plan priced it (reduce-scatter or
+                        # all-reduce) before moving on: left open, XLA may pick another way.
+                        mid = settle(produced, spec)
+                        if mid != spec:
+                            if (v, mid) not in reads:
+                                reads[v, mid] = constrain(source, mid, op.operation)
+                            source = reads[v, mid]
+                    reads[v, spec] = constrain(reshaped(source, shape, op.operation), physical, op.operation)
                 op.operands[pos] = reads[v, spec]
                 ins.append(_dim_map(graph.values[v].shape, spec))
             if left:

@@ -40,6 +40,16 @@ def _local_bytes(spec: ShardingSpec, full_bytes: int, sizes: dict[str, int]) -> 
     return full_bytes // spec.shard_factor(sizes)
 
 
+def settle(src: ShardingSpec, dst: ShardingSpec) -> ShardingSpec:
+    """`src` once its partial sums are settled on the way to `dst`: reduce-scattered into the
+    dims where dst shards a partial axis (as that dim's minor axis), all-reduced elsewhere."""
+    dims = [list(d) for d in src.dims]
+    for a in src.partial:
+        if dst.dim_of(a) is not None:
+            dims[dst.dim_of(a)].append(a)
+    return ShardingSpec(tuple(tuple(d) for d in dims), (), src.strides)
+
+
 def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
             sizes: dict[str, int]) -> list[Collective]:
     """The collectives that turn a tensor laid out as `src` into `dst` (dst is never partial).
@@ -62,9 +72,8 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
             out.append(Collective("all-reduce", reduce, before))
         if scatter:
             out.append(Collective("reduce-scatter", tuple(scatter), before))
-            for a in scatter:
-                dims[dst.dim_of(a)].append(a)
-                settled.add(a)
+            dims = [list(d) for d in settle(src, dst).dims]
+            settled.update(scatter)
     # 2. free local slicing into axes that dst uses and the tensor does not use yet
     used = {a for d in dims for a in d}
     for d, axes in enumerate(dst.dims):

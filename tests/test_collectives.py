@@ -44,3 +44,23 @@ def test_compiled_reshard_matches_the_prediction():
     assert ("collective-permute", 16 * 64 * 32 * 4 // 8) in predicted, predicted
     assert found == predicted, (found, predicted)
     assert_same_numbers(jax.jit(f)(a), compiled(a))
+
+
+def test_partial_sums_settle_where_the_plan_priced_them():
+    """A matmul's partial sums (contraction split on x) read split on (x, y): the plan reduce-
+    scatters into x behind y, then permutes; the rewrite pins the settled layout so that XLA
+    does not settle them some other way (it gathered the operands instead, on MoE)."""
+    def f(a, w):
+        a = rj.annotate(a, P("y", "x"))
+        w = rj.annotate(w, P("x", None))
+        return rj.annotate(jnp.tanh(a @ w), P(("x", "y"), None))
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (64, 256))
+    w = jax.random.normal(jax.random.PRNGKey(1), (256, 128))
+    lowered = rj.parallelize(f, mesh=rj.device_mesh((2, 4), ("x", "y"))).lower(a, w)
+    predicted = sorted((c.kind, c.bytes) for c in lowered.plan.collectives)
+    compiled = lowered.compile()
+    found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
+    assert [k for k, _ in predicted] == ["collective-permute", "reduce-scatter"], predicted
+    assert sum(b for _, b in found) == sum(b for _, b in predicted), (found, predicted)
+    assert_same_numbers(jax.jit(f)(a, w), compiled(a, w))
