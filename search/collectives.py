@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .cluster import MeshTopology
 from .specs import ShardingSpec
 
@@ -50,13 +52,24 @@ def settle(src: ShardingSpec, dst: ShardingSpec) -> ShardingSpec:
     return ShardingSpec(tuple(tuple(d) for d in dims), (), src.strides)
 
 
+def _strides_align(size: int, n: int, a: int | None, b: int | None) -> bool:
+    """Whether a dim of `size` split n ways at stride a can trade pieces with stride b (None:
+    the maximum, size/n) by all-to-all: the larger stride must be a multiple of the smaller
+    one's period (n times it), or divide it."""
+    small, big = sorted(size // n if s is None else s for s in (a, b))
+    return big % (n * small) == 0 or (n * small) % big == 0
+
+
 def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
-            sizes: dict[str, int]) -> list[Collective]:
-    """The collectives that turn a tensor laid out as `src` into `dst` (dst is never partial).
+            sizes: dict[str, int], shape: tuple[int, ...]) -> list[Collective]:
+    """The collectives that turn a tensor of `shape` laid out as `src` into `dst` (dst is never
+    partial).
 
     Order: settle partial sums (reduce-scatter where dst shards on that axis, else all-reduce),
     slice locally into the axes dst adds (free), move axes between dims (all-to-all), and gather
-    the axes dst drops last, so every collective works on the smallest buffer it can."""
+    the axes dst drops last, so every collective works on the smallest buffer it can. A dim
+    whose stride changes is exchanged by all-to-all and permuted into place where the strides
+    align, and gathered (then sliced) where they do not: what XLA compiles for each."""
     if src == dst:
         return []
     out: list[Collective] = []
@@ -82,7 +95,21 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
                 dims[d].append(a)
                 used.add(a)
                 settled.add(a)
-    # 3. axes on the wrong dim (or at another stride) move with all-to-all; 4. axes dst does
+    # 3. a stride change: exchanged below where the strides align (then permuted into place),
+    # else the dim's axes are gathered here and sliced back for free
+    exchanged = False
+    for d in range(len(dims)):
+        axes = tuple(a for a in dims[d] if a in dst.dims[d] and a not in settled)
+        if not axes or src.stride(d) == dst.stride(d):
+            continue
+        if _strides_align(shape[d], int(np.prod([sizes[a] for a in axes])), src.stride(d), dst.stride(d)):
+            exchanged = True
+            continue
+        dims[d] = [a for a in dims[d] if a not in axes]
+        out.append(Collective("all-gather", axes, _local_bytes(cur(), full_bytes, sizes)))
+        dims[d] += axes
+        settled.update(axes)
+    # 4. axes on the wrong dim (or at another stride) move with all-to-all; 5. axes dst does
     # not use are gathered
     moves, gathers = [], []
     for d, axes in enumerate(dims):
@@ -103,9 +130,9 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
             dims[d] = [a for a in dims[d] if a not in gathers]
             out.append(Collective("all-gather", axes, _local_bytes(cur(), full_bytes, sizes)))
     # Same axes on a dim but in another order (also after an all-to-all, which appends the axes
-    # it moves as the minor ones): each device's piece belongs to another device, which XLA
-    # does with a collective-permute.
-    if cur().dims != dst.dims:
+    # it moves as the minor ones, or changes a stride): each device's piece belongs to another
+    # device, which XLA does with a collective-permute.
+    if cur().dims != dst.dims or exchanged:
         axes = tuple(a for d in dst.dims for a in d)
         out.append(Collective("collective-permute", axes, _local_bytes(dst, full_bytes, sizes)))
     return out

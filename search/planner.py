@@ -168,9 +168,9 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
     rcache: dict = {}
 
     def reshard_cost(src: ShardingSpec, dst: ShardingSpec, v: int) -> float:
-        key = (src, dst, graph.values[v].nbytes)
+        key = (src, dst, graph.values[v].nbytes, graph.values[v].shape)
         if key not in rcache:
-            rcache[key] = sum(c.time(topo) for c in reshard(src, dst, key[2], sizes))
+            rcache[key] = sum(c.time(topo) for c in reshard(src, dst, key[2], sizes, key[3]))
         return rcache[key]
 
     def own_cost(s: Strategy) -> float:
@@ -338,7 +338,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
             if (v, s.operands[pos]) in moved:
                 continue
             moved.add((v, s.operands[pos]))
-            for c in reshard(specs[v], s.operands[pos], graph.values[v].nbytes, topo.sizes):
+            for c in reshard(specs[v], s.operands[pos], graph.values[v].nbytes, topo.sizes, graph.values[v].shape):
                 planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind))
     comm = sum(c.time_s for c in planned)
     arg_specs = tuple(specs[a.value] for a in graph.args)

@@ -17,15 +17,15 @@ def spec(*dims):
 
 
 def test_axes_in_another_order_are_permuted():
-    moves = reshard(spec(("x", "y"), ()), spec(("y", "x"), ()), 64 * 64 * 4, XY)
+    moves = reshard(spec(("x", "y"), ()), spec(("y", "x"), ()), 64 * 64 * 4, XY, (64, 64))
     assert [(c.kind, c.bytes) for c in moves] == [("collective-permute", 64 * 64 * 4 // 8)]
 
 
 def test_an_axis_moved_in_front_of_another_is_moved_then_permuted():
     """The all-to-all appends the axis it moves as the minor one; dst wants it major."""
-    moves = reshard(spec(("y",), ("x",), ()), spec((), ("y", "x"), ()), 16 * 64 * 64 * 4, XY)
+    moves = reshard(spec(("y",), ("x",), ()), spec((), ("y", "x"), ()), 16 * 64 * 64 * 4, XY, (16, 64, 64))
     assert [c.kind for c in moves] == ["all-to-all", "collective-permute"]
-    assert reshard(spec(("y",), ("x",), ()), spec((), ("x", "y"), ()), 16 * 64 * 64 * 4, XY)[-1].kind == "all-to-all"
+    assert reshard(spec(("y",), ("x",), ()), spec((), ("x", "y"), ()), 16 * 64 * 64 * 4, XY, (16, 64, 64))[-1].kind == "all-to-all"
 
 
 def test_compiled_reshard_matches_the_prediction():

@@ -1,8 +1,8 @@
 """Strided specs (Rhino §4.1): comm-free reshapes, their rewrite, and the plans they win."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
 from rhino_jax.models.adam import adam_init, adam_update
@@ -51,11 +51,35 @@ def test_split_turns_a_stride_into_a_tiled_dim():
         s.to_partition_spec()
 
 
-def test_changing_only_the_stride_is_an_all_to_all():
+def test_changing_only_the_stride_exchanges_or_gathers():
+    """Stride 512 (period 4096) to blocks of 1024 on 8192: the blocks tile the period, so the
+    pieces are exchanged (all-to-all, then permuted into place). Stride 64 (period 512) to
+    blocks of 3136 (VGG19's flattened 7x7x512 features): they do not, and XLA gathers."""
     src = spec(("x",), (), strides=((0, 512),))
-    moves = reshard(src, spec(("x",), ()), 8192 * 64 * 4, X8)
-    assert [c.kind for c in moves] == ["all-to-all"]
-    assert reshard(src, src, 8192 * 64 * 4, X8) == []
+    moves = reshard(src, spec(("x",), ()), 8192 * 64 * 4, X8, (8192, 64))
+    assert [c.kind for c in moves] == ["all-to-all", "collective-permute"]
+    assert reshard(src, src, 8192 * 64 * 4, X8, (8192, 64)) == []
+    moves = reshard(spec((), ("x",), strides=((1, 64),)), spec((), ("x",)), 16 * 25088 * 4, X8, (16, 25088))
+    assert [(c.kind, c.bytes) for c in moves] == [("all-gather", 16 * 25088 * 4)]
+
+
+@pytest.mark.parametrize("shape,pin,merged,read", [
+    ((2, 4096, 64), P(None, "x", None), (8192, 64), P("x", None)),  # aligned: all-to-all + permute
+    ((4, 49, 512), P(None, None, "x"), (4, 25088), P(None, "x")),  # not aligned: all-gather
+])
+def test_compiled_stride_change_matches_the_prediction(shape, pin, merged, read):
+    """A split dim merged by a reshape (a strided layout), then read at maximum stride: what
+    XLA compiles is what `reshard` predicts."""
+    def f(x):
+        y = jnp.sin(rj.annotate(x, pin).reshape(merged))
+        return rj.annotate(jnp.cos(y), read)
+
+    x = jax.random.normal(jax.random.PRNGKey(0), shape)
+    lowered = rj.parallelize(f, mesh=rj.device_mesh((8,), ("x",))).lower(x)
+    predicted = sorted((c.kind, c.bytes) for c in lowered.plan.collectives)
+    compiled = lowered.compile()
+    assert sorted((c.kind, c.bytes) for c in compiled.collectives.collectives) == predicted
+    assert_same_numbers(jax.jit(f)(x), compiled(x))
 
 
 # Two sequences, flattened to tokens for the MLP and back: on 8 devices the batch cannot be
