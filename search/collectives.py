@@ -14,7 +14,6 @@ from .cluster import MeshTopology
 from .specs import ShardingSpec
 
 
-
 @dataclass(frozen=True)
 class Collective:
     kind: str
