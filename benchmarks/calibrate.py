@@ -111,20 +111,13 @@ def _nbytes(aval) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def op_flops(primitive: str, in_avals, out_avals, params: dict) -> float:
-    """FLOPs as rhino_jax's importer counts them: exact for dot/convolution, else one per output
-    element (the roofline only needs the former)."""
-    out_elems = sum(int(np.prod(a.shape, dtype=np.int64)) for a in out_avals)
-    if primitive == "dot_general":
-        (lhs_contract, _), _ = params["dimension_numbers"]
-        k = int(np.prod([in_avals[0].shape[d] for d in lhs_contract], dtype=np.int64))
-        return 2.0 * out_elems * k
-    if primitive == "conv_general_dilated":
-        rhs = in_avals[1].shape
-        spec = params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
-        window = int(np.prod([rhs[d] for d in spec[2:]], dtype=np.int64))
-        return 2.0 * out_elems * window * rhs[spec[1]] // params["feature_group_count"]
-    return float(out_elems)
+def _graph(fn, args):
+    """rhino_jax's Graph IR of `fn(*args)` on one device: what the cost model reads."""
+    from rhino_jax.hlo_passes.importer import import_module
+    from rhino_jax.hlo_passes.lowering import lower_on_mesh
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    step = lower_on_mesh(fn, args, mesh, ())
+    return import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
 
 
 def _random_operand(aval, key):
@@ -178,7 +171,7 @@ def time_ops(step, args, seen: set) -> list[dict]:
             continue
         rows.append(dict(primitive=name, dtype=str(out_avals[0].dtype) if out_avals else "",
                          shapes=[list(a.shape) for a in in_avals], out=[list(a.shape) for a in out_avals],
-                         flops=op_flops(name, in_avals, out_avals, eqn.params),
+                         flops=sum(n.flops for n in _graph(one, operands).nodes),  # as the cost model counts
                          bytes=sum(_nbytes(a) for a in in_avals + out_avals), seconds=seconds))
     return rows
 
@@ -270,13 +263,9 @@ def _predicted_seconds(model: str, config, cluster, per_op_s: float = 0.0) -> tu
     """Single-device compute time of the step as rhino_jax's cost model sums it, and the node
     count. `per_op_s` adds the fixed time per op that the roofline leaves out (reported only)."""
     from benchmarks.models import MODELS
-    from rhino_jax.hlo_passes.importer import import_module
-    from rhino_jax.hlo_passes.lowering import lower_on_mesh
     from rhino_jax.search.strategies import FUSIBLE, compute_time, memory_traffic
     module = MODELS[model]
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
-    step = lower_on_mesh(module.make_train_step(config), module.example(config, abstract=True), mesh, ())
-    graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
+    graph = _graph(module.make_train_step(config), module.example(config, abstract=True))
     traffic = memory_traffic(graph)
     total = sum(compute_time(n, graph.values, traffic[n.id], 1, cluster) for n in graph.nodes)
     kernels = sum(1 for n in graph.nodes if n.op not in FUSIBLE)
