@@ -2,18 +2,24 @@
 
 Two steps, because the GPU machine and the planning machine differ:
 
-python -m benchmarks.calibrate measure --out DIR      (on the GPU; needs jax and the zoo only)
+python -m benchmarks.calibrate measure --out DIR      (on the GPU)
     Times, on one device, (a) every distinct dot/convolution of each measured train step in
     isolation, and the larger memory-bound ops, and (b) the whole train step of the zoo's tiny
     presets and of "medium" presets (paper sizes cut to fit one GPU), each at two depths so
-    that the difference is the time of the added layers. Writes DIR/measured.json.
+    that the difference is the time of the added layers. Writes DIR/measured.json, with each
+    op's StableHLO text. Needs only jax, numpy and the repo's benchmarks/ (run from the repo
+    root): not an installed rhino_jax, its planner (rhino_jax.search, rhino_jax.hlo_passes) nor
+    ortools, and not the jax version rhino_jax pins. The zoo is imported with the body of
+    `rhino_jax/__init__.py` (which imports the planner) deferred; see `_zoo`.
 
-python -m benchmarks.calibrate fit [--measured FILE] [--preset NAME] [--out-dir DIR]   (anywhere)
-    Fits the compute roofline's constants (achievable FLOP/s per dtype, memory bandwidth, and
-    the fixed time per op that the roofline leaves out) to the isolated ops, then predicts the
-    measured steps from rhino_jax's own graph of each step (`import_module`, `memory_traffic`,
-    `compute_time`) with the cluster preset (default `8x-h100`) as it was and as fitted. Writes
-    calibration.md and calibration.json to DIR (default benchmarks/).
+python -m benchmarks.calibrate fit [--measured FILE] [--preset NAME] [--out-dir DIR]   (with rhino_jax)
+    Counts each op's FLOPs as the cost model does, by importing its stored StableHLO into
+    rhino_jax's Graph IR (`op_flops`); fits the compute roofline's constants (achievable FLOP/s
+    per dtype, memory bandwidth, and the fixed time per op that the roofline leaves out) to the
+    isolated ops, then predicts the measured steps from rhino_jax's own graph of each step
+    (`import_module`, `memory_traffic`, `compute_time`) with the cluster preset (default
+    `8x-h100`) as it was and as fitted. Writes calibration.md and calibration.json to DIR
+    (default benchmarks/).
 
 Ops are timed as XLA compiles them alone (jit of the one primitive), whole steps as jit
 compiles them (fused). Every time is the median of several repetitions of back-to-back calls.
@@ -23,10 +29,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import pathlib
 import platform
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -58,10 +66,36 @@ COMPUTE_PRIMITIVES = ("dot_general", "conv_general_dilated")
 LARGEST_OPS = 20  # rows of the per-op table in calibration.md
 
 
+def _zoo() -> dict:
+    """benchmarks.models.MODELS, imported without running the body of `rhino_jax/__init__.py`.
+
+    The zoo imports rhino_jax.models (plain JAX), and importing it runs its package's body, which
+    imports the planner (rhino_jax.search, rhino_jax.hlo_passes, ortools). On the GPU machine
+    rhino_jax is not installed (from the repo root the package is found, those subpackages are
+    not) and jax is newer than rhino_jax pins, so `measure` must not run that body. Unless
+    rhino_jax is imported already, it is registered with its body deferred to the first lookup of
+    one of its names (`from rhino_jax import X`), so that later code in the process still sees
+    the whole package."""
+    spec = None if "rhino_jax" in sys.modules else importlib.util.find_spec("rhino_jax")
+    if spec is not None and spec.submodule_search_locations is not None:
+        package = importlib.util.module_from_spec(spec)
+
+        def run_body(name: str):
+            if name.startswith("__"):  # probes of module metadata do not need the body
+                raise AttributeError(f"module 'rhino_jax' has no attribute {name!r}")
+            del package.__getattr__
+            spec.loader.exec_module(package)
+            return getattr(package, name)
+
+        package.__getattr__ = run_body
+        sys.modules["rhino_jax"] = package
+    from benchmarks.models import MODELS
+    return MODELS
+
+
 def configs(model: str) -> dict[str, Any]:
     """label -> Config of every step measured for `model`: tiny, and medium at each depth."""
-    from benchmarks.models import MODELS
-    module = MODELS[model]
+    module = _zoo()[model]
     out = {"tiny": module.PRESETS["tiny"]}
     preset, overrides = MEDIUM[model]
     base = dataclasses.replace(module.PRESETS[preset], **overrides)
@@ -111,15 +145,6 @@ def _nbytes(aval) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def _graph(fn, args):
-    """rhino_jax's Graph IR of `fn(*args)` on one device: what the cost model reads."""
-    from rhino_jax.hlo_passes.importer import import_module
-    from rhino_jax.hlo_passes.lowering import lower_on_mesh
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
-    step = lower_on_mesh(fn, args, mesh, ())
-    return import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
-
-
 def _random_operand(aval, key):
     if jnp.issubdtype(aval.dtype, jnp.floating):
         return jax.random.normal(key, aval.shape, aval.dtype)
@@ -147,7 +172,8 @@ def _selected_eqns(step, args, seen: set) -> list:
 
 
 def time_ops(step, args, seen: set) -> list[dict]:
-    """The ops `_selected_eqns` picks, each timed alone on the default device."""
+    """The ops `_selected_eqns` picks, each timed alone on the default device, with the StableHLO
+    it was timed as (for `fit` to count its FLOPs with rhino_jax's importer: `op_flops`)."""
     rows = []
     key = jax.random.PRNGKey(1)
     for eqn in _selected_eqns(step, args, seen):
@@ -166,13 +192,14 @@ def time_ops(step, args, seen: set) -> list[dict]:
         try:
             fn = jax.jit(one)
             seconds = _timed(lambda: fn(*operands))
+            stablehlo = fn.lower(*operands).as_text()
         except Exception as err:  # an op that cannot run alone: say which, go on with the others
             print(f"  skipped {name}: {type(err).__name__}: {str(err)[:120]}")
             continue
         rows.append(dict(primitive=name, dtype=str(out_avals[0].dtype) if out_avals else "",
                          shapes=[list(a.shape) for a in in_avals], out=[list(a.shape) for a in out_avals],
-                         flops=sum(n.flops for n in _graph(one, operands).nodes),  # as the cost model counts
-                         bytes=sum(_nbytes(a) for a in in_avals + out_avals), seconds=seconds))
+                         bytes=sum(_nbytes(a) for a in in_avals + out_avals), seconds=seconds,
+                         stablehlo=stablehlo))
     return rows
 
 
@@ -191,7 +218,7 @@ def time_step(module, config) -> float:
 
 def measure(out_dir: pathlib.Path, models: list[str], quick: bool = False) -> None:
     """`quick`: tiny presets only, their ops timed too (a smoke run of this script on any machine)."""
-    from benchmarks.models import MODELS
+    zoo = _zoo()
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = jax.devices()[0]
     result = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
@@ -199,7 +226,7 @@ def measure(out_dir: pathlib.Path, models: list[str], quick: bool = False) -> No
     path = out_dir / "measured.json"
     seen: set = set()
     for model in models:
-        module = MODELS[model]
+        module = zoo[model]
         for label, config in configs(model).items():
             if quick and label != "tiny":
                 continue
@@ -217,6 +244,44 @@ def measure(out_dir: pathlib.Path, models: list[str], quick: bool = False) -> No
 
 
 # ----------------------------------------------------------------------------- fitting (CPU)
+
+def _graph(fn, args):
+    """rhino_jax's Graph IR of `fn(*args)` on one device: what the cost model reads."""
+    from rhino_jax.hlo_passes.importer import import_module
+    from rhino_jax.hlo_passes.lowering import lower_on_mesh
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    step = lower_on_mesh(fn, args, mesh, ())
+    return import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
+
+
+def op_flops(stablehlo: str) -> float:
+    """FLOPs of an op that `measure` stored as StableHLO text, as the cost model counts them: the
+    sum of `Node.flops` over rhino_jax's Graph IR of the module (parsed, calls inlined, imported)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from rhino_jax.hlo_passes import module as mod
+    from rhino_jax.hlo_passes.importer import import_module
+    with mlir.make_ir_context():
+        module = mod.inline_calls(ir.Module.parse(stablehlo))
+        n_args = len(mod.entry_function(module).regions[0].blocks[0].arguments)
+        n_out = len(mod.entry_return(module).operands)
+        graph = import_module(module, [f"arg{i}" for i in range(n_args)], ["other"] * n_args,
+                              [f"out{i}" for i in range(n_out)])
+        return float(sum(n.flops for n in graph.nodes))
+
+
+def measured_ops(measured: dict) -> list[dict]:
+    """The ops of a measured.json, each with its `flops` counted by `op_flops`."""
+    out = []
+    for i, o in enumerate(measured["ops"]):
+        try:
+            flops = op_flops(o["stablehlo"])
+        except Exception as err:
+            raise ValueError(f"op {i} ({o.get('model')}: {o['primitive']} {o['shapes']}): its StableHLO does "
+                             f"not import: {type(err).__name__}: {err}") from err
+        out.append(dict(o, flops=flops))
+    return out
+
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
@@ -262,9 +327,8 @@ def fit(ops: list[dict], preset) -> Fit:
 def _predicted_seconds(model: str, config, cluster, per_op_s: float = 0.0) -> tuple[float, int]:
     """Single-device compute time of the step as rhino_jax's cost model sums it, and the node
     count. `per_op_s` adds the fixed time per op that the roofline leaves out (reported only)."""
-    from benchmarks.models import MODELS
     from rhino_jax.search.strategies import FUSIBLE, compute_time, memory_traffic
-    module = MODELS[model]
+    module = _zoo()[model]
     graph = _graph(module.make_train_step(config), module.example(config, abstract=True))
     traffic = memory_traffic(graph)
     total = sum(compute_time(n, graph.values, traffic[n.id], 1, cluster) for n in graph.nodes)
@@ -276,6 +340,7 @@ def fit_and_report(measured_path: pathlib.Path, preset: str = "8x-h100", out_dir
     """Fit `preset`'s constants to the measured ops and write the report; returns its markdown."""
     from rhino_jax.search.cluster import get_cluster
     measured = json.loads(measured_path.read_text())
+    measured["ops"] = measured_ops(measured)
     before = get_cluster(preset)
     f = fit(measured["ops"], before)
     after = dataclasses.replace(before, flops_per_s={**before.flops_per_s, **f.flops_per_s},
