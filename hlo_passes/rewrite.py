@@ -5,9 +5,10 @@ Arguments and results get `sdy.sharding`. Every value the plan fixes is followed
 paid for) one more constraint, shared by all readers of that layout, sits before the first
 reader. Constraints, not op attributes: XLA keeps the shardings of constraint ops and drops
 those on other ops when it imports the module, then re-propagates from what is left, which
-is not the plan. Values the plan keeps as partial sums are left open (a sharding cannot say
-"partial"); a reader that wants another layout first gets a constraint with the sums settled as
-the plan priced it (`collectives.settle`: reduce-scattered or all-reduced), then its own.
+is not the plan. A reshard of several steps (`collectives.reshard_path`) gets a constraint per
+intermediate layout, so XLA runs the collectives the plan priced: the first settles partial
+sums (reduce-scattered or all-reduced; values the plan keeps partial are left open, as a
+sharding cannot say "partial").
 
 Strided specs (Rhino §4.1) have no Shardy form, so the program is changed to hold them: a value
 split n ways at stride s on a dim of size N gets the shape [..., N/(n·s), n·s, ...] with the
@@ -23,7 +24,6 @@ from collections.abc import Sequence
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo, sdy
 
-from ..search.collectives import settle
 from ..search.specs import ShardingSpec
 from . import module as mod
 from .graph import Graph
@@ -86,10 +86,12 @@ def _renumber(op: ir.Operation, node, ins: list[list[list[int]]], outs: list[lis
 
 def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec],
             read_specs: dict[tuple[int, int], ShardingSpec],
+            read_paths: dict[tuple[int, ShardingSpec], tuple[ShardingSpec, ...]],
             arg_specs: Sequence[ShardingSpec], out_specs: Sequence[ShardingSpec],
             axis_sizes: dict[str, int]) -> ir.Module:
     """Annotate `module` (the inlined module `graph` was imported from) in place.
-    `read_specs[node, operand]`: the layout an op reads where it differs from the producer's."""
+    `read_specs[node, operand]`: the layout an op reads where it differs from the producer's;
+    `read_paths[value, layout read]`: the layouts it passes through on the way (`Plan.read_paths`)."""
     name = mesh_name(module)
     main = mod.entry_function(module)
 
@@ -126,15 +128,12 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
                 if (v, spec) not in reads:
                     shape, physical = split(v, spec)
                     source = op.operands[pos]
-                    produced = value_specs.get(v)
-                    if produced is not None and produced.partial and not produced.strides:
-                        # Settle the partial sums as the plan priced it (reduce-scatter or
-                        # all-reduce) before moving on: left open, XLA may pick another way.
-                        mid = settle(produced, spec)
-                        if mid != spec:
-                            if (v, mid) not in reads:
-                                reads[v, mid] = constrain(source, mid, op.operation)
-                            source = reads[v, mid]
+                    # Pin each layout on the plan's way (settled partial sums, then one
+                    # collective per step): left to itself, XLA may go another, dearer way.
+                    for mid in read_paths.get((v, spec), ()):
+                        if (v, mid) not in reads:
+                            reads[v, mid] = constrain(source, mid, op.operation)
+                        source = reads[v, mid]
                     reads[v, spec] = constrain(reshaped(source, shape, op.operation), physical, op.operation)
                 op.operands[pos] = reads[v, spec]
                 ins.append(_dim_map(graph.values[v].shape, spec))

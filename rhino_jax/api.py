@@ -108,7 +108,8 @@ class Lowered:
     def compile(self) -> Compiled:
         if self._compiled is None:
             module = rewrite_pass.rewrite(copy_module(self._step.module), self.graph, self.plan.value_specs,
-                                          self.plan.read_specs, self.plan.arg_specs, self.plan.output_specs,
+                                          self.plan.read_specs, self.plan.read_paths, self.plan.arg_specs,
+                                          self.plan.output_specs,
                                           self.plan.mesh_axes)
             ins = jax.tree.leaves(self.plan.input_shardings)
             outs = jax.tree.leaves(self.plan.output_shardings)

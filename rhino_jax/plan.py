@@ -68,6 +68,9 @@ class Plan:
     value_specs: dict[int, ShardingSpec] = field(repr=False)
     # (node id, operand index) → the layout that op reads, where it differs from the producer's
     read_specs: dict[tuple[int, int], ShardingSpec] = field(default_factory=dict, repr=False)
+    # (value id, layout read) → the layouts the value passes through on the way, where the reshard
+    # takes several steps (`collectives.reshard_path`); the rewrite pins each one
+    read_paths: dict[tuple[int, ShardingSpec], tuple[ShardingSpec, ...]] = field(default_factory=dict, repr=False)
     cost: PlanCost = None  # type: ignore[assignment]
     collectives: tuple[PlannedCollective, ...] = ()
     fallback_ops: tuple[str, ...] = ()  # ops without a sharding rule, kept replicated
@@ -106,7 +109,7 @@ class Plan:
 
     def to_json(self) -> str:
         d = asdict(self)
-        for k in ("value_specs", "read_specs", "input_shardings", "output_shardings"):
+        for k in ("value_specs", "read_specs", "read_paths", "input_shardings", "output_shardings"):
             d.pop(k)
         return json.dumps(d, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o),
                           indent=1)

@@ -3,9 +3,17 @@
 Bytes follow the convention of `hlo_passes.hlo_stats` so that predicted and compiled
 communication compare one to one: per device, all-reduce = its buffer, all-gather = the gathered
 result, reduce-scatter = the un-scattered operand, all-to-all and collective-permute = its buffer.
+
+A reshard is a path of steps that XLA's SPMD partitioner compiles exactly as priced when the
+rewrite pins every intermediate layout (`reshard_path`). Left to find its own way between two
+distant layouts, XLA often replicates the whole tensor and slices it ("involuntary full
+rematerialization") or adds permutes, so the plan fixes the way as well as the ends.
 """
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +41,14 @@ class Collective:
         return topo.launch + steps / n * self.bytes / bw + steps * lat
 
 
+@dataclass(frozen=True)
+class Step:
+    """One leg of a reshard: the collectives XLA runs and the layout they leave."""
+
+    spec: ShardingSpec
+    collectives: tuple[Collective, ...]
+
+
 def total_time(collectives: list[Collective], topo: MeshTopology) -> float:
     return sum(c.time(topo) for c in collectives)
 
@@ -41,14 +57,30 @@ def _local_bytes(spec: ShardingSpec, full_bytes: int, sizes: dict[str, int]) -> 
     return full_bytes // spec.shard_factor(sizes)
 
 
-def settle(src: ShardingSpec, dst: ShardingSpec) -> ShardingSpec:
+def _divides(dims, shape: tuple[int, ...], sizes: dict[str, int]) -> bool:
+    return all(size % ShardingSpec.shard_factor_of(tuple(axes), sizes) == 0 for size, axes in zip(shape, dims))
+
+
+def settle(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], sizes: dict[str, int]) -> ShardingSpec:
     """`src` once its partial sums are settled on the way to `dst`: reduce-scattered into the
-    dims where dst shards a partial axis (as that dim's minor axis), all-reduced elsewhere."""
+    dim where dst shards a partial axis (as that dim's minor axis) when the dim still divides,
+    all-reduced otherwise."""
     dims = [list(d) for d in src.dims]
     for a in src.partial:
-        if dst.dim_of(a) is not None:
-            dims[dst.dim_of(a)].append(a)
+        d = dst.dim_of(a)
+        if d is not None and _divides([dims[d] + [a]], (shape[d],), sizes):
+            dims[d].append(a)
     return ShardingSpec(tuple(tuple(d) for d in dims), (), src.strides)
+
+
+def _settle_step(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, sizes: dict[str, int],
+                 shape: tuple[int, ...]) -> Step:
+    settled = settle(src, dst, shape, sizes)
+    before = _local_bytes(src, full_bytes, sizes)
+    reduce = tuple(a for a in src.partial if settled.dim_of(a) is None)
+    scatter = tuple(a for a in src.partial if a not in reduce)
+    return Step(settled, tuple(Collective(kind, axes, before) for kind, axes in
+                               (("all-reduce", reduce), ("reduce-scatter", scatter)) if axes))
 
 
 def _strides_align(size: int, n: int, a: int | None, b: int | None) -> bool:
@@ -59,34 +91,153 @@ def _strides_align(size: int, n: int, a: int | None, b: int | None) -> bool:
     return big % (n * small) == 0 or (n * small) % big == 0
 
 
-def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
-            sizes: dict[str, int], shape: tuple[int, ...]) -> list[Collective]:
-    """The collectives that turn a tensor of `shape` laid out as `src` into `dst` (dst is never
-    partial).
+def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, topo: MeshTopology,
+            shape: tuple[int, ...]) -> list[Collective]:
+    """The collectives that turn a tensor of `shape` laid out as `src` into `dst`."""
+    return [c for step in reshard_path(src, dst, full_bytes, topo, shape) for c in step.collectives]
 
-    Order: settle partial sums (reduce-scatter where dst shards on that axis, else all-reduce),
-    slice locally into the axes dst adds (free), move axes between dims (all-to-all), and gather
-    the axes dst drops last, so every collective works on the smallest buffer it can. A dim
-    whose stride changes is exchanged by all-to-all and permuted into place where the strides
-    align, and gathered (then sliced) where they do not: what XLA compiles for each."""
+
+def reshard_path(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, topo: MeshTopology,
+                 shape: tuple[int, ...]) -> tuple[Step, ...]:
+    """The steps from `src` to `dst` (dst is never partial); the last step's spec is dst.
+
+    Partial sums are settled first (`settle`). Between maximum-stride layouts the path is the
+    cheapest under the α-β model over moves that XLA compiles as one collective each
+    (`_move_table`). A stride change keeps one direct step (`_strided`), as XLA compiles it."""
     if src == dst:
-        return []
+        return ()
+    steps: list[Step] = []
+    scattered: set[str] = set()  # partial axes reduce-scattered into the dim dst wants them on
+    if src.partial:
+        steps.append(_settle_step(src, dst, full_bytes, topo.sizes, shape))
+        scattered = set(src.partial) & set(steps[-1].spec.used_axes())
+        src = steps[-1].spec
+    if src.strides or dst.strides:
+        collectives = tuple(c for s in steps for c in s.collectives) + tuple(
+            _strided(src, dst, full_bytes, topo.sizes, shape, scattered))
+        return (Step(dst, collectives),)
+    if src != dst:
+        steps += _cheapest_paths(src, shape, full_bytes, topo)[dst]
+    return tuple(steps)
+
+
+@functools.lru_cache(maxsize=8192)
+def _layouts(shape: tuple[int, ...], sizes: tuple[tuple[str, int], ...]) -> tuple[ShardingSpec, ...]:
+    """Every maximum-stride, non-partial layout of `shape` that divides it, axes in any order."""
+    names, out = [a for a, _ in sizes], set()
+    sz = dict(sizes)
+    for where in itertools.product(range(-1, len(shape)), repeat=len(names)):
+        for order in itertools.permutations(names):
+            dims = [[a for a in order if where[names.index(a)] == d] for d in range(len(shape))]
+            if _divides(dims, shape, sz):
+                out.add(ShardingSpec(tuple(tuple(d) for d in dims)))
+    return tuple(sorted(out))
+
+
+def _moved_axes(a: ShardingSpec, b: ShardingSpec, sizes: dict[str, int]) -> tuple[str, ...]:
+    """Axes whose devices hold another block of the tensor in b than in a (a permute's group)."""
+    def place(spec, axis):
+        d = spec.dim_of(axis)
+        return None if d is None else (d, ShardingSpec.shard_factor_of(
+            spec.dims[d][spec.dims[d].index(axis) + 1:], sizes))
+    return tuple(x for x in sizes if place(a, x) != place(b, x))
+
+
+# One move: (next layout, collective kind or None when free, its axes, the shard factor of the
+# piece it moves: bytes = full_bytes // factor).
+Move = tuple[ShardingSpec, "str | None", tuple[str, ...], int]
+
+
+@functools.lru_cache(maxsize=1024)
+def _move_table(shape: tuple[int, ...], sizes_items: tuple[tuple[str, int], ...]) -> dict[ShardingSpec, tuple[Move, ...]]:
+    """Per layout of `shape`, every move XLA compiles as one collective when both ends are
+    pinned (checked layout pair by layout pair against compiled HLO in the tests):
+    - all-gather of a dim's minor axes (gathering a major axis first needs a permute);
+    - all-to-all of a dim's minor axes onto another dim, where they become the minor axes;
+    - refinement: every block of the next layout lies in one block of this one (each dim cut
+      into a multiple of its pieces): free where every device holds its new block already (this
+      layout's axes stay major on each dim), else one collective-permute of the new blocks."""
+    sizes = dict(sizes_items)
+    layouts = _layouts(shape, sizes_items)
+    factor = {spec: spec.shard_factor(sizes) for spec in layouts}
+    table = {}
+    for cur in layouts:
+        moves: list[Move] = []
+        for d, axes in enumerate(cur.dims):
+            for k in range(1, len(axes) + 1):
+                keep, minor = axes[:-k], axes[-k:]
+                gathered = ShardingSpec(cur.dims[:d] + (keep,) + cur.dims[d + 1:])
+                moves.append((gathered, "all-gather", minor, factor[gathered]))
+                for e in range(len(shape)):
+                    moved = ShardingSpec(tuple(keep if i == d else dims + minor if i == e else dims
+                                               for i, dims in enumerate(cur.dims)))
+                    if e != d and moved in factor:
+                        moves.append((moved, "all-to-all", minor, factor[cur]))
+        for nxt in layouts:
+            if nxt == cur or any(ShardingSpec.shard_factor_of(b, sizes) % ShardingSpec.shard_factor_of(a, sizes)
+                                 for a, b in zip(cur.dims, nxt.dims)):
+                continue
+            if all(b[:len(a)] == a for a, b in zip(cur.dims, nxt.dims)):
+                moves.append((nxt, None, (), factor[nxt]))
+            else:
+                moves.append((nxt, "collective-permute", _moved_axes(cur, nxt, sizes), factor[nxt]))
+        table[cur] = tuple(moves)
+    return table
+
+
+@functools.lru_cache(maxsize=65536)
+def _time(c: Collective, topo: MeshTopology) -> float:
+    return c.time(topo)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest_paths(src: ShardingSpec, shape: tuple[int, ...], full_bytes: int, topo: MeshTopology
+                    ) -> dict[ShardingSpec, tuple[Step, ...]]:
+    """Dijkstra from `src` over the layouts of `shape`: the cheapest steps to each one. Ties go
+    to fewer bytes moved, then to fewer collectives."""
+    table = _move_table(shape, tuple(topo.sizes.items()))
+    best: dict[ShardingSpec, tuple] = {src: (0.0, 0, 0)}
+    back: dict[ShardingSpec, tuple[ShardingSpec, Step]] = {}
+    heap = [((0.0, 0, 0), 0, src)]
+    tie = itertools.count(1)
+    done = set()
+    while heap:
+        cost, _, cur = heapq.heappop(heap)
+        if cur in done:
+            continue
+        done.add(cur)
+        for nxt, kind, axes, factor in table[cur]:
+            if nxt in done:
+                continue
+            c = Collective(kind, axes, full_bytes // factor) if kind else None
+            step = Step(nxt, (c,) if c else ())
+            new = (cost[0] + (_time(c, topo) if c else 0.0), cost[1] + (c.bytes if c else 0), cost[2] + bool(c))
+            if nxt not in best or new < best[nxt]:
+                best[nxt], back[nxt] = new, (cur, step)
+                heapq.heappush(heap, (new, next(tie), nxt))
+    paths: dict[ShardingSpec, tuple[Step, ...]] = {}
+    for spec in best:
+        legs, at = [], spec
+        while at != src:
+            at, step = back[at]
+            legs.append(step)
+        paths[spec] = tuple(reversed(legs))
+    return paths
+
+
+def _strided(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, sizes: dict[str, int],
+             shape: tuple[int, ...], scattered: set[str]) -> list[Collective]:
+    """Resharding where either end has a non-maximum stride (src is settled; `scattered`: its
+    axes that a reduce-scatter just put where dst wants them), in one direct step:
+    slice locally into the axes dst adds (free), move axes between dims (all-to-all), and gather
+    the axes dst drops last. A dim whose stride changes is exchanged by all-to-all and permuted
+    into place where the strides align, and gathered (then sliced) where they do not: what XLA
+    compiles for each."""
     out: list[Collective] = []
     dims = [list(d) for d in src.dims]
     cur = lambda: ShardingSpec(tuple(tuple(d) for d in dims))  # noqa: E731
-    settled: set[str] = set()  # axes placed where dst wants them, at dst's stride
-    # 1. partial sums
-    if src.partial:
-        before = _local_bytes(src, full_bytes, sizes)
-        scatter = [a for a in src.partial if dst.dim_of(a) is not None]
-        reduce = tuple(a for a in src.partial if a not in scatter)
-        if reduce:
-            out.append(Collective("all-reduce", reduce, before))
-        if scatter:
-            out.append(Collective("reduce-scatter", tuple(scatter), before))
-            dims = [list(d) for d in settle(src, dst).dims]
-            settled.update(scatter)
-    # 2. free local slicing into axes that dst uses and the tensor does not use yet
+    settled = set(scattered)  # axes placed where dst wants them, at dst's stride
+    # free local slicing into axes that dst uses and the tensor does not use yet
     used = {a for d in dims for a in d}
     for d, axes in enumerate(dst.dims):
         for a in axes:
@@ -94,7 +245,7 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
                 dims[d].append(a)
                 used.add(a)
                 settled.add(a)
-    # 3. a stride change: exchanged below where the strides align (then permuted into place),
+    # a stride change: exchanged below where the strides align (then permuted into place),
     # else the dim's axes are gathered here and sliced back for free
     exchanged = False
     for d in range(len(dims)):
@@ -108,8 +259,8 @@ def reshard(src: ShardingSpec, dst: ShardingSpec, full_bytes: int,
         out.append(Collective("all-gather", axes, _local_bytes(cur(), full_bytes, sizes)))
         dims[d] += axes
         settled.update(axes)
-    # 4. axes on the wrong dim (or at another stride) move with all-to-all; 5. axes dst does
-    # not use are gathered
+    # axes on the wrong dim (or at another stride) move with all-to-all; axes dst does not
+    # use are gathered
     moves, gathers = [], []
     for d, axes in enumerate(dims):
         for a in axes:

@@ -21,7 +21,7 @@ from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 from ..hlo_passes.graph import Graph, Pin
 from . import ilp
 from .cluster import Cluster, MeshTopology
-from .collectives import reshard
+from .collectives import reshard, reshard_path
 from .cones import Cone, build_cones
 from .critical import backbone
 from .repeats import group_segments, tie_repeats
@@ -170,7 +170,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
     def reshard_cost(src: ShardingSpec, dst: ShardingSpec, v: int) -> float:
         key = (src, dst, graph.values[v].nbytes, graph.values[v].shape)
         if key not in rcache:
-            rcache[key] = sum(c.time(topo) for c in reshard(src, dst, key[2], sizes, key[3]))
+            rcache[key] = sum(c.time(topo) for c in reshard(src, dst, key[2], topo, key[3]))
         return rcache[key]
 
     def own_cost(s: Strategy) -> float:
@@ -324,6 +324,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
     planned: list[PlannedCollective] = []
     read_specs: dict[tuple[int, int], ShardingSpec] = {}
     moved: set[tuple[int, ShardingSpec]] = set()  # a value is resharded once per layout read
+    read_paths: dict[tuple[int, ShardingSpec], tuple[ShardingSpec, ...]] = {}
     for i, s in sorted(chosen.items()):
         u = units[i]
         for c in s.collectives:
@@ -338,7 +339,10 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
             if (v, s.operands[pos]) in moved:
                 continue
             moved.add((v, s.operands[pos]))
-            for c in reshard(specs[v], s.operands[pos], graph.values[v].nbytes, topo.sizes, graph.values[v].shape):
+            path = reshard_path(specs[v], s.operands[pos], graph.values[v].nbytes, topo, graph.values[v].shape)
+            if len(path) > 1:
+                read_paths[v, s.operands[pos]] = tuple(step.spec for step in path[:-1])
+            for c in (c for step in path for c in step.collectives):
                 planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind))
     comm = sum(c.time_s for c in planned)
     arg_specs = tuple(specs[a.value] for a in graph.args)
@@ -369,6 +373,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
         output_specs=tuple(out_specs),
         value_specs=specs,
         read_specs=read_specs,
+        read_paths=read_paths,
         cost=PlanCost(compute, comm, compute + comm, memory),
         collectives=tuple(planned),
         fallback_ops=tuple(fallback),

@@ -10,7 +10,7 @@ from rhino_jax.search.collectives import reshard
 from rhino_jax.search.specs import ShardingSpec
 from rhino_jax.search.strides import map_reshape
 
-from helpers import assert_same_numbers
+from helpers import assert_same_numbers, topology
 
 X8 = {"x": 8}
 XY = {"x": 2, "y": 4}
@@ -55,11 +55,11 @@ def test_changing_only_the_stride_exchanges_or_gathers():
     """Stride 512 (period 4096) to blocks of 1024 on 8192: the blocks tile the period, so the
     pieces are exchanged (all-to-all, then permuted into place). Stride 64 (period 512) to
     blocks of 3136 (VGG19's flattened 7x7x512 features): they do not, and XLA gathers."""
-    src = spec(("x",), (), strides=((0, 512),))
-    moves = reshard(src, spec(("x",), ()), 8192 * 64 * 4, X8, (8192, 64))
+    src, topo = spec(("x",), (), strides=((0, 512),)), topology(x=8)
+    moves = reshard(src, spec(("x",), ()), 8192 * 64 * 4, topo, (8192, 64))
     assert [c.kind for c in moves] == ["all-to-all", "collective-permute"]
-    assert reshard(src, src, 8192 * 64 * 4, X8, (8192, 64)) == []
-    moves = reshard(spec((), ("x",), strides=((1, 64),)), spec((), ("x",)), 16 * 25088 * 4, X8, (16, 25088))
+    assert reshard(src, src, 8192 * 64 * 4, topo, (8192, 64)) == []
+    moves = reshard(spec((), ("x",), strides=((1, 64),)), spec((), ("x",)), 16 * 25088 * 4, topo, (16, 25088))
     assert [(c.kind, c.bytes) for c in moves] == [("all-gather", 16 * 25088 * 4)]
 
 
