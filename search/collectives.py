@@ -143,15 +143,21 @@ def _moved_axes(a: ShardingSpec, b: ShardingSpec, sizes: dict[str, int]) -> tupl
     return tuple(x for x in sizes if place(a, x) != place(b, x))
 
 
-# One move: (next layout, collective kind or None when free, its axes, the shard factor of the
-# piece it moves: bytes = full_bytes // factor).
-Move = tuple[ShardingSpec, "str | None", tuple[str, ...], int]
+@dataclass(frozen=True)
+class _MoveTable:
+    """The layouts of one shape on one mesh and, per layout (by index), its moves:
+    (next layout's index, collective kind or None when free, its axes, the shard factor of the
+    piece it moves: bytes = full_bytes // factor)."""
+
+    layouts: tuple[ShardingSpec, ...]
+    index: dict[ShardingSpec, int]
+    moves: tuple[tuple[tuple[int, str | None, tuple[str, ...], int], ...], ...]
 
 
 @functools.lru_cache(maxsize=1024)
-def _move_table(shape: tuple[int, ...], sizes_items: tuple[tuple[str, int], ...]) -> dict[ShardingSpec, tuple[Move, ...]]:
-    """Per layout of `shape`, every move XLA compiles as one collective when both ends are
-    pinned (checked layout pair by layout pair against compiled HLO in the tests):
+def _move_table(shape: tuple[int, ...], sizes_items: tuple[tuple[str, int], ...]) -> _MoveTable:
+    """Every move XLA compiles as one collective when both ends are pinned (checked layout pair
+    by layout pair against compiled HLO in the tests):
     - all-gather of a dim's minor axes (gathering a major axis first needs a permute);
     - all-to-all of a dim's minor axes onto another dim, where they become the minor axes;
     - refinement: every block of the next layout lies in one block of this one (each dim cut
@@ -159,35 +165,31 @@ def _move_table(shape: tuple[int, ...], sizes_items: tuple[tuple[str, int], ...]
       layout's axes stay major on each dim), else one collective-permute of the new blocks."""
     sizes = dict(sizes_items)
     layouts = _layouts(shape, sizes_items)
-    factor = {spec: spec.shard_factor(sizes) for spec in layouts}
-    table = {}
-    for cur in layouts:
-        moves: list[Move] = []
+    index = {spec: i for i, spec in enumerate(layouts)}
+    factor = [spec.shard_factor(sizes) for spec in layouts]
+    counts = [tuple(ShardingSpec.shard_factor_of(d, sizes) for d in spec.dims) for spec in layouts]
+    table = []
+    for i, cur in enumerate(layouts):
+        moves = []
         for d, axes in enumerate(cur.dims):
             for k in range(1, len(axes) + 1):
                 keep, minor = axes[:-k], axes[-k:]
-                gathered = ShardingSpec(cur.dims[:d] + (keep,) + cur.dims[d + 1:])
+                gathered = index[ShardingSpec(cur.dims[:d] + (keep,) + cur.dims[d + 1:])]
                 moves.append((gathered, "all-gather", minor, factor[gathered]))
                 for e in range(len(shape)):
-                    moved = ShardingSpec(tuple(keep if i == d else dims + minor if i == e else dims
-                                               for i, dims in enumerate(cur.dims)))
-                    if e != d and moved in factor:
-                        moves.append((moved, "all-to-all", minor, factor[cur]))
-        for nxt in layouts:
-            if nxt == cur or any(ShardingSpec.shard_factor_of(b, sizes) % ShardingSpec.shard_factor_of(a, sizes)
-                                 for a, b in zip(cur.dims, nxt.dims)):
+                    moved = index.get(ShardingSpec(tuple(keep if j == d else dims + minor if j == e else dims
+                                                         for j, dims in enumerate(cur.dims))))
+                    if e != d and moved is not None:
+                        moves.append((moved, "all-to-all", minor, factor[i]))
+        for j, nxt in enumerate(layouts):
+            if j == i or any(b % a for a, b in zip(counts[i], counts[j])):
                 continue
             if all(b[:len(a)] == a for a, b in zip(cur.dims, nxt.dims)):
-                moves.append((nxt, None, (), factor[nxt]))
+                moves.append((j, None, (), factor[j]))
             else:
-                moves.append((nxt, "collective-permute", _moved_axes(cur, nxt, sizes), factor[nxt]))
-        table[cur] = tuple(moves)
-    return table
-
-
-@functools.lru_cache(maxsize=65536)
-def _time(c: Collective, topo: MeshTopology) -> float:
-    return c.time(topo)
+                moves.append((j, "collective-permute", _moved_axes(cur, nxt, sizes), factor[j]))
+        table.append(tuple(moves))
+    return _MoveTable(layouts, index, tuple(table))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -196,32 +198,36 @@ def _cheapest_paths(src: ShardingSpec, shape: tuple[int, ...], full_bytes: int, 
     """Dijkstra from `src` over the layouts of `shape`: the cheapest steps to each one. Ties go
     to fewer bytes moved, then to fewer collectives."""
     table = _move_table(shape, tuple(topo.sizes.items()))
-    best: dict[ShardingSpec, tuple] = {src: (0.0, 0, 0)}
-    back: dict[ShardingSpec, tuple[ShardingSpec, Step]] = {}
-    heap = [((0.0, 0, 0), 0, src)]
-    tie = itertools.count(1)
-    done = set()
+    priced: dict[tuple, tuple[Collective | None, tuple]] = {}  # (kind, axes, factor) -> (collective, cost)
+    start = table.index[src]
+    best: dict[int, tuple] = {start: (0.0, 0, 0)}
+    back: dict[int, tuple[int, Collective | None]] = {}
+    heap = [((0.0, 0, 0), start)]
+    done: set[int] = set()
     while heap:
-        cost, _, cur = heapq.heappop(heap)
+        cost, cur = heapq.heappop(heap)
         if cur in done:
             continue
         done.add(cur)
-        for nxt, kind, axes, factor in table[cur]:
+        for nxt, kind, axes, factor in table.moves[cur]:
             if nxt in done:
                 continue
-            c = Collective(kind, axes, full_bytes // factor) if kind else None
-            step = Step(nxt, (c,) if c else ())
-            new = (cost[0] + (_time(c, topo) if c else 0.0), cost[1] + (c.bytes if c else 0), cost[2] + bool(c))
+            if (kind, axes, factor) not in priced:
+                c = Collective(kind, axes, full_bytes // factor) if kind else None
+                priced[kind, axes, factor] = (c, (c.time(topo), c.bytes, 1) if c else (0.0, 0, 0))
+            c, (t, b, n) = priced[kind, axes, factor]
+            new = (cost[0] + t, cost[1] + b, cost[2] + n)
             if nxt not in best or new < best[nxt]:
-                best[nxt], back[nxt] = new, (cur, step)
-                heapq.heappush(heap, (new, next(tie), nxt))
+                best[nxt], back[nxt] = new, (cur, c)
+                heapq.heappush(heap, (new, nxt))
     paths: dict[ShardingSpec, tuple[Step, ...]] = {}
-    for spec in best:
-        legs, at = [], spec
-        while at != src:
-            at, step = back[at]
-            legs.append(step)
-        paths[spec] = tuple(reversed(legs))
+    for i in best:
+        legs, at = [], i
+        while at != start:
+            prev, c = back[at]
+            legs.append(Step(table.layouts[at], (c,) if c else ()))
+            at = prev
+        paths[table.layouts[i]] = tuple(reversed(legs))
     return paths
 
 
