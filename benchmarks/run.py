@@ -9,7 +9,9 @@ Per model: the tiny preset, planned, compiled and run on 8 emulated CPU devices 
 with jax.jit on one device; and a paper-size preset (PAPER below), planned and compiled from
 ShapeDtypeStructs only, never run. Meshes (8,) and (2, 4) (the 2-D baselines on the latter).
 Methods: rhino_jax O2 and O3 (O3's solver stops at --o3-limit per solve and the whole O3 search at
-twice that, wall clock; either is reported as "time limit") and every baseline that applies (`baselines.BASELINES`). For each: search time,
+twice that, wall clock; either is reported as "time limit"), on the tiny preset also O2 under
+`models.sharding_memory_limit` (so that agreement with one device checks a sharded plan), and every
+baseline that applies (`baselines.BASELINES`). For each: search time,
 predicted step time under the m8-v100 preset (Rhino's M8: 8 V100 with NVLink) and, from a
 second search, under 8x-h100; predicted and compiled collective bytes (fidelity = compiled /
 predicted); per-device memory (predicted, and arguments + outputs + temporaries - aliased from
@@ -46,18 +48,21 @@ import numpy as np  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
 from benchmarks import baselines as B  # noqa: E402
-from benchmarks.models import MODELS  # noqa: E402
+from benchmarks.models import MODELS, sharding_memory_limit  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 M8, H100 = rj.M8_V100, rj.H100_8X
 MESHES = (((8,), ("devices",)), ((2, 4), ("data", "model")))
 RHINO = ("rhino_jax O2", "rhino_jax O3")
+# Tiny presets only: O2 under `sharding_memory_limit`, so that agreement with one device checks a
+# sharded plan (unlimited, the search replicates a tiny model: the right plan, and a vacuous check).
+LIMITED = "rhino_jax O2, memory-limited"
 
 # model -> (paper preset, overrides, why). Batches: the zoo's presets carry the full-parallelism
 # (pipelined) global batches; without pipelining we use the paper's SPMD-only batches where it
 # gives them (Tables 1, 2), raised to 8 so that 8 devices can split them.
 # Depth is halved where the CPU compile of ~9 plans per model would take minutes (so the whole run
-# stays around half an hour on 2 cores): layers repeat, so per-layer costs and the choice of plan
+# stays around forty minutes on 2 cores): layers repeat, so per-layer costs and the choice of plan
 # carry over, absolute step times are about half. Full depth: GPT-Medium's 24 layers are searched
 # in the strong-scaling and search-time sections.
 PAPER = {
@@ -84,6 +89,13 @@ def _mesh_label(mesh) -> str:
     return "x".join(str(s) for s in mesh.devices.shape)
 
 
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 2**shift:
+            return f"{nbytes / 2**shift:.3g} {unit}"
+    return f"{nbytes} B"
+
+
 def _tree_max_abs_diff(a, b) -> float:
     return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -101,34 +113,34 @@ def _alarm(signum, frame):
     raise WallTimeLimit()
 
 
-def _lower(step, args, mesh, cluster, opt_level, rhino: bool, o3_limit: float):
-    """(lowered, search seconds, status note). rhino_jax gets the cluster's device memory as its limit.
+def _lower(step, args, mesh, cluster, opt_level, memory_limit: int | None, o3_limit: float):
+    """(lowered, search seconds, status note). rhino_jax gets a memory limit (the baselines None).
     O3 runs under a wall-clock limit of 2 x o3_limit (the solver's own limit is o3_limit per solve;
     under a memory limit the search solves several times): WallTimeLimit when it is exceeded."""
     if opt_level == "O3":
         old = signal.signal(signal.SIGALRM, _alarm)
         signal.setitimer(signal.ITIMER_REAL, 2 * o3_limit)
         try:
-            return _lower_once(step, args, mesh, cluster, opt_level, rhino, o3_limit)
+            return _lower_once(step, args, mesh, cluster, opt_level, memory_limit, o3_limit)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
-    return _lower_once(step, args, mesh, cluster, opt_level, rhino, o3_limit)
+    return _lower_once(step, args, mesh, cluster, opt_level, memory_limit, o3_limit)
 
 
-def _lower_once(step, args, mesh, cluster, opt_level, rhino: bool, o3_limit: float):
+def _lower_once(step, args, mesh, cluster, opt_level, memory_limit: int | None, o3_limit: float):
     opts = dict(mesh=mesh, donate_argnums=(0, 1), cluster=cluster, opt_level=opt_level,
                 solver_time_limit_s=o3_limit if opt_level == "O3" else 300.0)
     note = ""
-    if rhino:
-        opts["memory_limit_bytes"] = cluster.memory_per_device
+    if memory_limit is not None:
+        opts["memory_limit_bytes"] = memory_limit
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", rj.SolverTimeLimitWarning)
         start = time.perf_counter()
         try:
             lowered = rj.parallelize(step, **opts).lower(*args)
         except rj.MemoryLimitError as e:
-            note = f"no plan fits {cluster.memory_per_device / 2**30:.0f} GiB ({str(e)[:90]}...); unconstrained plan"
+            note = f"no plan fits {_size(memory_limit)} ({str(e)[:90]}...); unconstrained plan"
             opts.pop("memory_limit_bytes")
             lowered = rj.parallelize(step, **opts).lower(*args)
         seconds = time.perf_counter() - start
@@ -143,10 +155,17 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
     """One row. `o2_result`: (lowered, row) of O2 on the same case (O3 reuses its compile when the
     plans are the same)."""
     row = dict(method=method, mesh=_mesh_label(mesh), status="ok", note="")
-    rhino = method in RHINO
+    rhino = method.startswith("rhino_jax")
+    args = model.example(cfg, abstract=True)
     if rhino:
         step = model.make_train_step(cfg)
-        level = method.split()[-1]
+        level = "O3" if method == "rhino_jax O3" else "O2"
+        limit = M8.memory_per_device
+        if method == LIMITED:
+            if o2_result is None:
+                return dict(row, status="error", note="needs rhino_jax O2's plan, which failed")
+            limit = sharding_memory_limit(o2_result[0].plan.cost.memory_bytes, args, mesh.size)
+            row["note"] = f"limit {_size(limit)}"
     else:
         base = B.BASELINES[method]
         why = base.applies(model, mesh)
@@ -159,17 +178,19 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
             step = build(model, cfg, mesh)
         except B.NotApplicable as e:
             return dict(row, status="n/a", note=str(e))
-        level = "O2"
-    args = model.example(cfg, abstract=True)
+        level, limit = "O2", None
     start = time.perf_counter()
     try:
-        lowered, row["search_s"], row["note"] = _lower(step, args, mesh, M8, level, rhino, o3_limit)
+        lowered, row["search_s"], note = _lower(step, args, mesh, M8, level, limit, o3_limit)
+        row["note"] = "; ".join(n for n in (row["note"], note) if n)
     except rj.ShardingPinError as e:
         return dict(row, status="n/a", note=f"pin does not fit this mesh: {str(e).splitlines()[0][:160]}")
     except WallTimeLimit:
         return dict(row, status="time limit", search_s=time.perf_counter() - start,
                     note=f"search stopped after {2 * o3_limit:g} s wall time (no plan)")
     plan = lowered.plan
+    if method == LIMITED and "no plan fits" not in row["note"]:
+        row["note"] += f" ({len(plan.search_stats['not_replicated'])} largest states kept off replication)"
     if row["note"].startswith("time limit") or "; time limit" in row["note"]:
         row["status"] = "time limit"
     s = plan.search_stats
@@ -178,7 +199,7 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
                pred_mib=sum(c.bytes for c in plan.collectives) / 2**20, pred_count=len(plan.collectives),
                mem_pred_gib=plan.cost.memory_bytes / 2**30, batch=getattr(cfg, "batch", None))
     row["samples_per_s"] = row["batch"] / plan.cost.total_s if plan.cost.total_s else None
-    if rhino and o2_result is not None and _same_plan(plan, o2_result[0].plan):
+    if method == "rhino_jax O3" and o2_result is not None and _same_plan(plan, o2_result[0].plan):
         for k in ("compile_s", "hlo_count", "hlo_mib", "mem_hlo_gib", "max_abs_diff"):
             if k in o2_result[1]:
                 row[k] = o2_result[1][k]
@@ -198,7 +219,8 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
         row["note"] += "; H100 search not run (M8 search hit the limit)"
     elif h100:
         try:
-            low_h, row["search_s_h100"], note_h = _lower(step, args, mesh, H100, level, rhino, o3_limit)
+            low_h, row["search_s_h100"], note_h = _lower(step, args, mesh, H100, level,
+                                                         H100.memory_per_device if rhino else None, o3_limit)
             row["step_ms_h100"] = low_h.plan.cost.total_s * 1e3
             row["mem_pred_gib_h100"] = low_h.plan.cost.memory_bytes / 2**30
         except WallTimeLimit:
@@ -215,7 +237,7 @@ def run_case(name, model, preset, cfg, concrete: bool, o3_limit: float, log) -> 
     for shape, names in MESHES:
         mesh = _mesh(shape, names)
         o2 = None
-        methods = list(RHINO) + [b for b in B.BASELINES if B.BASELINES[b].mesh_rank == len(shape)]
+        methods = list(RHINO) + [LIMITED] * concrete + [b for b in B.BASELINES if B.BASELINES[b].mesh_rank == len(shape)]
         for method in methods:
             start = time.perf_counter()
             try:
@@ -274,7 +296,8 @@ def strong_scaling(layers: int | None, log) -> list[dict]:
         for method in ("rhino_jax O2", "data parallel", "ZeRO-2", "ZeRO-3"):
             rhino = method in RHINO
             step = model.make_train_step(cfg) if rhino else B.BASELINES[method].build(model, cfg, mesh)
-            lowered, search_s, note = _lower(step, args, mesh, M8, "O2", rhino, 60.0)
+            lowered, search_s, note = _lower(step, args, mesh, M8, "O2", M8.memory_per_device if rhino else None,
+                                             60.0)
             plan = lowered.plan
             kinds = plan.collective_summary()
             row = dict(devices=n, method=method, search_s=search_s, note=note, step_ms=plan.cost.total_s * 1e3,
@@ -301,7 +324,7 @@ def search_vs_layers(layer_counts, o3_limit: float, log) -> list[dict]:
         cfg = dataclasses.replace(model.PRESETS["GPT-Medium"], batch=8, n_layers=layers)
         args = model.example(cfg, abstract=True)
         for level in ("O2", "O3"):
-            lowered, seconds, note = _lower(model.make_train_step(cfg), args, mesh, M8, level, False, o3_limit)
+            lowered, seconds, note = _lower(model.make_train_step(cfg), args, mesh, M8, level, None, o3_limit)
             s = lowered.plan.search_stats
             rows.append(dict(layers=layers, opt=level, search_s=seconds, solve_s=s["solve_s"], ops=s["ops"],
                              ilp_vars=s["ilp_vars"], step_ms=lowered.plan.cost.total_s * 1e3, note=note))
@@ -413,7 +436,7 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
          "pins leave open, under the same cost model. Pipelining is not built yet, so the manual \"3-D\" plan "
          "is 2-D: DP x TP (no PP).", "",
          "Sizes: each model's heading says which paper configuration it is and what we changed. To keep the "
-         "run near half an hour on 2 cores (about nine plans compiled per model and mesh), GPT, MoE, BERT and "
+         "run near forty minutes on 2 cores (about nine plans compiled per model and mesh), GPT, MoE, BERT and "
          "Wide-ResNet are planned and compiled at half their depth; VGG19 and U-Net at full size. The "
          "strong-scaling and search-time sections use GPT-Medium's full 24 layers (planned, not compiled). "
          "Compiles use `--xla_backend_optimization_level=0` (same HLO, a third less CPU time).", "",
@@ -459,7 +482,7 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
     return "\n".join(L) + "\n"
 
 
-# Hand-written (2026-11-23, against the rhino_jax tree of that day): what the numbers above rest on.
+# Hand-written (2026-11-23, against the rhino_jax tree of that day's second run): what the numbers above rest on.
 # Check them against the tables after a rerun on a newer rhino_jax.
 NOTES = [
     "## Notes: what limits these numbers (rhino_jax as of this run)", "",
@@ -474,22 +497,27 @@ NOTES = [
     "charged once. The ILP's objective is then up to about 1 % above the plan's cost (Wide-ResNet's "
     "gradients, read by both Adam moments), and the search can overprice a plan whose readers share "
     "a reshard. Fixing it exactly needs a variable per (value, layout) move in the ILP.",
-    "- **Fixed since the 2026-11-22 run**, which showed rhino_jax behind the best baseline on VGG19 "
-    "and U-Net and one plan outside ±10 %: sharding rules for `select_and_scatter` (max-pool gradient), "
-    "`reverse` and a lookup in a vocabulary-split table (they forced replication: VGG19's communication "
-    "fell from 214 to 3 ms); the cone DP's ties now go to the layout that reads fewer bytes from outside "
-    "the cone (a layer norm's broadcast mean no longer gathers); reshards that leave axes in another "
-    "order are priced as XLA's collective-permute (MoE DP x EP: 1.28 → 1.0); a partial sum read in "
-    "another layout is first settled as the plan priced it (left open, XLA gathered MoE's 128 MiB MLP "
-    "activation instead); a stride change is priced as XLA compiles it, an all-gather where the layouts' "
-    "blocks do not tile (VGG19's flattened features: 1.34 → 1.0).",
+    "- **Fixed since the first 2026-11-23 run**, which had MoE on (2, 4) at 1.14-1.18: a reshard is now a "
+    "path of steps that XLA compiles exactly as priced, and the rewrite pins every intermediate layout "
+    "(`search/collectives.py` `reshard_path`). Left to itself between two distant layouts, XLA often "
+    "replicates the tensor (\"involuntary full rematerialization\") or adds collective-permutes (a gather or "
+    "all-to-all of a dim's major axis): 34 of the 121 layout pairs of a (16, 32) tensor on (2, 4) compiled "
+    "otherwise than priced; now every pair of rank 2 and 3 compiles to the priced collectives "
+    "(`tests/test_collectives.py`). A partial sum is reduce-scattered only into a dim that still divides "
+    "(MoE's combine cut 4 groups 8 ways). Earlier (2026-11-22 run): rules for `select_and_scatter`, "
+    "`reverse` and a vocabulary-split lookup; cone DP ties; axes left in another order priced as permutes; "
+    "partial sums settled as priced; stride changes priced as XLA compiles them.",
     "- **The memory limit (§4.4) constrains only parameters and optimizer states**: activations are "
     "not forced off replication. Every model here fits without that; a model whose activations alone "
     "overflow the device would get `MemoryLimitError` although a plan may exist.",
     "- **Fidelity** compares the buffers of the compiled collectives with the predicted ones: both count an "
     "all-reduce's buffer once and a reduce-scatter's full operand, so it checks that XLA did what the plan "
     "said, not the bytes on the wire.",
-    "- **Agreement with one device** (tiny rows): see the max |Δ| column. Adam's first step moves a weight "
+    "- **Agreement with one device** (tiny rows): see the max |Δ| column. Unlimited, rhino_jax rightly "
+    "replicates the tiny models (no collectives: a check that cannot fail), so each tiny table also has "
+    "rhino_jax O2 under a memory limit that the replicated plan exceeds by half of what sharding all "
+    "parameters and Adam moments would save (`models.sharding_memory_limit`): that plan shards state "
+    "and runs with collectives. Adam's first step moves a weight "
     "by about lr·sign(g), so a weight whose gradient is ~1e-6 can differ by 2·lr where float rounding in "
     "the split reductions flips the sign (Wide-ResNet's Megatron and DP x TP rows). Not a plan error.",
     "- **Memory**: `mem HLO` is the CPU compiler's buffer assignment (no rematerialization, CPU scheduling); "
@@ -498,7 +526,8 @@ NOTES = [
     "Megatron leaving the fused [q | k | v] weight to the search, the convolution column/row pairing). "
     "Pipelining is not built, so there is no PP anywhere (the 3-D plan is DP x TP).",
     "- **Calibration**: the compute term uses the presets' datasheet-derived constants; "
-    "`python -m benchmarks.calibrate` fits them on a GPU; not run yet (no GPU in the session that made this run).",
+    "`python -m benchmarks.calibrate` fits them on a GPU; not run yet (no GPU was lent to the sessions "
+    "that made these runs).",
     "",
 ]
 

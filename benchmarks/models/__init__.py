@@ -14,8 +14,25 @@ Parameters are nested dicts (lists for repeated layers) with descriptive key nam
 is Adam (``rhino_jax.models.adam``). Each module's docstring says which table row each preset follows,
 its parameter count, and where it deviates from the paper.
 """
+import math
+
+import jax
+
 from . import bert, gpt, moe, unet, vgg, wresnet
 
 MODELS = {"gpt": gpt, "moe": moe, "vgg19": vgg, "wresnet": wresnet, "unet": unet, "bert": bert}
 
-__all__ = ["MODELS", "gpt", "moe", "vgg", "wresnet", "unet", "bert"]
+
+def sharding_memory_limit(unlimited_bytes: int, example: tuple, devices: int) -> int:
+    """A `memory_limit_bytes` that an unlimited plan of `unlimited_bytes` per device (all parameters
+    and optimizer states replicated) exceeds by half of what sharding all of them over `devices`
+    would save, so the search must shard about half of them.
+
+    The tiny presets need it to check anything: at their sizes the cost model rightly replicates
+    everything, and a replicated plan agrees with one device trivially."""
+    params, opt_state = example[0], example[1]
+    state = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((params, opt_state)))
+    return int(unlimited_bytes - state * (1 - 1 / devices) / 2)
+
+
+__all__ = ["MODELS", "sharding_memory_limit", "gpt", "moe", "vgg", "wresnet", "unet", "bert"]
