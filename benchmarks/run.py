@@ -58,6 +58,11 @@ RHINO = ("rhino_jax O2", "rhino_jax O3")
 # sharded plan (unlimited, the search replicates a tiny model: the right plan, and a vacuous check).
 LIMITED = "rhino_jax O2, memory-limited"
 
+
+def _is_rhino(method: str) -> bool:
+    """A rhino_jax search (RHINO or LIMITED), not a pinned baseline."""
+    return method.startswith("rhino_jax")
+
 # model -> (paper preset, overrides, why). Batches: the zoo's presets carry the full-parallelism
 # (pipelined) global batches; without pipelining we use the paper's SPMD-only batches where it
 # gives them (Tables 1, 2), raised to 8 so that 8 devices can split them.
@@ -114,7 +119,8 @@ def _alarm(signum, frame):
 
 
 def _lower(step, args, mesh, cluster, opt_level, memory_limit: int | None, o3_limit: float):
-    """(lowered, search seconds, status note). rhino_jax gets a memory limit (the baselines None).
+    """(lowered, search seconds, status note). `memory_limit`: rhino_jax's memory_limit_bytes (None:
+    unlimited, as for the pinned baselines).
     O3 runs under a wall-clock limit of 2 x o3_limit (the solver's own limit is o3_limit per solve;
     under a memory limit the search solves several times): WallTimeLimit when it is exceeded."""
     if opt_level == "O3":
@@ -155,7 +161,7 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
     """One row. `o2_result`: (lowered, row) of O2 on the same case (O3 reuses its compile when the
     plans are the same)."""
     row = dict(method=method, mesh=_mesh_label(mesh), status="ok", note="")
-    rhino = method.startswith("rhino_jax")
+    rhino = _is_rhino(method)
     args = model.example(cfg, abstract=True)
     if rhino:
         step = model.make_train_step(cfg)
@@ -165,7 +171,6 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
             if o2_result is None:
                 return dict(row, status="error", note="needs rhino_jax O2's plan, which failed")
             limit = sharding_memory_limit(o2_result[0].plan.cost.memory_bytes, args, mesh.size)
-            row["note"] = f"limit {_size(limit)}"
     else:
         base = B.BASELINES[method]
         why = base.applies(model, mesh)
@@ -181,16 +186,18 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
         level, limit = "O2", None
     start = time.perf_counter()
     try:
-        lowered, row["search_s"], note = _lower(step, args, mesh, M8, level, limit, o3_limit)
-        row["note"] = "; ".join(n for n in (row["note"], note) if n)
+        lowered, row["search_s"], row["note"] = _lower(step, args, mesh, M8, level, limit, o3_limit)
     except rj.ShardingPinError as e:
         return dict(row, status="n/a", note=f"pin does not fit this mesh: {str(e).splitlines()[0][:160]}")
     except WallTimeLimit:
         return dict(row, status="time limit", search_s=time.perf_counter() - start,
                     note=f"search stopped after {2 * o3_limit:g} s wall time (no plan)")
     plan = lowered.plan
-    if method == LIMITED and "no plan fits" not in row["note"]:
-        row["note"] += f" ({len(plan.search_stats['not_replicated'])} largest states kept off replication)"
+    if method == LIMITED:
+        if "no plan fits" in row["note"]:  # the fallback is the unlimited plan: a check that cannot fail
+            return dict(row, status="no plan")
+        kept = f"limit {_size(limit)} ({len(plan.search_stats['not_replicated'])} largest states kept off replication)"
+        row["note"] = "; ".join(n for n in (kept, row["note"]) if n)
     if row["note"].startswith("time limit") or "; time limit" in row["note"]:
         row["status"] = "time limit"
     s = plan.search_stats
@@ -294,7 +301,7 @@ def strong_scaling(layers: int | None, log) -> list[dict]:
     for n in (2, 4, 8):
         mesh = _mesh((n,), ("devices",))
         for method in ("rhino_jax O2", "data parallel", "ZeRO-2", "ZeRO-3"):
-            rhino = method in RHINO
+            rhino = _is_rhino(method)
             step = model.make_train_step(cfg) if rhino else B.BASELINES[method].build(model, cfg, mesh)
             lowered, search_s, note = _lower(step, args, mesh, M8, "O2", M8.memory_per_device if rhino else None,
                                              60.0)
@@ -401,8 +408,8 @@ def goals(rows) -> tuple[list[str], dict]:
 
     for (model, mesh), rs in by_case.items():
         ok = [r for r in rs if r["status"] in ("ok", "time limit")]
-        rh = [r for r in ok if r["method"] in RHINO]
-        bl = [r for r in ok if r["method"] not in RHINO]
+        rh = [r for r in ok if _is_rhino(r["method"])]
+        bl = [r for r in ok if not _is_rhino(r["method"])]
         out = []
         for key in ("step_ms", "step_ms_h100"):
             r, b = best(rh, key), best(bl, key)
@@ -607,12 +614,12 @@ def plot(rows, layer_rows, out: pathlib.Path) -> None:
             rs = [r for r in paper if r["model"] == m]
             labels = [f"{r['method']}\n({r['mesh']})" for r in rs]
             x = np.arange(len(rs))
-            base = [r for r in rs if r["method"] not in RHINO]
+            base = [r for r in rs if not _is_rhino(r["method"])]
             best_m8 = max((r["batch"] / r["step_ms"] for r in base), default=None)
             best_h1 = max((r["batch"] / r["step_ms_h100"] for r in base if r.get("step_ms_h100")), default=None)
             m8 = [r["batch"] / r["step_ms"] / best_m8 if best_m8 else 0 for r in rs]
             h1 = [r["batch"] / r["step_ms_h100"] / best_h1 if best_h1 and r.get("step_ms_h100") else 0 for r in rs]
-            colors = ["tab:red" if r["method"] in RHINO else "tab:blue" for r in rs]
+            colors = ["tab:red" if _is_rhino(r["method"]) else "tab:blue" for r in rs]
             ax.bar(x - 0.2, m8, 0.4, color=colors, label="m8-v100")
             ax.bar(x + 0.2, h1, 0.4, color=colors, alpha=0.45, label="8x-h100")
             ax.axhline(1.0, color="k", lw=0.8, ls="--")
@@ -637,7 +644,7 @@ def plot(rows, layer_rows, out: pathlib.Path) -> None:
         fig.savefig(out / "throughput.png", dpi=90)
         plt.close(fig)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    srch = [r for r in paper if r["method"] in RHINO and r["mesh"] == "8"]
+    srch = [r for r in paper if _is_rhino(r["method"]) and r["mesh"] == "8"]
     ms = list(dict.fromkeys(r["model"] for r in srch))
     for k, level in enumerate(("O2", "O3")):
         vals = [next((r["search_s"] for r in srch if r["model"] == m and r["method"].endswith(level)), 0) for m in ms]

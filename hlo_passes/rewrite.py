@@ -110,30 +110,39 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
         with ir.InsertionPoint(before), before.location:
             return hlo.ReshapeOp(ir.RankedTensorType.get(shape, element), value).result
 
+    reads: dict[tuple[int, ShardingSpec], ir.Value] = {}
+
+    def pinned_path(v: int, spec: ShardingSpec, source: ir.Value, before: ir.Operation) -> ir.Value:
+        """`source` (value v) pinned to each layout on the plan's way to `spec`, the last one excluded
+        (partial sums settled, then one step per move): left to itself
+        between distant layouts, XLA may go another, dearer way. A layout on the way of several
+        reads is pinned once."""
+        for mid in read_paths.get((v, spec), ()):
+            if (v, mid) not in reads:
+                reads[v, mid] = constrain(source, mid, before)
+            source = reads[v, mid]
+        return source
+
     with module.context:
         main.attributes["arg_attrs"] = _with_sharding(main.attributes["arg_attrs"], arg_specs, name)
         main.attributes["res_attrs"] = _with_sharding(main.attributes["res_attrs"], out_specs, name)
-        reads: dict[tuple[int, ShardingSpec], ir.Value] = {}
         for node, op in zip(graph.nodes, list(mod.entry_ops(module))):
             assert node.op == op.name, "module and graph are out of step"
             left = node.op in _LEFT_TO_XLA
             ins = []
             for pos, v in enumerate(node.operands):
-                spec = None if left else read_specs.get((node.id, pos))
-                if spec is None:  # read as produced (or, by ops left to XLA, unsplit)
+                spec = read_specs.get((node.id, pos))
+                if left or spec is None:  # read as produced (or, by ops left to XLA, unsplit)
                     wanted = None if left else value_specs.get(v)
-                    op.operands[pos] = reshaped(op.operands[pos], split(v, wanted)[0], op.operation)
+                    source = reshaped(op.operands[pos], split(v, wanted)[0], op.operation)
+                    if spec is not None and node.op == "sdy.sharding_constraint":
+                        source = pinned_path(v, spec, source, op.operation)  # a pin: its own op is the last step
+                    op.operands[pos] = source
                     ins.append(_dim_map(graph.values[v].shape, wanted))
                     continue
                 if (v, spec) not in reads:
                     shape, physical = split(v, spec)
-                    source = op.operands[pos]
-                    # Pin each layout on the plan's way (settled partial sums, then one
-                    # collective per step): left to itself, XLA may go another, dearer way.
-                    for mid in read_paths.get((v, spec), ()):
-                        if (v, mid) not in reads:
-                            reads[v, mid] = constrain(source, mid, op.operation)
-                        source = reads[v, mid]
+                    source = pinned_path(v, spec, op.operands[pos], op.operation)
                     reads[v, spec] = constrain(reshaped(source, shape, op.operation), physical, op.operation)
                 op.operands[pos] = reads[v, spec]
                 ins.append(_dim_map(graph.values[v].shape, spec))
@@ -155,5 +164,6 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
                 result.replace_all_uses_except(c, c.owner.operation)
         ret = mod.entry_return(module)
         for k, v in enumerate(graph.outputs):
-            ret.operands[k] = reshaped(ret.operands[k], graph.values[v].shape, ret)
+            ret.operands[k] = pinned_path(v, out_specs[k], reshaped(ret.operands[k], graph.values[v].shape, ret),
+                                          ret)
     return module

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -108,9 +108,9 @@ class Plan:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        d = asdict(self)
-        for k in ("value_specs", "read_specs", "read_paths", "input_shardings", "output_shardings"):
-            d.pop(k)
+        """The plan as JSON, less the per-value maps (keyed by tuples of specs) and the shardings."""
+        internal = ("value_specs", "read_specs", "read_paths", "input_shardings", "output_shardings")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in internal}
         return json.dumps(d, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o),
                           indent=1)
 

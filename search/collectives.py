@@ -49,10 +49,6 @@ class Step:
     collectives: tuple[Collective, ...]
 
 
-def total_time(collectives: list[Collective], topo: MeshTopology) -> float:
-    return sum(c.time(topo) for c in collectives)
-
-
 def _local_bytes(spec: ShardingSpec, full_bytes: int, sizes: dict[str, int]) -> int:
     return full_bytes // spec.shard_factor(sizes)
 
@@ -113,15 +109,15 @@ def reshard_path(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, topo: Me
         scattered = set(src.partial) & set(steps[-1].spec.used_axes())
         src = steps[-1].spec
     if src.strides or dst.strides:
-        collectives = tuple(c for s in steps for c in s.collectives) + tuple(
-            _strided(src, dst, full_bytes, topo.sizes, shape, scattered))
-        return (Step(dst, collectives),)
+        direct = Step(dst, tuple(_strided(src, dst, full_bytes, topo.sizes, shape, scattered)))
+        if steps and not src.strides:  # a settled layout without strides is pinned like any step
+            return (steps[0], direct)
+        return (Step(dst, tuple(c for s in steps for c in s.collectives) + direct.collectives),)
     if src != dst:
         steps += _cheapest_paths(src, shape, full_bytes, topo)[dst]
     return tuple(steps)
 
 
-@functools.lru_cache(maxsize=8192)
 def _layouts(shape: tuple[int, ...], sizes: tuple[tuple[str, int], ...]) -> tuple[ShardingSpec, ...]:
     """Every maximum-stride, non-partial layout of `shape` that divides it, axes in any order."""
     names, out = [a for a, _ in sizes], set()
@@ -135,12 +131,13 @@ def _layouts(shape: tuple[int, ...], sizes: tuple[tuple[str, int], ...]) -> tupl
 
 
 def _moved_axes(a: ShardingSpec, b: ShardingSpec, sizes: dict[str, int]) -> tuple[str, ...]:
-    """Axes whose devices hold another block of the tensor in b than in a (a permute's group)."""
+    """Axes whose devices hold another block of the tensor in b than in a (a permute's group).
+    A size-1 axis never moves data, wherever it stands."""
     def place(spec, axis):
         d = spec.dim_of(axis)
         return None if d is None else (d, ShardingSpec.shard_factor_of(
             spec.dims[d][spec.dims[d].index(axis) + 1:], sizes))
-    return tuple(x for x in sizes if place(a, x) != place(b, x))
+    return tuple(x for x in sizes if sizes[x] > 1 and place(a, x) != place(b, x))
 
 
 @dataclass(frozen=True)
@@ -184,10 +181,11 @@ def _move_table(shape: tuple[int, ...], sizes_items: tuple[tuple[str, int], ...]
         for j, nxt in enumerate(layouts):
             if j == i or any(b % a for a, b in zip(counts[i], counts[j])):
                 continue
-            if all(b[:len(a)] == a for a, b in zip(cur.dims, nxt.dims)):
+            moved = _moved_axes(cur, nxt, sizes)
+            if not moved or all(b[:len(a)] == a for a, b in zip(cur.dims, nxt.dims)):
                 moves.append((j, None, (), factor[j]))
             else:
-                moves.append((j, "collective-permute", _moved_axes(cur, nxt, sizes), factor[j]))
+                moves.append((j, "collective-permute", moved, factor[j]))
         table.append(tuple(moves))
     return _MoveTable(layouts, index, tuple(table))
 

@@ -1,5 +1,6 @@
 """Resharding as the cost model prices it, against what XLA compiles for it."""
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,14 @@ def spec(*dims):
 def test_axes_in_another_order_are_permuted():
     moves = reshard(spec(("x", "y"), ()), spec(("y", "x"), ()), 64 * 64 * 4, XY, (64, 64))
     assert [(c.kind, c.bytes) for c in moves] == [("collective-permute", 64 * 64 * 4 // 8)]
+
+
+def test_size_one_axes_move_no_data():
+    """A mesh may have size-1 axes (device_mesh((1, 1, 8))): where they stand changes no block."""
+    topo = topology(u=1, v=1, w=8)
+    assert reshard(spec(("u", "v"), ()), spec(("v", "u"), ()), 16 * 32 * 4, topo, (16, 32)) == []
+    moves = reshard(spec(("u",), ("w",)), spec(("w",), ("u",)), 16 * 32 * 4, topo, (16, 32))
+    assert [(c.kind, c.axes) for c in moves] == [("all-to-all", ("w",))]
 
 
 def test_an_axis_moved_in_front_of_another_is_moved_then_permuted():
@@ -75,6 +84,25 @@ def test_every_reshard_path_compiles_as_priced(shape):
         assert compiled == priced, (chain, compiled, priced)
 
 
+def test_pins_and_donated_outputs_reach_their_layout_as_priced():
+    """The rewrite pins the plan's path into a user's pin (its own constraint is the last step) and
+    into a donated output's layout, as for any read: every pair of pinned argument layout and
+    pinned result layout compiles to the predicted collectives. Left to XLA, 16 of these 56
+    pairs compiled otherwise (another gather order, an extra permute)."""
+    mesh = rj.device_mesh((2, 4), ("x", "y"))
+    pins = [P("x", "y"), P("y", "x"), P(("x", "y"), None), P(None, ("x", "y")), P("x", None), P(None, "y"),
+            P("y", None), P(None, None)]
+    a = jnp.ones((16, 32))
+    for arg_pin, result_pin in itertools.permutations(pins, 2):
+        def f(a):
+            return rj.annotate(jnp.sin(rj.annotate(a, arg_pin)), result_pin)
+
+        lowered = rj.parallelize(f, mesh=mesh, donate_argnums=0).lower(a)
+        predicted = sorted((c.kind, c.bytes) for c in lowered.plan.collectives)
+        compiled = sorted((c.kind, c.bytes) for c in lowered.compile().collectives.collectives)
+        assert compiled == predicted, (arg_pin, result_pin, compiled, predicted)
+
+
 def test_major_axes_cost_a_permute_and_distant_layouts_go_step_by_step():
     """Gathering the major axis of a dim needs a permute first (XLA gathers minor axes). From
     [-, x] to [y, -] XLA replicates the whole tensor when left to itself; the path slices y in
@@ -103,6 +131,8 @@ def test_compiled_reshard_matches_the_prediction():
     assert ("collective-permute", 16 * 64 * 32 * 4 // 8) in predicted, predicted
     assert found == predicted, (found, predicted)
     assert_same_numbers(jax.jit(f)(a), compiled(a))
+    assert lowered.plan.read_paths  # the reshard goes through a pinned intermediate layout
+    assert json.loads(lowered.plan.to_json())["collectives"]  # a plan with paths writes its JSON
 
 
 def test_partial_sums_settle_where_the_plan_priced_them():
@@ -121,7 +151,10 @@ def test_partial_sums_settle_where_the_plan_priced_them():
     compiled = lowered.compile()
     found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
     assert [k for k, _ in predicted] == ["collective-permute", "reduce-scatter"], predicted
-    assert sum(b for _, b in found) == sum(b for _, b in predicted), (found, predicted)
+    # XLA's CPU backend runs a reduce-scatter as an all-reduce of the same buffer and a local
+    # slice (the GPU pipeline's ReduceScatterCreator turns that pair back into a reduce-scatter).
+    cpu = sorted(("all-reduce" if k == "reduce-scatter" else k, b) for k, b in predicted)
+    assert found == cpu, (found, predicted)
     assert_same_numbers(jax.jit(f)(a, w), compiled(a, w))
 
 

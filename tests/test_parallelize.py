@@ -15,7 +15,7 @@ from helpers import assert_same_numbers
 MESHES = [((8,), ("data",)), ((2, 4), ("data", "model")), ((4, 2), ("data", "model"))]
 
 
-@pytest.mark.parametrize("shape,names", MESHES)
+@pytest.mark.parametrize("shape,names", MESHES + [((1, 1, 8), ("a", "b", "c"))])  # size-1 axes too
 def test_mlp_train_step_matches_one_device(shape, names):
     step = make_mlp_train_step()
     args = mlp_example((64, 128, 128, 32), 32)
