@@ -503,28 +503,40 @@ NOTES = [
     "`_problem`), while the plan and XLA move it once per layout; reads within one cone or one edge are "
     "charged once. The ILP's objective is then up to about 1 % above the plan's cost (Wide-ResNet's "
     "gradients, read by both Adam moments), and the search can overprice a plan whose readers share "
-    "a reshard. Fixing it exactly needs a variable per (value, layout) move in the ILP.",
+    "a reshard. Fixing it exactly needs a variable per (value, layout) move in the ILP. Likewise two "
+    "reads whose reshard paths share a first step run it once but are each priced in full.",
     "- **Fixed since the first 2026-11-23 run**, which had MoE on (2, 4) at 1.14-1.18: a reshard is now a "
     "path of steps that XLA compiles exactly as priced, and the rewrite pins every intermediate layout "
     "(`search/collectives.py` `reshard_path`). Left to itself between two distant layouts, XLA often "
     "replicates the tensor (\"involuntary full rematerialization\") or adds collective-permutes (a gather or "
     "all-to-all of a dim's major axis): 34 of the 121 layout pairs of a (16, 32) tensor on (2, 4) compiled "
     "otherwise than priced; now every pair of rank 2 and 3 compiles to the priced collectives "
-    "(`tests/test_collectives.py`). A partial sum is reduce-scattered only into a dim that still divides "
-    "(MoE's combine cut 4 groups 8 ways). Earlier (2026-11-22 run): rules for `select_and_scatter`, "
+    "(`tests/test_collectives.py`); the path into a user's pin (a baseline's) and into a donated "
+    "output's layout is pinned too (16 of 56 pinned argument/result pairs compiled otherwise). A partial "
+    "sum is reduce-scattered only into a dim that still divides (MoE's combine cut 4 groups 8 ways). Earlier (2026-11-22 run): rules for `select_and_scatter`, "
     "`reverse` and a vocabulary-split lookup; cone DP ties; axes left in another order priced as permutes; "
     "partial sums settled as priced; stride changes priced as XLA compiles them.",
+    "- **These tables were made at commit 5c821d4.** The next commit (a608d92) also pins the path into a "
+    "user's pin and a donated output's layout, and the settled layout of a partial sum read in a strided "
+    "layout. A partial rerun at a608d92 (GPT and MoE; stopped for time) moved MoE's fidelity: (8) O2 / O3 "
+    "0.98 → 1.00 / 1.01, expert parallel 1.00 → 1.03, DP x EP 1.00 → 1.01, (2, 4) O2 1.07 → 1.09, O3 "
+    "1.04 → 1.07, all still within "
+    "±10 %; GPT's were unchanged and every predicted step time was the same. That rerun's machine was "
+    "slower (compiles 25-70 % longer), and GPT's O3 on (2, 4) hit the 90 s wall limit there.",
     "- **The memory limit (§4.4) constrains only parameters and optimizer states**: activations are "
     "not forced off replication. Every model here fits without that; a model whose activations alone "
     "overflow the device would get `MemoryLimitError` although a plan may exist.",
     "- **Fidelity** compares the buffers of the compiled collectives with the predicted ones: both count an "
     "all-reduce's buffer once and a reduce-scatter's full operand, so it checks that XLA did what the plan "
-    "said, not the bytes on the wire.",
+    "said, not the bytes on the wire. XLA's partitioner writes a reduce-scatter as an all-reduce of the "
+    "same buffer and a local slice, which the GPU pipeline (ReduceScatterCreator) merges and the CPU's "
+    "leaves as is: here predicted reduce-scatters compile to all-reduces, the bytes agree, the kind does not.",
     "- **Agreement with one device** (tiny rows): see the max |Δ| column. Unlimited, rhino_jax rightly "
     "replicates the tiny models (no collectives: a check that cannot fail), so each tiny table also has "
     "rhino_jax O2 under a memory limit that the replicated plan exceeds by half of what sharding all "
     "parameters and Adam moments would save (`models.sharding_memory_limit`): that plan shards state "
-    "and runs with collectives. Adam's first step moves a weight "
+    "and runs with collectives. Its search is slow on (2, 4) (30-100 s for a tiny model: one ILP solve "
+    "per bisection step, §4.4). Adam's first step moves a weight "
     "by about lr·sign(g), so a weight whose gradient is ~1e-6 can differ by 2·lr where float rounding in "
     "the split reductions flips the sign (Wide-ResNet's Megatron and DP x TP rows). Not a plan error.",
     "- **Memory**: `mem HLO` is the CPU compiler's buffer assignment (no rematerialization, CPU scheduling); "

@@ -151,8 +151,8 @@ def test_partial_sums_settle_where_the_plan_priced_them():
     compiled = lowered.compile()
     found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
     assert [k for k, _ in predicted] == ["collective-permute", "reduce-scatter"], predicted
-    # XLA's CPU backend runs a reduce-scatter as an all-reduce of the same buffer and a local
-    # slice (the GPU pipeline's ReduceScatterCreator turns that pair back into a reduce-scatter).
+    # XLA's partitioner writes a reduce-scatter as an all-reduce of the same buffer and a local
+    # slice; the GPU pipeline merges them (ReduceScatterCreator), the CPU's leaves them.
     cpu = sorted(("all-reduce" if k == "reduce-scatter" else k, b) for k, b in predicted)
     assert found == cpu, (found, predicted)
     assert_same_numbers(jax.jit(f)(a, w), compiled(a, w))
