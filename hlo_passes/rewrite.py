@@ -114,9 +114,8 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
 
     def pinned_path(v: int, spec: ShardingSpec, source: ir.Value, before: ir.Operation) -> ir.Value:
         """`source` (value v) pinned to each layout on the plan's way to `spec`, the last one excluded
-        (partial sums settled, then one step per move): left to itself
-        between distant layouts, XLA may go another, dearer way. A layout on the way of several
-        reads is pinned once."""
+        (partial sums settled, then one step per move): left to itself between distant layouts,
+        XLA may go another, dearer way. A layout on the way of several reads is pinned once."""
         for mid in read_paths.get((v, spec), ()):
             if (v, mid) not in reads:
                 reads[v, mid] = constrain(source, mid, before)

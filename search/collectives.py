@@ -159,7 +159,8 @@ def _move_table(shape: tuple[int, ...], sizes_items: tuple[tuple[str, int], ...]
     - all-to-all of a dim's minor axes onto another dim, where they become the minor axes;
     - refinement: every block of the next layout lies in one block of this one (each dim cut
       into a multiple of its pieces): free where every device holds its new block already (this
-      layout's axes stay major on each dim), else one collective-permute of the new blocks."""
+      layout's axes stay major on each dim, or only size-1 axes move), else one collective-permute
+      of the new blocks."""
     sizes = dict(sizes_items)
     layouts = _layouts(shape, sizes_items)
     index = {spec: i for i, spec in enumerate(layouts)}
