@@ -57,7 +57,7 @@ def _divides(dims, shape: tuple[int, ...], sizes: dict[str, int]) -> bool:
     return all(size % ShardingSpec.shard_factor_of(tuple(axes), sizes) == 0 for size, axes in zip(shape, dims))
 
 
-def settle(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], sizes: dict[str, int]) -> ShardingSpec:
+def _settle(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], sizes: dict[str, int]) -> ShardingSpec:
     """`src` once its partial sums are settled on the way to `dst`: reduce-scattered into the
     dim where dst shards a partial axis (as that dim's minor axis) when the dim still divides,
     all-reduced otherwise."""
@@ -71,7 +71,7 @@ def settle(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], sizes: 
 
 def _settle_step(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, sizes: dict[str, int],
                  shape: tuple[int, ...]) -> Step:
-    settled = settle(src, dst, shape, sizes)
+    settled = _settle(src, dst, shape, sizes)
     before = _local_bytes(src, full_bytes, sizes)
     reduce = tuple(a for a in src.partial if settled.dim_of(a) is None)
     scatter = tuple(a for a in src.partial if a not in reduce)
@@ -97,7 +97,7 @@ def reshard_path(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, topo: Me
                  shape: tuple[int, ...]) -> tuple[Step, ...]:
     """The steps from `src` to `dst` (dst is never partial); the last step's spec is dst.
 
-    Partial sums are settled first (`settle`). Between maximum-stride layouts the path is the
+    Partial sums are settled first (`_settle`). Between maximum-stride layouts the path is the
     cheapest under the α-β model over moves that XLA compiles as one collective each
     (`_move_table`). A stride change keeps one direct step (`_strided`), as XLA compiles it."""
     if src == dst:

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
 from rhino_jax.hlo_passes.hlo_stats import collective_stats
-from rhino_jax.search.collectives import reshard, reshard_path
+from rhino_jax.search.collectives import _layouts, reshard, reshard_path
 from rhino_jax.search.specs import ShardingSpec
 
 from helpers import assert_same_numbers, topology
@@ -43,17 +43,6 @@ def test_an_axis_moved_in_front_of_another_is_moved_then_permuted():
     assert reshard(spec(("y",), ("x",), ()), spec((), ("x", "y"), ()), 16 * 64 * 64 * 4, XY, (16, 64, 64))[-1].kind == "all-to-all"
 
 
-def _layouts(shape, sizes):
-    """Every non-partial layout of `shape` on the mesh, mesh axes in any order on a dim."""
-    out = set()
-    for where in itertools.product(range(-1, len(shape)), repeat=len(sizes)):
-        for order in itertools.permutations(sizes):
-            dims = tuple(tuple(a for a in order if where[list(sizes).index(a)] == d) for d in range(len(shape)))
-            if all(n % int(np.prod([sizes[a] for a in axes])) == 0 for n, axes in zip(shape, dims)):
-                out.add(ShardingSpec(dims))
-    return sorted(out)
-
-
 def _compiled_chain(mesh, shape, chain):
     """Collectives XLA compiles for a tensor laid out as chain[0], pinned to each next layout."""
     named = [NamedSharding(mesh, s.to_partition_spec()) for s in chain]
@@ -76,7 +65,7 @@ def test_every_reshard_path_compiles_as_priced(shape):
     pairs of (16, 32) (the MoE plans' unpredicted permutes and gathers)."""
     mesh = rj.device_mesh((2, 4), ("x", "y"))
     full = int(np.prod(shape)) * 4
-    for src, dst in itertools.product(_layouts(shape, XY.sizes), repeat=2):
+    for src, dst in itertools.product(_layouts(shape, tuple(XY.sizes.items())), repeat=2):
         path = reshard_path(src, dst, full, XY, shape)
         chain = [src] + [step.spec for step in path]
         priced = sorted((c.kind, c.bytes) for step in path for c in step.collectives)
