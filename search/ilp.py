@@ -45,6 +45,7 @@ class Solution:
     backend: str
     num_vars: int
     num_constraints: int
+    relaxation_exact: bool = False  # the LP relaxation's optimum was integral: no branch-and-bound
 
     @property
     def gap(self) -> float:
@@ -119,60 +120,107 @@ def greedy(problem: Problem) -> tuple[int, ...]:
     return tuple(choice[g] for g in range(len(problem.costs)))
 
 
-def solve(problem: Problem, backend: str = "HIGHS", time_limit_s: float = 60.0) -> Solution:
-    start = time.perf_counter()
-    solver = pywraplp.Solver.CreateSolver(backend)
-    if solver is None:
-        raise SolverError(f"OR-Tools has no MIP backend {backend!r}; use 'HIGHS', 'SCIP', 'CBC' or 'CP-SAT'")
-    solver.SuppressOutput()
-    x = [[solver.BoolVar(f"x{g}_{j}") for j in range(len(c))] for g, c in enumerate(problem.costs)]
-    objective = solver.Objective()
-    for g, c in enumerate(problem.costs):
-        if np.isinf(c).all():
-            raise SolverError(f"group {g} has no allowed strategy")
-        solver.Add(solver.Sum(x[g]) == 1)
-        for j, cost in enumerate(c):
-            if np.isinf(cost):
-                x[g][j].SetUb(0.0)
-            elif cost:
-                objective.SetCoefficient(x[g][j], float(cost) * SCALE)
-    for e, edge in enumerate(problem.edges):
-        na, nb = edge.matrix.shape
-        y = [[solver.NumVar(0.0, 1.0, f"y{e}_{a}_{b}") for b in range(nb)] for a in range(na)]
-        for a in range(na):
-            members = [x[edge.src][j] for j, cl in enumerate(edge.src_class) if cl == a]
-            solver.Add(solver.Sum(y[a]) == solver.Sum(members))
-        for b in range(nb):
-            members = [x[edge.dst][j] for j, cl in enumerate(edge.dst_class) if cl == b]
-            solver.Add(solver.Sum([y[a][b] for a in range(na)]) == solver.Sum(members))
-        for a in range(na):
+def forbid(problem: Problem, forbidden: tuple[np.ndarray, ...]) -> Problem:
+    """The problem with the strategies marked in `forbidden` (a bool mask per group) priced at inf."""
+    return Problem(tuple(np.where(f, np.inf, c) for c, f in zip(problem.costs, forbidden)), problem.edges)
+
+
+class Model:
+    """The ILP of a problem, built once and solved as often as needed with different strategies
+    forbidden: the memory limit's search (Rhino §4.4) re-solves one problem with more and more
+    parameters kept off replication."""
+
+    def __init__(self, problem: Problem, backend: str = "HIGHS"):
+        solver = pywraplp.Solver.CreateSolver(backend)
+        if solver is None:
+            raise SolverError(f"OR-Tools has no MIP backend {backend!r}; use 'HIGHS', 'SCIP', 'CBC' or 'CP-SAT'")
+        solver.SuppressOutput()
+        self.problem, self.backend, self._solver = problem, backend, solver
+        self._x = [[solver.BoolVar(f"x{g}_{j}") for j in range(len(c))] for g, c in enumerate(problem.costs)]
+        objective = solver.Objective()
+        for g, c in enumerate(problem.costs):
+            _equal(solver, self._x[g], [], 1.0)
+            for j, cost in enumerate(c):
+                if np.isfinite(cost) and cost:
+                    objective.SetCoefficient(self._x[g][j], float(cost) * SCALE)
+        for e, edge in enumerate(problem.edges):
+            na, nb = edge.matrix.shape
+            y = [[solver.NumVar(0.0, 1.0, f"y{e}_{a}_{b}") for b in range(nb)] for a in range(na)]
+            for a in range(na):
+                _equal(solver, y[a], [self._x[edge.src][j] for j, cl in enumerate(edge.src_class) if cl == a])
             for b in range(nb):
-                if edge.matrix[a, b]:
-                    objective.SetCoefficient(y[a][b], float(edge.matrix[a, b]) * SCALE)
-    objective.SetMinimization()
-    incumbent = greedy(problem)
-    if backend != "HIGHS":  # OR-Tools' HiGHS wrapper crashes on hints (seen with ortools 9.15)
-        solver.SetHint([x[g][j] for g, j in enumerate(incumbent)], [1.0] * len(incumbent))
-    solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
-    status, interrupted = _solve_interruptibly(solver)
-    elapsed = time.perf_counter() - start
-    size = (backend, solver.NumVariables(), solver.NumConstraints())
-    if status == pywraplp.Solver.INFEASIBLE:
-        raise SolverError("the strategy ILP is infeasible (the pins and limits leave no plan)")
-    solver_choice = lambda: tuple(int(np.argmax([v.solution_value() for v in xs])) for xs in x)  # noqa: E731
-    if status == pywraplp.Solver.OPTIMAL and not interrupted:
-        obj = objective.Value() / SCALE
-        return Solution(solver_choice(), obj, obj, "optimal", elapsed, *size)
-    # Time limit or interrupt: the better of the solver's incumbent and ours, with the best bound.
-    bound = sum(float(np.min(c)) for c in problem.costs)  # edges cost ≥ 0
-    choice, obj = incumbent, evaluate(problem, incumbent)
-    if status in (pywraplp.Solver.FEASIBLE, pywraplp.Solver.OPTIMAL):
-        bound = max(bound, objective.BestBound() / SCALE)
-        found = solver_choice()
-        found_obj = evaluate(problem, found)
-        if found_obj < obj:
-            choice, obj = found, found_obj
-    return Solution(choice, obj, min(bound, obj), "interrupted" if interrupted else "feasible", elapsed, *size)
+                _equal(solver, [y[a][b] for a in range(na)],
+                       [self._x[edge.dst][j] for j, cl in enumerate(edge.dst_class) if cl == b])
+            for a, b in zip(*np.nonzero(edge.matrix)):
+                objective.SetCoefficient(y[a][b], float(edge.matrix[a, b]) * SCALE)
+        objective.SetMinimization()
+        self._objective = objective
+
+    def solve(self, time_limit_s: float = 60.0, forbidden: tuple[np.ndarray, ...] | None = None) -> Solution:
+        """The best choice with the strategies of infinite cost, and those marked in `forbidden`
+        (a bool mask per group), left out. The LP relaxation is solved first: when its x are
+        integral it is the ILP's optimum (no integral point can beat the relaxation), and with the
+        transportation form it usually is; the branch-and-bound runs only when it is not."""
+        start = time.perf_counter()
+        problem = self.problem if forbidden is None else forbid(self.problem, forbidden)
+        solver, x = self._solver, self._x
+        for g, c in enumerate(problem.costs):
+            if np.isinf(c).all():
+                raise SolverError(f"group {g} has no allowed strategy")
+            for j, cost in enumerate(c):
+                x[g][j].SetUb(0.0 if np.isinf(cost) else 1.0)
+        size = (self.backend, solver.NumVariables(), solver.NumConstraints())
+        status, interrupted = self._run(time_limit_s, integer=False)
+        if status == pywraplp.Solver.INFEASIBLE:
+            raise SolverError("the strategy ILP is infeasible (the pins and limits leave no plan)")
+        if status == pywraplp.Solver.OPTIMAL and not interrupted:
+            values = [[v.solution_value() for v in xs] for xs in x]
+            if all(abs(f - round(f)) < 1e-6 for fs in values for f in fs):
+                choice = tuple(int(np.argmax(fs)) for fs in values)
+                obj = evaluate(problem, choice)
+                return Solution(choice, obj, obj, "optimal", time.perf_counter() - start, *size, relaxation_exact=True)
+        incumbent = greedy(problem)
+        if not interrupted:
+            if self.backend != "HIGHS":  # OR-Tools' HiGHS wrapper crashes on hints (seen with ortools 9.15)
+                solver.SetHint([x[g][j] for g, j in enumerate(incumbent)], [1.0] * len(incumbent))
+            status, interrupted = self._run(time_limit_s - (time.perf_counter() - start), integer=True)
+        elapsed = time.perf_counter() - start
+        solver_choice = lambda: tuple(int(np.argmax([v.solution_value() for v in xs])) for xs in x)  # noqa: E731
+        if status == pywraplp.Solver.OPTIMAL and not interrupted:
+            obj = self._objective.Value() / SCALE
+            return Solution(solver_choice(), obj, obj, "optimal", elapsed, *size)
+        # Time limit or interrupt: the better of the solver's incumbent and ours, with the best bound.
+        bound = sum(float(np.min(c)) for c in problem.costs)  # edges cost ≥ 0
+        choice, obj = incumbent, evaluate(problem, incumbent)
+        if status in (pywraplp.Solver.FEASIBLE, pywraplp.Solver.OPTIMAL):
+            bound = max(bound, self._objective.BestBound() / SCALE)
+            found = solver_choice()
+            found_obj = evaluate(problem, found)
+            if found_obj < obj:
+                choice, obj = found, found_obj
+        return Solution(choice, obj, min(bound, obj), "interrupted" if interrupted else "feasible", elapsed, *size)
+
+    def _run(self, time_limit_s: float, integer: bool) -> tuple[int | None, bool]:
+        for xs in self._x:
+            for v in xs:
+                v.SetInteger(integer)
+        self._solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
+        return _solve_interruptibly(self._solver)
+
+
+def _equal(solver: pywraplp.Solver, plus: list, minus: list, rhs: float = 0.0) -> None:
+    """The constraint Σ plus − Σ minus = rhs, set coefficient by coefficient (OR-Tools' operator
+    API builds Python expression trees: a build four times slower)."""
+    ct = solver.Constraint(rhs, rhs)
+    for v in plus:
+        ct.SetCoefficient(v, 1.0)
+    for v in minus:
+        ct.SetCoefficient(v, -1.0)
+
+
+def solve(problem: Problem, backend: str = "HIGHS", time_limit_s: float = 60.0) -> Solution:
+    """Build the model of `problem` and solve it once."""
+    return Model(problem, backend).solve(time_limit_s)
 
 
 def _solve_interruptibly(solver: pywraplp.Solver) -> tuple[int | None, bool]:

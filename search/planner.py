@@ -191,18 +191,20 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
              len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],
              stats.get("tied_segments", 0), stats["build_s"])
 
+    solved, index = ilp.tie(problem, class_of)
+    model = ilp.Model(solved, backend)
+
     def plan_with(forced: list[int]) -> Plan:
         """The best plan in which the arguments of the `forced` groups are not replicated."""
-        costs = list(problem.costs)
+        forbidden = [np.zeros(len(c), dtype=bool) for c in solved.costs]
         for g in forced:
-            replicated = [ch[groups[g].root].results[0].shard_factor(sizes) == 1 for ch in groups[g].choice]
-            costs[g] = np.where(replicated, np.inf, costs[g])
-        solved, index = ilp.tie(ilp.Problem(tuple(costs), problem.edges), class_of)
+            forbidden[index[g]] |= [ch[groups[g].root].results[0].shard_factor(sizes) == 1 for ch in groups[g].choice]
         log.info("rhino_jax: solving the ILP over %d groups%s (time limit %g s; Ctrl-C stops at the best "
                  "plan so far)", len(solved.costs), f", {len(forced)} arguments not replicated" if forced else "",
                  time_limit_s)
-        solution = ilp.solve(solved, backend, time_limit_s)
-        log.info("rhino_jax: ILP %s in %.2f s: predicted %.4g ms", solution.status, solution.solve_s,
+        solution = model.solve(time_limit_s, tuple(forbidden))
+        log.info("rhino_jax: ILP %s in %.2f s%s: predicted %.4g ms", solution.status, solution.solve_s,
+                 " (its LP relaxation was integral)" if solution.relaxation_exact else "",
                  solution.objective_s * 1e3)
         if solution.status == "interrupted":
             warnings.warn(f"strategy search interrupted after {solution.solve_s:.1f} s; the plan is the best "
@@ -215,7 +217,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
         st = dict(stats, ilp_groups=len(solved.costs), ilp_vars=solution.num_vars,
                   ilp_constraints=solution.num_constraints, solve_s=solution.solve_s,
                   backend=solution.backend, status=solution.status, gap=solution.gap,
-                  objective_s=solution.objective_s,
+                  objective_s=solution.objective_s, relaxation_exact=solution.relaxation_exact,
                   not_replicated=tuple(units[groups[g].root].name for g in forced))
         return _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st)
 
@@ -223,7 +225,9 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
     if memory_limit_bytes is not None and plan.cost.memory_bytes > memory_limit_bytes:
         if plan.search_stats["status"] == "interrupted":
             raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
-        plan = _fit_memory(plan_with, _by_size(graph, units, groups, sizes), memory_limit_bytes, graph)
+        candidates = _by_size(graph, units, groups, sizes)
+        plan = _fit_memory(plan_with, candidates, [units[groups[g].root].ref for g in candidates],
+                           plan, memory_limit_bytes, graph)
     return plan
 
 
@@ -239,36 +243,62 @@ def _by_size(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -> 
     return sorted(found, key=lambda g: -graph.values[units[groups[g].root].results[0]].nbytes)
 
 
-def _fit_memory(plan_with, candidates: list[int], limit: int, graph: Graph) -> Plan:
+def _fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Plan, limit: int,
+                graph: Graph) -> Plan:
     """Rhino §4.4: forbid replicating the k largest parameters (and optimizer states), with the
-    smallest k whose plan fits the limit, found by bisection."""
-    best = plan_with(candidates)
-    if best.cost.memory_bytes > limit and best.search_stats["status"] == "interrupted":
-        raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
-    if best.cost.memory_bytes > limit:
-        local = [local_bytes(graph, a.value, spec, best.mesh_axes) for a, spec in zip(graph.args, best.arg_specs)]
-        largest = sorted(range(len(local)), key=lambda i: -local[i])[:5]
-        listing = ", ".join(f"{best.arg_paths[i]} {tuple(best.arg_shapes[i])} {best.arg_specs[i]} "
-                            f"({local[i] / 2**20:.1f} MiB)" for i in largest)
-        raise MemoryLimitError(
-            f"no plan fits memory_limit_bytes={limit:,}: with every parameter and optimizer state "
-            f"sharded the best plan needs {best.cost.memory_bytes:,} bytes per device "
-            f"({sum(local):,} in arguments, the rest in intermediates at the peak), "
-            f"{best.cost.memory_bytes - limit:,} more than the limit. Largest arguments per device: "
-            f"{listing}. Raise the limit, use more devices, or shrink the batch or model.")
-    lo, hi = 0, len(candidates)  # the plan with k = hi fits, k = lo does not
-    while hi - lo > 1:
+    smallest k whose plan fits the limit. Rhino's premise is that a few tensors hold most of the
+    memory, so k is searched by galloping up from the small end (k = 1, 2, 4, ...), then by
+    bisection: about 2 log2(k) solves rather than log2(len(candidates)). A plan that keeps more
+    of the leading candidates off replication than it was made to is also the best plan for those
+    larger k, so a plan that does not fit rules them out too (`_leading`)."""
+    plan, lo, step = unlimited, _leading(unlimited, args), 1  # the plan with k = lo does not fit
+    while lo < len(candidates):  # gallop up to a k = hi that fits
+        k = min(lo + step, len(candidates))
+        plan = _try(plan_with, candidates, k, limit)
+        if plan.cost.memory_bytes <= limit:
+            hi, best = k, plan
+            break
+        if plan.search_stats["status"] == "interrupted":
+            raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
+        lo, step = max(k, _leading(plan, args)), 2 * step
+    else:
+        _raise_memory_error(plan, limit, graph)
+    while hi - lo > 1 and plan.search_stats["status"] != "interrupted":  # bisect down to the smallest k
         k = (lo + hi) // 2
-        plan = plan_with(candidates[:k])
-        log.info("rhino_jax: memory limit: %d largest not replicated → %.1f MiB per device (limit %.1f)",
-                 k, plan.cost.memory_bytes / 2**20, limit / 2**20)
+        plan = _try(plan_with, candidates, k, limit)
         if plan.cost.memory_bytes <= limit:
             hi, best = k, plan
         else:
-            lo = k
-        if plan.search_stats["status"] == "interrupted":
-            break  # Ctrl-C: the best plan that fits so far
+            lo = max(k, min(_leading(plan, args), hi - 1))
     return best
+
+
+def _leading(plan: Plan, args: list[int]) -> int:
+    """How many of the leading candidate arguments `plan` keeps off replication."""
+    k = 0
+    while k < len(args) and plan.arg_specs[args[k]].shard_factor(plan.mesh_axes) > 1:
+        k += 1
+    return k
+
+
+def _try(plan_with, candidates: list[int], k: int, limit: int) -> Plan:
+    plan = plan_with(candidates[:k])
+    log.info("rhino_jax: memory limit: %d largest not replicated → %.1f MiB per device (limit %.1f)",
+             k, plan.cost.memory_bytes / 2**20, limit / 2**20)
+    return plan
+
+
+def _raise_memory_error(best: Plan, limit: int, graph: Graph):
+    local = [local_bytes(graph, a.value, spec, best.mesh_axes) for a, spec in zip(graph.args, best.arg_specs)]
+    largest = sorted(range(len(local)), key=lambda i: -local[i])[:5]
+    listing = ", ".join(f"{best.arg_paths[i]} {tuple(best.arg_shapes[i])} {best.arg_specs[i]} "
+                        f"({local[i] / 2**20:.1f} MiB)" for i in largest)
+    raise MemoryLimitError(
+        f"no plan fits memory_limit_bytes={limit:,}: with every parameter and optimizer state "
+        f"sharded the best plan needs {best.cost.memory_bytes:,} bytes per device "
+        f"({sum(local):,} in arguments, the rest in intermediates at the peak), "
+        f"{best.cost.memory_bytes - limit:,} more than the limit. Largest arguments per device: "
+        f"{listing}. Raise the limit, use more devices, or shrink the batch or model.")
 
 
 def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit: dict[int, int],

@@ -1,0 +1,78 @@
+"""The strategy ILP: the LP relaxation answers when it is integral, branch-and-bound when not, and
+one model re-solves with strategies forbidden (the memory limit's search)."""
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rhino_jax.errors import SolverError
+from rhino_jax.search import ilp
+from rhino_jax.search.planner import _fit_memory
+from rhino_jax.search.specs import ShardingSpec
+
+
+def _brute_force(problem: ilp.Problem) -> float:
+    return min(ilp.evaluate(problem, c) for c in itertools.product(*(range(len(c)) for c in problem.costs)))
+
+
+def _chain(seed: int, groups: int = 6, k: int = 3) -> ilp.Problem:
+    rng = np.random.default_rng(seed)
+    costs = tuple(rng.uniform(0, 1, k) for _ in range(groups))
+    edges = tuple(ilp.Edge(g, g + 1, tuple(range(k)), tuple(range(k)), rng.uniform(0, 1, (k, k)))
+                  for g in range(groups - 1))
+    return ilp.Problem(costs, edges)
+
+
+def test_a_tree_is_solved_by_its_lp_relaxation():
+    # On a tree the transportation form's relaxation is integral: no branch-and-bound.
+    for seed in range(3):
+        problem = _chain(seed)
+        solution = ilp.solve(problem)
+        assert solution.status == "optimal" and solution.relaxation_exact
+        assert solution.objective_s == pytest.approx(_brute_force(problem))
+        assert solution.objective_s == pytest.approx(ilp.evaluate(problem, solution.choice))
+
+
+def test_a_fractional_relaxation_falls_back_to_branch_and_bound():
+    # Three groups in a triangle, each edge charging 1 when both ends agree: the relaxation puts
+    # half on each strategy and pays nothing; every integral choice pays at least 1.
+    agree = np.eye(2)
+    problem = ilp.Problem(tuple(np.zeros(2) for _ in range(3)),
+                          tuple(ilp.Edge(s, d, (0, 1), (0, 1), agree) for s, d in [(0, 1), (1, 2), (0, 2)]))
+    solution = ilp.solve(problem)
+    assert solution.status == "optimal" and not solution.relaxation_exact
+    assert solution.objective_s == pytest.approx(1.0) == pytest.approx(_brute_force(problem))
+
+
+def test_one_model_re_solves_with_strategies_forbidden():
+    problem = _chain(7)
+    model = ilp.Model(problem)
+    first = model.solve()
+    forbidden = tuple(np.arange(len(c)) == first.choice[g] for g, c in enumerate(problem.costs))
+    again = model.solve(forbidden=forbidden)
+    assert all(again.choice[g] != first.choice[g] for g in range(len(problem.costs)))
+    assert again.objective_s == pytest.approx(_brute_force(ilp.forbid(problem, forbidden)))
+    assert model.solve().objective_s == pytest.approx(first.objective_s)  # the bounds are reset
+    with pytest.raises(SolverError, match="group 2 has no allowed strategy"):
+        model.solve(forbidden=tuple(np.full(len(c), g == 2) for g, c in enumerate(problem.costs)))
+
+
+@pytest.mark.parametrize("smallest", [1, 3, 37, 64])
+def test_memory_search_finds_the_smallest_k_in_few_solves(smallest):
+    """`_fit_memory` on plans whose memory falls as more candidates are kept off replication: it
+    returns the plan of the smallest k that fits, after about 2 log2(k) solves."""
+    n, sizes = 64, {"x": 8}
+    sharded, replicated = ShardingSpec((("x",),)), ShardingSpec.replicated(1)
+    solved = []
+
+    def plan_with(forced):
+        solved.append(len(forced))
+        return SimpleNamespace(cost=SimpleNamespace(memory_bytes=1000 - len(forced)), mesh_axes=sizes,
+                               search_stats={"status": "optimal"},
+                               arg_specs=[sharded if i < len(forced) else replicated for i in range(n)])
+
+    unlimited = plan_with([])
+    best = _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - smallest, graph=None)
+    assert best.cost.memory_bytes == 1000 - smallest
+    assert len(solved) - 1 <= 2 * np.log2(smallest) + 2, solved
