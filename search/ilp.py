@@ -135,6 +135,8 @@ class Model:
         if solver is None:
             raise SolverError(f"OR-Tools has no MIP backend {backend!r}; use 'HIGHS', 'SCIP', 'CBC' or 'CP-SAT'")
         solver.SuppressOutput()
+        if backend == "HIGHS":  # its banner on stdout at every solve, which SuppressOutput leaves
+            solver.SetSolverSpecificParametersAsString("output_flag=false")
         self.problem, self.backend, self._solver = problem, backend, solver
         self._x = [[solver.BoolVar(f"x{g}_{j}") for j in range(len(c))] for g, c in enumerate(problem.costs)]
         objective = solver.Objective()

@@ -186,13 +186,12 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
     if opt_level == "O2":
         segments = group_segments(units, groups, group_of, bb, producer_unit)
         class_of, stats["tied_segments"] = tie_repeats(units, groups, segments, graph, producer_unit)
+    solved, index = ilp.tie(problem, class_of)
+    model = ilp.Model(solved, backend)
     stats["build_s"] = time.perf_counter() - t0
     log.info("rhino_jax: %d ops → %d cones (%d critical nodes, %d segments, %d tied) in %.2f s",
              len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],
              stats.get("tied_segments", 0), stats["build_s"])
-
-    solved, index = ilp.tie(problem, class_of)
-    model = ilp.Model(solved, backend)
 
     def plan_with(forced: list[int]) -> Plan:
         """The best plan in which the arguments of the `forced` groups are not replicated."""
