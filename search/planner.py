@@ -342,6 +342,29 @@ def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit:
     return ilp.Problem(tuple(costs), tuple(edges))
 
 
+def _shared_path(reached: dict[ShardingSpec, tuple[ShardingSpec, ...]], dst: ShardingSpec, value,
+                 topo: MeshTopology) -> tuple[tuple[ShardingSpec, ...], tuple]:
+    """The cheapest way to `dst` from any layout the value already takes. `reached` maps each to
+    the layouts on the way to it; its first key is the value's own layout. Returns the layouts on
+    the whole way to `dst` and the new steps, the only ones to pay for: XLA does the same (a
+    partial sum read in two layouts is settled once, then moved). Strided layouts on the way are
+    not gone on from: the rewrite holds them in another shape. Adds the new layouts to `reached`."""
+    source = next(iter(reached))
+    best = None
+    for start, way in reached.items():
+        if start.strides and start != source:
+            continue
+        path = reshard_path(start, dst, value.nbytes, topo, value.shape)
+        cost = sum(c.time(topo) for step in path for c in step.collectives)
+        if best is None or cost < best[0]:
+            best = (cost, way + (start,) if start != source else (), path)
+    _, way, path = best
+    for step in path:
+        reached.setdefault(step.spec, way)
+        way = way + (step.spec,)
+    return way[:-1], path
+
+
 def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, stats) -> Plan:
     chosen: dict[int, Strategy] = {}
     for g, j in zip(groups, choice):
@@ -352,7 +375,9 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
     compute = sum(s.compute_s for s in chosen.values())
     planned: list[PlannedCollective] = []
     read_specs: dict[tuple[int, int], ShardingSpec] = {}
-    moved: set[tuple[int, ShardingSpec]] = set()  # a value is resharded once per layout read
+    # Layouts each resharded value already takes, with the layouts on the way to each: a value is
+    # resharded once per layout read, and a later read may go on from one of them.
+    reached: dict[int, dict[ShardingSpec, tuple[ShardingSpec, ...]]] = {}
     read_paths: dict[tuple[int, ShardingSpec], tuple[ShardingSpec, ...]] = {}
     for i, s in sorted(chosen.items()):
         u = units[i]
@@ -365,12 +390,12 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
                 continue
             if u.kind == "node":
                 read_specs[u.ref, pos] = s.operands[pos]
-            if (v, s.operands[pos]) in moved:
+            here = reached.setdefault(v, {specs[v]: ()})
+            if s.operands[pos] in here:
                 continue
-            moved.add((v, s.operands[pos]))
-            path = reshard_path(specs[v], s.operands[pos], graph.values[v].nbytes, topo, graph.values[v].shape)
-            if len(path) > 1:
-                read_paths[v, s.operands[pos]] = tuple(step.spec for step in path[:-1])
+            way, path = _shared_path(here, s.operands[pos], graph.values[v], topo)
+            if way:
+                read_paths[v, s.operands[pos]] = way
             for c in (c for step in path for c in step.collectives):
                 planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind))
     comm = sum(c.time_s for c in planned)

@@ -157,16 +157,20 @@ def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Clust
     reductions = space.reduction_loops()
     out: list[Strategy] = []
     for asg in _assignments(space, in_shapes + out_shapes, topo, loop_strides):
-        red_axes = tuple(a for l in reductions for a in asg.loop_axes[l])
-        partial = red_axes if space.reduce_kind == "sum" else ()
+        groups = [asg.loop_axes[l] for l in reductions if asg.loop_axes[l]]
+        red_axes = tuple(a for g in groups for a in g)
+        # XLA sums the pieces of one split reduction loop at a time, each in a full-size
+        # all-reduce; only the last loop's sum is left for the reader to settle.
+        reduced = red_axes if space.reduce_kind == "other" else tuple(a for g in groups[:-1] for a in g)
+        partial = tuple(groups[-1]) if space.reduce_kind == "sum" and groups else ()
         operands = tuple(_spec(d, asg) for d in space.operands)
         results = tuple(_spec(d, asg, partial) for d in space.results)
         split = float(np.prod(asg.split))
         inner: tuple[Collective, ...] = ()
-        if red_axes and space.reduce_kind == "other":
+        if reduced:
             local = sum(graph.values[r].nbytes // s.shard_factor(topo.sizes)
                         for r, s in zip(node.results, results))
-            inner = (Collective("all-reduce", red_axes, local),)
+            inner = (Collective("all-reduce", reduced, local),)
         out.append(Strategy(operands, results, compute_time(node, graph.values, traffic, split, cluster),
                             inner))
     return out, True
