@@ -214,3 +214,21 @@ def test_a_contraction_split_on_two_loops_is_summed_one_loop_at_a_time():
     found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
     assert found == predicted, (found, predicted)
     assert_same_numbers(jax.jit(f)(x, dy), compiled(x, dy))
+
+
+@pytest.mark.parametrize("out", [P(), P("x", None), P(None, "x"), P("y", None), P("y", "x"),
+                                 P(("x", "y"), None), P("x", "y")])
+def test_a_matmul_with_partial_sums_compiles_as_priced_into_any_layout(out):
+    """A matmul whose contraction is split on y, read in `out`: XLA sums the smallest piece it can
+    (it slices x in first), and the plan, which splits the matmul's rows or columns on x where
+    `out` wants them there, prices the same collectives."""
+    def f(a, w):
+        return rj.annotate(rj.annotate(a, P(None, "y")) @ rj.annotate(w, P("y", None)), out)
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (64, 256)) / 16
+    w = jax.random.normal(jax.random.PRNGKey(1), (256, 128))
+    lowered = rj.parallelize(f, mesh=rj.device_mesh((2, 4), ("x", "y"))).lower(a, w)
+    compiled = lowered.compile()
+    found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
+    assert found == _as_cpu_compiles(lowered.plan.collectives), (found, lowered.plan.collectives)
+    assert_same_numbers(jax.jit(f)(a, w), compiled(a, w))
