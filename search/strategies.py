@@ -2,7 +2,8 @@
 
 A strategy assigns each mesh axis to one loop of the op (or to none). It fixes the spec every
 operand must arrive in, the spec of every result (partial on axes that split a summed
-reduction), the compute time of the local piece, and collectives the op needs inside itself.
+reduction), the compute time of the local piece, and collectives the op needs inside itself
+(a reduction that is not a sum, or a sum split on several loops: all but the last loop's).
 """
 from __future__ import annotations
 
@@ -158,11 +159,12 @@ def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Clust
     out: list[Strategy] = []
     for asg in _assignments(space, in_shapes + out_shapes, topo, loop_strides):
         groups = [asg.loop_axes[l] for l in reductions if asg.loop_axes[l]]
-        red_axes = tuple(a for g in groups for a in g)
-        # XLA sums the pieces of one split reduction loop at a time, each in a full-size
-        # all-reduce; only the last loop's sum is left for the reader to settle.
-        reduced = red_axes if space.reduce_kind == "other" else tuple(a for g in groups[:-1] for a in g)
-        partial = tuple(groups[-1]) if space.reduce_kind == "sum" and groups else ()
+        reduced: tuple[str, ...] = tuple(a for g in groups for a in g) if space.reduce_kind == "other" else ()
+        partial: tuple[str, ...] = ()
+        if space.reduce_kind == "sum" and groups:
+            # XLA sums the pieces of one split reduction loop at a time, each in a full-size
+            # all-reduce; only the last loop's sum is left for the reader to settle.
+            reduced, partial = tuple(a for g in groups[:-1] for a in g), tuple(groups[-1])
         operands = tuple(_spec(d, asg) for d in space.operands)
         results = tuple(_spec(d, asg, partial) for d in space.results)
         split = float(np.prod(asg.split))

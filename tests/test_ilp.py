@@ -76,3 +76,15 @@ def test_memory_search_finds_the_smallest_k_in_few_solves(smallest):
     best = _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - smallest, graph=None)
     assert best.cost.memory_bytes == 1000 - smallest
     assert len(solved) - 1 <= 2 * np.log2(smallest) + 2, solved
+
+
+def test_polish_leaves_no_group_that_could_do_better_alone():
+    """The incumbent when the relaxation is fractional: rounded, then mended group by group."""
+    problem = _chain(3, groups=12, k=4)
+    start = tuple(0 for _ in problem.costs)
+    polished = ilp.polish(problem, start)
+    assert ilp.evaluate(problem, polished) < ilp.evaluate(problem, start)
+    for g, c in enumerate(problem.costs):
+        for j in range(len(c)):
+            moved = polished[:g] + (j,) + polished[g + 1:]
+            assert ilp.evaluate(problem, moved) >= ilp.evaluate(problem, polished) - 1e-12
