@@ -67,7 +67,7 @@ def _is_rhino(method: str) -> bool:
 # (pipelined) global batches; without pipelining we use the paper's SPMD-only batches where it
 # gives them (Tables 1, 2), raised to 8 so that 8 devices can split them.
 # Depth is halved where the CPU compile of ~9 plans per model would take minutes (so the whole run
-# stays around forty minutes on 2 cores): layers repeat, so per-layer costs and the choice of plan
+# stays under half an hour on 2 cores): layers repeat, so per-layer costs and the choice of plan
 # carry over, absolute step times are about half. Full depth: GPT-Medium's 24 layers are searched
 # in the strong-scaling and search-time sections.
 PAPER = {
@@ -443,7 +443,7 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
          "pins leave open, under the same cost model. Pipelining is not built yet, so the manual \"3-D\" plan "
          "is 2-D: DP x TP (no PP).", "",
          "Sizes: each model's heading says which paper configuration it is and what we changed. To keep the "
-         "run near forty minutes on 2 cores (about nine plans compiled per model and mesh), GPT, MoE, BERT and "
+         "run under half an hour on 2 cores (about nine plans compiled per model and mesh), GPT, MoE, BERT and "
          "Wide-ResNet are planned and compiled at half their depth; VGG19 and U-Net at full size. The "
          "strong-scaling and search-time sections use GPT-Medium's full 24 layers (planned, not compiled). "
          "Compiles use `--xla_backend_optimization_level=0` (same HLO, a third less CPU time).", "",
@@ -503,8 +503,10 @@ NOTES = [
     "`_problem`), while the plan and XLA move it once per layout; reads within one cone or one edge are "
     "charged once. The ILP's objective is then up to about 1 % above the plan's cost (Wide-ResNet's "
     "gradients, read by both Adam moments), and the search can overprice a plan whose readers share "
-    "a reshard. Fixing it exactly needs a variable per (value, layout) move in the ILP. Likewise two "
-    "reads whose reshard paths share a first step run it once but are each priced in full.",
+    "a reshard. Fixing it exactly needs a variable per (value, layout) move in the ILP. The plan's own "
+    "cost (these tables) charges what XLA runs: a value is resharded once per layout read, a later read "
+    "going on from a layout it already takes (`_shared_path`: a partial sum read in two layouts is "
+    "settled once, then moved).",
     "- **Fixed since the first 2026-11-23 run**, which had MoE on (2, 4) at 1.14-1.18: a reshard is now a "
     "path of steps that XLA compiles exactly as priced, and the rewrite pins every intermediate layout "
     "(`search/collectives.py` `reshard_path`). Left to itself between two distant layouts, XLA often "
@@ -516,11 +518,19 @@ NOTES = [
     "sum is reduce-scattered only into a dim that still divides (MoE's combine cut 4 groups 8 ways). Earlier (2026-11-22 run): rules for `select_and_scatter`, "
     "`reverse` and a vocabulary-split lookup; cone DP ties; axes left in another order priced as permutes; "
     "partial sums settled as priced; stride changes priced as XLA compiles them.",
-    "- **Since the previous run (at 5c821d4)** the rewrite also pins the path into a user's pin and into a "
-    "donated output's layout, and the settled layout of a partial sum read in a strided layout. MoE's "
-    "fidelity moved: (8) O2 / O3 0.98 → 1.00 / 1.01, expert parallel 1.00 → 1.03, DP x EP 1.00 → 1.01, "
-    "(2, 4) O2 1.07 → 1.09, O3 1.04 → 1.07; the other models' and every predicted step time are unchanged. "
-    "XLA still moves more than priced around MoE's expert dispatch on (2, 4), within ±10 %.",
+    "- **Since the previous run (at 4bf3193)**: (1) the ILP solves its LP relaxation first and stops "
+    "there when it is integral (then it is optimal); when it is not, the relaxation's rounding, mended "
+    "group by group, is the incumbent, and branch-and-bound runs only if time is left: MoE O3 on (2, 4) "
+    "ends so at a gap of 0.1 % (status \"time limit\", so its H100 search is skipped); the memory-limited search "
+    "gallops up from k = 1 on one built model. Search times fell by up to 8x (O3 on (2, 4): 3-47 s, was 30-78 s; "
+    "memory-limited tiny presets on (2, 4): 5-29 s, was 29-102 s) and the whole run from 40 to 23 min. "
+    "(2) A value read in several layouts is priced as XLA moves it, once per layout from the nearest "
+    "layout reached (it was priced from its source for every layout: GPT's fidelity 0.98 → 1.00). (3) A "
+    "sum split on several loops (a weight gradient with batch on one axis and sequence on the other) is "
+    "priced as XLA compiles it, one full all-reduce per loop, not one over both axes: (2) alone took MoE "
+    "(2, 4) O2 from 1.09 to 1.12, since it had hidden (3); with both, 1.01. All 100 compiled plans are now "
+    "within 1.00-1.06 (VGG19 and Wide-ResNet on (2, 4) at 1.06 and 1.03, the rest within 1.03). Predicted "
+    "step times moved by 1 % or less; the goals hold as before.",
     "- **The memory limit (§4.4) constrains only parameters and optimizer states**: activations are "
     "not forced off replication. Every model here fits without that; a model whose activations alone "
     "overflow the device would get `MemoryLimitError` although a plan may exist.",
@@ -533,8 +543,8 @@ NOTES = [
     "replicates the tiny models (no collectives: a check that cannot fail), so each tiny table also has "
     "rhino_jax O2 under a memory limit that the replicated plan exceeds by half of what sharding all "
     "parameters and Adam moments would save (`models.sharding_memory_limit`): that plan shards state "
-    "and runs with collectives. Its search is slow on (2, 4) (30-100 s for a tiny model: one ILP solve "
-    "per bisection step, §4.4). Adam's first step moves a weight "
+    "and runs with collectives. Its search takes 1-2 s on (8,) and 5-29 s on (2, 4) (§4.4: one ILP solve "
+    "per trial k, about 2 log2(k) of them). Adam's first step moves a weight "
     "by about lr·sign(g), so a weight whose gradient is ~1e-6 can differ by 2·lr where float rounding in "
     "the split reductions flips the sign (Wide-ResNet's Megatron and DP x TP rows). Not a plan error.",
     "- **Memory**: `mem HLO` is the CPU compiler's buffer assignment (no rematerialization, CPU scheduling); "
