@@ -228,15 +228,13 @@ class Model:
                 if self.backend != "HIGHS":  # OR-Tools' HiGHS wrapper crashes on hints (seen with ortools 9.15)
                     solver.SetHint([x[g][j] for g, j in enumerate(choice)], [1.0] * len(choice))
                 status, interrupted = self._run(time_limit_s - spent, integer=True)
-                if status == pywraplp.Solver.OPTIMAL and not interrupted:
-                    found = tuple(int(np.argmax([v.solution_value() for v in xs])) for xs in x)
-                    exact = evaluate(problem, found)
-                    return Solution(found, exact, exact, "optimal", time.perf_counter() - start, *size)
-                if status == pywraplp.Solver.FEASIBLE:  # the better of the solver's incumbent and ours
+                if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):  # the better incumbent
                     bound = max(bound, self._objective.BestBound() / SCALE)
                     found = tuple(int(np.argmax([v.solution_value() for v in xs])) for xs in x)
                     if evaluate(problem, found) < obj:
                         choice, obj = found, evaluate(problem, found)
+                    if status == pywraplp.Solver.OPTIMAL and not interrupted:
+                        return Solution(choice, obj, min(bound, obj), "optimal", time.perf_counter() - start, *size)
         return Solution(choice, obj, min(bound, obj), "interrupted" if interrupted else "feasible",
                         time.perf_counter() - start, *size)
 
