@@ -204,13 +204,12 @@ class Model:
             for j, cost in enumerate(c):
                 x[g][j].SetUb(0.0 if np.isinf(cost) else 1.0)
         size = (self.backend, solver.NumVariables(), solver.NumConstraints())
-        choice = polish(problem, greedy(problem))
-        obj = evaluate(problem, choice)
         bound = sum(float(np.min(c)) for c in problem.costs)  # edges cost ≥ 0
         status, interrupted = self._run(time_limit_s, integer=False)
         if status == pywraplp.Solver.INFEASIBLE:
             raise SolverError("the strategy ILP is infeasible (the pins and limits leave no plan)")
-        if status == pywraplp.Solver.OPTIMAL and not interrupted:
+        solved = status == pywraplp.Solver.OPTIMAL and not interrupted
+        if solved:
             values = [[v.solution_value() for v in xs] for xs in x]
             rounded = tuple(int(np.argmax(fs)) for fs in values)
             if all(abs(f - round(f)) < 1e-6 for fs in values for f in fs):
@@ -218,9 +217,10 @@ class Model:
                 return Solution(rounded, exact, exact, "optimal", time.perf_counter() - start, *size,
                                 relaxation_exact=True)
             bound = max(bound, self._objective.Value() / SCALE)
-            polished = polish(problem, rounded)
-            if evaluate(problem, polished) < obj:
-                choice, obj = polished, evaluate(problem, polished)
+        # The incumbent: the relaxation's rounding, or without one (Ctrl-C, time limit) a greedy pass.
+        choice = polish(problem, rounded if solved else greedy(problem))
+        obj = evaluate(problem, choice)
+        if solved:
             spent = time.perf_counter() - start
             if obj - bound <= MIP_GAP * obj:
                 return Solution(choice, obj, min(bound, obj), "optimal", spent, *size)
