@@ -2,19 +2,42 @@
 
 The cost model predicts communication from shardings; this module reads back what XLA really
 compiled (`jax.jit(f).lower(...).compile().as_text()`) so the two can be compared. All sizes
-are per device, in bytes, and every collective instruction in the module is counted once
-(instructions inside while bodies are not multiplied by a trip count).
+are per device, in bytes, and counts are per run of the entry computation (one step):
+
+- A collective inside a while loop (lax.scan, lax.fori_loop, flax nn.scan) counts once per
+  trip, nested loops multiply. The trip count is the one XLA's loop analysis writes on the
+  while op (`backend_config={..."known_trip_count":{"n":"4"}}`; jax 0.10.2's CPU compile
+  writes it for scan, fori_loop and while_loop with constant bounds, nested ones included).
+  When it is absent XLA's own analysis (constant init, step and bound) has already failed,
+  in practice because the bound is known only at run time (a traced fori_loop bound, a
+  data-dependent while_loop), so the condition is not re-derived here: such a loop counts
+  as one trip and is listed in `CollectiveStats.unknown_loops` (its totals are then a lower
+  bound). A loop's condition runs once more than its body.
+- A conditional runs one branch, unknown until run time: only the branch with the most
+  collective bytes per run (then the most collectives, then the first) is counted, so totals
+  are an upper bound over the branches; the other branches' collectives get `executions=0`.
+- Collectives in called computations (call, async-start wrappers, fusions) count with their
+  caller's multiplicity.
+
+Bytes count the element type the compiled HLO carries, which is not always the program's:
+XLA's CPU pipeline runs every bf16 collective in f32 (its all-reduce-promotion pass turns a
+bf16 all-reduce or reduce-scatter into convert -> f32 collective -> convert, its bf16
+float-normalization does the same to all-gather, all-to-all and collective-permute; f16 and
+f32 are left alone). So on the CPU backend a bf16 program's collectives are counted at 4 bytes
+per element, twice what the program's type (and the cost model, which prices it) says; other
+backends need not upcast. `CompiledCollective.shapes` names the type that was counted.
 """
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 __all__ = [
     "COLLECTIVE_KINDS",
     "CompiledCollective",
+    "CompiledLoop",
     "CollectiveStats",
     "collective_stats",
     "CompiledMemory",
@@ -43,7 +66,9 @@ class CompiledCollective:
     all-gather, all-to-all and collective-permute, the (un-scattered) operand for
     reduce-scatter. `shapes` are exactly the array shapes whose sizes add up to `bytes`
     (layouts dropped). `group_size` is the number of devices per replica group, 0 when the
-    text does not say (collective-permute has pairs, not groups).
+    text does not say (collective-permute has pairs, not groups). `executions` is how often
+    the instruction runs per step as counted (trip counts of the enclosing loops multiplied;
+    0 in a conditional branch that is not counted).
     """
 
     kind: str
@@ -52,13 +77,36 @@ class CompiledCollective:
     group_size: int
     name: str
     op_name: str = ""
+    executions: int = 1
+
+
+@dataclass(frozen=True)
+class CompiledLoop:
+    """One while loop of the compiled module, for reports on what the counts multiply.
+
+    `trip_count` is XLA's `known_trip_count`, None when not recorded (then counted as 1).
+    `entries` is how often the loop starts per step (enclosing trip counts multiplied).
+    `collectives` is the number of collective executions in one trip of its body, nested
+    loops multiplied (a condition's collectives, which run trips + 1 times, are not in it).
+    """
+
+    name: str
+    trip_count: int | None
+    entries: int
+    collectives: int
+    op_name: str = ""
 
 
 @dataclass(frozen=True)
 class CollectiveStats:
-    """All collectives of one compiled module, with per-kind totals for comparisons."""
+    """All collectives of one compiled module, with per-step totals for comparisons.
+
+    `collectives` lists each instruction once; `count` and `bytes` weight it by its
+    `executions`. `loops` lists every while loop, outermost first.
+    """
 
     collectives: tuple[CompiledCollective, ...]
+    loops: tuple[CompiledLoop, ...] = ()
 
     def _select(self, kind: str | None) -> list[CompiledCollective]:
         # Reject unknown kinds: a typo would otherwise silently compare against zero.
@@ -67,16 +115,23 @@ class CollectiveStats:
         return [c for c in self.collectives if kind is None or c.kind == kind]
 
     def count(self, kind: str | None = None) -> int:
-        """Number of collective instructions (of `kind`, or of all kinds)."""
-        return len(self._select(kind))
+        """Collective executions per step (of `kind`, or of all kinds)."""
+        return sum(c.executions for c in self._select(kind))
 
     def bytes(self, kind: str | None = None) -> int:
-        """Summed per-device bytes (of `kind`, or of all kinds)."""
-        return sum(c.bytes for c in self._select(kind))
+        """Summed per-device bytes per step (of `kind`, or of all kinds)."""
+        return sum(c.bytes * c.executions for c in self._select(kind))
 
     def by_kind(self) -> dict[str, tuple[int, int]]:
         """(count, bytes) for every kind, zeros included so lookups never fail."""
         return {k: (self.count(k), self.bytes(k)) for k in COLLECTIVE_KINDS}
+
+    @property
+    def unknown_loops(self) -> tuple[CompiledLoop, ...]:
+        """Loops that run collectives but whose trip count XLA did not record: counted as one
+        trip, so `count` and `bytes` are lower bounds when this is not empty."""
+        return tuple(loop for loop in self.loops
+                     if loop.trip_count is None and loop.collectives and loop.entries)
 
     def __str__(self) -> str:
         rows = [("kind", "count", "bytes")]
@@ -86,7 +141,18 @@ class CollectiveStats:
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
         w2 = max(len(r[2]) for r in rows)
-        return "\n".join(f"{a:<{w0}}  {b:>{w1}}  {c:>{w2}}" for a, b, c in rows)
+        lines = [f"{a:<{w0}}  {b:>{w1}}  {c:>{w2}}" for a, b, c in rows]
+        for loop in self.loops:
+            if loop.collectives:
+                trips = (f"{loop.trip_count} trips" if loop.trip_count is not None
+                         else "unknown trip count, counted once")
+                lines.append(f"loop {loop.name} ({trips}, entered {loop.entries}x): "
+                             f"{loop.collectives} collectives per trip")
+        skipped = sum(1 for c in self.collectives if c.executions == 0)
+        if skipped:
+            lines.append(f"{skipped} collective instructions not counted (untaken conditional "
+                         "branches, loops of 0 trips)")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -412,10 +478,153 @@ def _module_devices(hlo_text: str) -> tuple[int, int] | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Entry point
+# Computations and how often they run
 # ----------------------------------------------------------------------------------------------
 
+# "%name (params) -> result {" or "ENTRY %name ... {"; instruction lines have "=" after the name.
+_COMP_HEAD_RE = re.compile(r"\s*(?:ENTRY\s+%?([\w.\-]+)\s*.*|%?([\w.\-]+)\s*\(.*\)\s*->.*)\{\s*$")
+_CALLEE_RE = re.compile(
+    r",\s*(calls|to_apply|body|condition|branch_computations|true_computation|false_computation"
+    r"|called_computations|select|scatter)=(\{[^{}]*\}|%?[\w.\-]+)"
+)
+_TRIP_COUNT_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+# Async ops after the start name the computation the start already runs.
+_ASYNC_CONTINUATIONS = ("async-update", "async-done")
+
+_Weight = tuple[int, int]  # (collective bytes, collective count) of one run
 _OP_NAME_RE = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
+
+
+def _op_name(instr: _Instr) -> str:
+    m = _OP_NAME_RE.search(instr.attrs)
+    return m.group(1).replace('\\"', '"') if m else ""
+
+
+def _computations(hlo_text: str) -> dict[str, list[_Instr]]:
+    """Instructions by computation, in text order; lines outside any computation go under ""."""
+    comps: dict[str, list[_Instr]] = {}
+    current = ""
+    for line in hlo_text.splitlines():
+        head = _COMP_HEAD_RE.fullmatch(line)
+        if head is not None:
+            current = head.group(1) or head.group(2)
+            comps.setdefault(current, [])
+        elif line.strip() == "}":
+            current = ""
+        else:
+            instr = _parse_instr(line)
+            if instr is not None:
+                comps.setdefault(current, []).append(instr)
+    return comps
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one instruction runs: one of `alternatives` (a conditional's branches, else just
+    one), each a tuple of (computation, runs per execution of the instruction)."""
+
+    instr: _Instr
+    alternatives: tuple[tuple[tuple[str, int], ...], ...]
+    trip_count: int | None = None  # a while's, as XLA recorded it
+    body: tuple[str, ...] = ()  # a while's
+
+
+def _call_of(instr: _Instr) -> _Call | None:
+    """The computations `instr` runs and how often, or None when it runs none."""
+    refs: dict[str, list[str]] = {}
+    for key, value in _CALLEE_RE.findall(instr.attrs):
+        refs.setdefault(key, []).extend(re.findall(r"%?([\w.\-]+)", value))
+    if not refs or instr.opcode in _ASYNC_CONTINUATIONS:
+        return None
+    if instr.opcode == "while":
+        m = _TRIP_COUNT_RE.search(instr.attrs)
+        trips = int(m.group(1)) if m else None
+        n = 1 if trips is None else trips
+        # The condition runs before every trip and once more to stop.
+        runs = [(c, n) for c in refs.get("body", [])] + [(c, n + 1) for c in refs.get("condition", [])]
+        return _Call(instr, (tuple(runs),), trips, tuple(refs.get("body", [])))
+    if instr.opcode == "conditional":
+        branches = refs.get("branch_computations") or (
+            refs.get("true_computation", []) + refs.get("false_computation", []))
+        return _Call(instr, tuple(((b, 1),) for b in branches))
+    return _Call(instr, (tuple((c, 1) for names in refs.values() for c in names),))
+
+
+def _callers_first(calls: dict[str, list[_Call]]) -> list[str]:
+    """Computations ordered so that every caller precedes its callees (HLO calls form a DAG)."""
+    done: list[str] = []
+    state: dict[str, int] = {}  # 1 on the DFS stack, 2 finished
+
+    def visit(comp: str) -> None:
+        state[comp] = 1
+        for call in calls[comp]:
+            for alt in call.alternatives:
+                for callee, _ in alt:
+                    if callee not in calls:
+                        continue  # referenced but not in the text (a fragment)
+                    if state.get(callee) == 1:
+                        raise ValueError(f"computation {callee!r} calls itself (directly or through "
+                                         "others); not valid HLO")
+                    if callee not in state:
+                        visit(callee)
+        state[comp] = 2
+        done.append(comp)
+
+    for comp in calls:
+        if comp not in state:
+            visit(comp)
+    return done[::-1]
+
+
+def _runs(
+    calls: dict[str, list[_Call]], own: dict[str, _Weight]
+) -> tuple[dict[str, int], tuple[CompiledLoop, ...]]:
+    """How often each computation runs per step, and the module's while loops.
+
+    Computations nobody calls (ENTRY, or every one of a text fragment) run once. A call's
+    alternative with the largest weight (bytes, then count, then first) is the one counted.
+    """
+    order = _callers_first(calls)
+    weight: dict[str, _Weight] = {}
+    chosen: dict[int, int] = {}  # id(call) -> index of the counted alternative
+
+    def alt_weight(alt: tuple[tuple[str, int], ...]) -> _Weight:
+        pairs = [(weight[c][0] * n, weight[c][1] * n) for c, n in alt if c in weight]
+        return sum(b for b, _ in pairs), sum(k for _, k in pairs)
+
+    for comp in reversed(order):  # callees first
+        total_b, total_n = own.get(comp, (0, 0))
+        for call in calls[comp]:
+            weights = [alt_weight(alt) for alt in call.alternatives]
+            best = max(range(len(weights)), key=weights.__getitem__) if weights else 0
+            chosen[id(call)] = best
+            if weights:
+                total_b, total_n = total_b + weights[best][0], total_n + weights[best][1]
+        weight[comp] = (total_b, total_n)
+
+    called = {c for cs in calls.values() for call in cs for alt in call.alternatives for c, _ in alt}
+    runs = {comp: (0 if comp in called else 1) for comp in calls}
+    loops: list[CompiledLoop] = []
+    for comp in order:
+        for call in calls[comp]:
+            for i, alt in enumerate(call.alternatives):
+                for callee, n in alt:
+                    if callee in runs and i == chosen[id(call)]:
+                        runs[callee] += runs[comp] * n
+            if call.instr.opcode == "while":
+                loops.append(CompiledLoop(
+                    name=call.instr.name,
+                    trip_count=call.trip_count,
+                    entries=runs[comp],
+                    collectives=sum(weight[c][1] for c in call.body if c in weight),
+                    op_name=_op_name(call.instr),
+                ))
+    return runs, tuple(loops)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
 
 
 def _kind_of(opcode: str) -> tuple[str, bool] | None:
@@ -449,33 +658,45 @@ def _measure(
     raise ValueError(f"cannot find the operand shape of reduce-scatter {instr.name!r}")
 
 
+def _collective(
+    instr: _Instr, shapes_by_name: dict[str, _Shape], module_devices: tuple[int, int] | None
+) -> CompiledCollective | None:
+    """The collective `instr` starts (run once), or None when it is not one."""
+    kind_start = _kind_of(instr.opcode)
+    if kind_start is None:
+        return None
+    kind, is_start = kind_start
+    group_size = 0 if kind == "collective-permute" else _group_size(instr, module_devices)
+    shapes = _measure(instr, kind, is_start, shapes_by_name, group_size)
+    return CompiledCollective(
+        kind=kind,
+        bytes=sum(_leaf_bytes(s) for s in shapes),
+        shapes=tuple(shapes),
+        group_size=group_size,
+        name=instr.name,
+        op_name=_op_name(instr),
+    )
+
+
 def collective_stats(hlo_text: str) -> CollectiveStats:
-    """Every collective instruction in the module's computations, counted once each.
+    """Every collective instruction of the module, each weighted by how often it runs per step
+    (see the module docstring for loops, conditionals and calls).
 
     Async `*-start` instructions count as their collective and `*-done` does not, so a pair
-    counts once; collectives wrapped by `async-start` are counted where the wrapped
-    instruction sits.
+    counts once; collectives wrapped by `async-start` count in the wrapped computation, which
+    runs as often as the start.
     """
-    instrs = [i for i in map(_parse_instr, hlo_text.splitlines()) if i is not None]
-    shapes_by_name = {i.name: i.shape for i in instrs}
+    comps = _computations(hlo_text)
+    shapes_by_name = {i.name: i.shape for instrs in comps.values() for i in instrs}
     module_devices = _module_devices(hlo_text)
-    out: list[CompiledCollective] = []
-    for instr in instrs:
-        kind_start = _kind_of(instr.opcode)
-        if kind_start is None:
-            continue
-        kind, is_start = kind_start
-        group_size = 0 if kind == "collective-permute" else _group_size(instr, module_devices)
-        shapes = _measure(instr, kind, is_start, shapes_by_name, group_size)
-        op_name = _OP_NAME_RE.search(instr.attrs)
-        out.append(
-            CompiledCollective(
-                kind=kind,
-                bytes=sum(_leaf_bytes(s) for s in shapes),
-                shapes=tuple(shapes),
-                group_size=group_size,
-                name=instr.name,
-                op_name=op_name.group(1).replace('\\"', '"') if op_name else "",
-            )
-        )
-    return CollectiveStats(tuple(out))
+    found = {
+        comp: [c for c in (_collective(i, shapes_by_name, module_devices) for i in instrs) if c]
+        for comp, instrs in comps.items()
+    }
+    calls = {comp: [c for c in map(_call_of, instrs) if c is not None] for comp, instrs in comps.items()}
+    own = {comp: (sum(c.bytes for c in cs), len(cs)) for comp, cs in found.items()}
+    runs, loops = _runs(calls, own)
+    return CollectiveStats(
+        tuple(replace(c, executions=runs[comp]) for comp, cs in found.items() for c in cs),
+        loops,
+    )

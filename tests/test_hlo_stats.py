@@ -16,6 +16,7 @@ from rhino_jax.hlo_passes.hlo_stats import (
     COLLECTIVE_KINDS,
     CollectiveStats,
     CompiledCollective,
+    CompiledLoop,
     CompiledMemory,
     collective_stats,
     compiled_memory,
@@ -30,12 +31,12 @@ def mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
 
 
-def _compile(mesh: Mesh, f, in_specs, out_specs, *shapes, **jit_kwargs):
+def _compile(mesh: Mesh, f, in_specs, out_specs, *shapes, dtype=F32, **jit_kwargs):
     """Compile `f` for abstract inputs (no device buffers needed) with the given specs."""
     in_sh = tuple(NamedSharding(mesh, s) for s in in_specs)
     out_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs,
                           is_leaf=lambda s: isinstance(s, P))
-    args = [jax.ShapeDtypeStruct(s, F32, sharding=sh) for s, sh in zip(shapes, in_sh)]
+    args = [jax.ShapeDtypeStruct(s, dtype, sharding=sh) for s, sh in zip(shapes, in_sh)]
     jitted = jax.jit(f, in_shardings=in_sh, out_shardings=out_sh, **jit_kwargs)
     return jitted.lower(*args).compile()
 
@@ -117,16 +118,157 @@ def test_no_collectives(mesh):
     assert stats.by_kind() == {k: (0, 0) for k in COLLECTIVE_KINDS}
 
 
-def test_collective_in_while_body_counted_once(mesh):
+def test_collective_in_while_body_counted_per_trip(mesh):
     def f(x, w):
         return jax.lax.fori_loop(0, 5, lambda i, c: jnp.tanh(c @ w), x)
 
     compiled = _compile(mesh, f, (P(None, "model"), P("model", None)), P(), (16, 64), (64, 64))
     stats = _stats(compiled)
-    assert "while" in compiled.as_text()
-    assert stats.count("all-reduce") == 1  # not multiplied by the trip count of 5
     (ar,) = [c for c in stats.collectives if c.kind == "all-reduce"]
-    assert ar.bytes == 16 * 64 * 4 and ar.group_size == 4
+    assert ar.bytes == 16 * 64 * 4 and ar.group_size == 4 and ar.executions == 5
+    assert stats.count("all-reduce") == 5
+    assert stats.bytes("all-reduce") == 5 * 16 * 64 * 4
+    (loop,) = stats.loops
+    assert (loop.trip_count, loop.entries, loop.collectives) == (5, 1, 1)
+
+
+# Inside shard_map every psum is exactly one all-reduce of the local (16, 16) f32 block over
+# the 4 devices of "model": 1 KiB. Adding the carry keeps it varying across "model".
+LOCAL_AR = 16 * 16 * 4
+
+
+def _psum_step(c, _=None):
+    return jnp.tanh(jax.lax.psum(c, "model") + c), None
+
+
+def _compile_local(mesh: Mesh, body, *shapes, dtype=F32):
+    """Compile `body` under shard_map with (16, 64) arrays split on columns over "model"."""
+    spec = P(None, "model")
+    f = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(shapes), out_specs=spec)
+    return _compile(mesh, f, (spec,) * len(shapes), spec, *shapes, dtype=dtype)
+
+
+def test_scan_counts_its_body_collective_once_per_trip(mesh):
+    compiled = _compile_local(mesh, lambda x: jax.lax.scan(_psum_step, x, None, length=4)[0],
+                              (16, 64))
+    stats = _stats(compiled)
+    (ar,) = stats.collectives
+    assert (ar.kind, ar.bytes, ar.group_size, ar.executions) == ("all-reduce", LOCAL_AR, 4, 4)
+    assert stats.count() == stats.count("all-reduce") == 4
+    assert stats.bytes() == stats.bytes("all-reduce") == 4 * LOCAL_AR
+    assert stats.by_kind()["all-reduce"] == (4, 4 * LOCAL_AR)
+    (loop,) = stats.loops
+    assert (loop.trip_count, loop.entries, loop.collectives) == (4, 1, 1)
+    assert "while" in loop.op_name and loop.name
+    assert stats.unknown_loops == ()
+    assert "4 trips" in str(stats)
+
+
+def test_nested_scans_multiply_trip_counts(mesh):
+    def body(x):
+        def outer(c, _):
+            return jax.lax.scan(_psum_step, c, None, length=2)[0], None
+        return jax.lax.scan(outer, x, None, length=3)[0]
+
+    stats = _stats(_compile_local(mesh, body, (16, 64)))
+    (ar,) = stats.collectives
+    assert ar.executions == 6
+    assert stats.count("all-reduce") == 6 and stats.bytes("all-reduce") == 6 * LOCAL_AR
+    outer, inner = stats.loops  # outermost first
+    assert (outer.trip_count, outer.entries, outer.collectives) == (3, 1, 2)
+    assert (inner.trip_count, inner.entries, inner.collectives) == (2, 3, 1)
+
+
+def test_fori_loop_beside_a_collective_outside_it(mesh):
+    def body(x):
+        y = jax.lax.fori_loop(0, 3, lambda i, c: _psum_step(c)[0], x)
+        return jax.lax.psum(y, "model") + y
+
+    stats = _stats(_compile_local(mesh, body, (16, 64)))
+    assert sorted(c.executions for c in stats.collectives) == [1, 3]
+    assert stats.count("all-reduce") == 4 and stats.bytes("all-reduce") == 4 * LOCAL_AR
+
+
+def test_loop_without_collective_multiplies_nothing(mesh):
+    def body(x):
+        y = jax.lax.scan(lambda c, _: (jnp.tanh(c), None), x, None, length=4)[0]
+        return jax.lax.psum(y, "model") + y
+
+    stats = _stats(_compile_local(mesh, body, (16, 64)))
+    (ar,) = stats.collectives
+    assert ar.executions == 1 and stats.count() == 1 and stats.bytes() == LOCAL_AR
+    (loop,) = stats.loops
+    assert (loop.trip_count, loop.entries, loop.collectives) == (4, 1, 0)
+    assert "loop" not in str(stats)  # loops without collectives do not clutter the table
+
+
+def test_run_time_trip_count_is_flagged_and_counted_once(mesh):
+    def f(x, w, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: jnp.tanh(c @ w), x)
+
+    in_sh = (NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P("model", None)),
+             NamedSharding(mesh, P()))
+    args = (jax.ShapeDtypeStruct((16, 64), F32, sharding=in_sh[0]),
+            jax.ShapeDtypeStruct((64, 64), F32, sharding=in_sh[1]),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=in_sh[2]))
+    compiled = jax.jit(f, in_shardings=in_sh, out_shardings=NamedSharding(mesh, P()))
+    stats = _stats(compiled.lower(*args).compile())
+    (loop,) = stats.loops
+    assert loop.trip_count is None and loop.collectives == 1
+    assert stats.unknown_loops == (loop,)
+    assert stats.count("all-reduce") == 1  # a lower bound: one trip
+    assert "unknown trip count" in str(stats)
+
+
+def test_collective_in_loop_condition_runs_once_more_than_the_body(mesh):
+    # The condition's sum over the split columns needs an all-reduce of a scalar; the trip
+    # count depends on the data, so one trip is counted: the condition runs twice.
+    def body(x):
+        return jax.lax.while_loop(lambda c: jax.lax.psum(jnp.sum(c), "model") < 100.0,
+                                  lambda c: _psum_step(c)[0] + 1.0, x)
+
+    stats = _stats(_compile_local(mesh, body, (16, 64)))
+    by_bytes = {c.bytes: c.executions for c in stats.collectives}
+    assert by_bytes == {LOCAL_AR: 1, 4: 2}
+    (loop,) = stats.loops
+    assert loop.trip_count is None and stats.unknown_loops == (loop,)
+    assert stats.count("all-reduce") == 3 and stats.bytes("all-reduce") == LOCAL_AR + 2 * 4
+
+
+def test_conditional_counts_its_heaviest_branch(mesh):
+    def f(x, p):
+        def local(x, p):
+            return jax.lax.cond(p > 0, lambda x: _psum_step(x)[0],
+                                lambda x: jax.lax.psum(x[:2], "model").sum() + x, x)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "model"), P()),
+                             out_specs=P(None, "model"))(x, p)
+
+    in_sh = (NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P()))
+    args = (jax.ShapeDtypeStruct((16, 64), F32, sharding=in_sh[0]),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=in_sh[1]))
+    compiled = jax.jit(f, in_shardings=in_sh, out_shardings=in_sh[0]).lower(*args).compile()
+    assert "conditional(" in compiled.as_text()
+    stats = _stats(compiled)
+    assert sorted((c.bytes, c.executions) for c in stats.collectives) == [
+        (2 * 16 * 4, 0), (LOCAL_AR, 1)]
+    assert stats.count() == 1 and stats.bytes() == LOCAL_AR
+    assert "not counted" in str(stats)
+
+
+@pytest.mark.parametrize("op", ["psum", "all_gather"])
+def test_cpu_compiles_bf16_collectives_in_f32(mesh, op):
+    # XLA's CPU pipeline converts bf16 collectives to f32 (all-reduce-promotion for all-reduce,
+    # bf16 float-normalization for all-gather): the bytes counted are f32 bytes.
+    def body(x):
+        if op == "psum":
+            return jax.lax.psum(x, "model") + x
+        return jax.lax.all_gather(x, "model", axis=1, tiled=True)[:, :16] + x
+
+    text = _compile_local(mesh, body, (16, 64), dtype=jnp.bfloat16).as_text()
+    (c,) = collective_stats(text).collectives
+    assert c.shapes[0].startswith("f32[")
+    assert c.bytes == (16 * 16 if op == "psum" else 16 * 64) * 4
+    assert "bf16[" in text  # the program itself is bf16 around the collective
 
 
 def test_psum_of_two_arrays_sums_bytes(mesh):
@@ -344,3 +486,124 @@ def test_stats_api():
     assert "all-reduce" in table and "120" in table and "total" in table and "127" in table
     with pytest.raises(ValueError):
         stats.count("allreduce")
+
+
+def test_stats_weight_by_executions():
+    a = CompiledCollective("all-reduce", 100, ("f32[25]",), 4, "a", executions=3)
+    b = CompiledCollective("all-gather", 7, ("u8[7]",), 2, "b", executions=0)
+    known = CompiledLoop("while.1", 3, 1, 1)
+    unknown = CompiledLoop("while.2", None, 1, 1)
+    idle = CompiledLoop("while.3", None, 1, 0)
+    stats = CollectiveStats((a, b), (known, unknown, idle))
+    assert stats.count() == 3 and stats.bytes() == 300
+    assert stats.by_kind()["all-gather"] == (0, 0)
+    assert stats.unknown_loops == (unknown,)  # an unknown loop without collectives changes nothing
+    table = str(stats)
+    assert "while.1 (3 trips" in table and "while.2 (unknown trip count" in table
+    assert "while.3" not in table and "1 collective instructions not counted" in table
+
+
+# A while whose body holds an async-wrapped all-reduce (start and done both name the wrapped
+# computation) and calls a computation holding an all-gather, which the entry also calls.
+LOOP_MODULE = HEADER + ADD + """%wrapped (w0: f32[8]) -> f32[8] {
+  %w0 = f32[8]{0} parameter(0)
+  ROOT %ar = f32[8]{0} all-reduce(%w0), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+}
+
+%gather (g0: f32[8]) -> f32[32] {
+  %g0 = f32[8]{0} parameter(0)
+  ROOT %ag = f32[32]{0} all-gather(%g0), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%body (b0: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b0 = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%b0), index=0
+  %v = f32[8]{0} get-tuple-element(%b0), index=1
+  %st = ((f32[8]{0}), f32[8]{0}) async-start(%v), calls=%wrapped
+  %dn = f32[8]{0} async-done(%st), calls=%wrapped
+  %c = f32[32]{0} call(%dn), to_apply=%gather
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %dn)
+}
+
+%cond (c0: (s32[], f32[8])) -> pred[] {
+  %c0 = (s32[], f32[8]{0}) parameter(0)
+  %k = s32[] get-tuple-element(%c0), index=0
+  %n = s32[] constant(TRIPS)
+  ROOT %lt = pred[] compare(%k, %n), direction=LT
+}
+
+ENTRY %main (p: f32[8]) -> f32[32] {
+  %p = f32[8]{0} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%z, %p)
+  %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, metadata={op_name="jit(f)/while"}BACKEND
+  %out = f32[8]{0} get-tuple-element(%loop), index=1
+  ROOT %once = f32[32]{0} call(%out), to_apply=%gather
+}
+"""
+
+
+def _loop_module(trips: int, recorded: bool = True) -> str:
+    config = f', backend_config={{"known_trip_count":{{"n":"{trips}"}}}}' if recorded else ""
+    return LOOP_MODULE.replace("TRIPS", str(trips)).replace("BACKEND", config)
+
+
+def test_calls_inside_a_loop_take_its_trip_count():
+    stats = collective_stats(_loop_module(3))
+    assert [(c.name, c.executions) for c in stats.collectives] == [("ar", 3), ("ag", 4)]
+    assert stats.by_kind()["all-reduce"] == (3, 3 * 32)
+    assert stats.by_kind()["all-gather"] == (4, 4 * 128)  # 3 trips + the entry's own call
+    assert stats.loops == (CompiledLoop("loop", 3, 1, 2, "jit(f)/while"),)
+
+
+def test_loop_trip_count_zero_and_unrecorded():
+    zero = collective_stats(_loop_module(0))
+    assert [(c.name, c.executions) for c in zero.collectives] == [("ar", 0), ("ag", 1)]
+    # Without XLA's annotation the constant bound is not re-derived: one trip, flagged.
+    unknown = collective_stats(_loop_module(3, recorded=False))
+    assert [(c.name, c.executions) for c in unknown.collectives] == [("ar", 1), ("ag", 2)]
+    assert [loop.name for loop in unknown.unknown_loops] == ["loop"]
+
+
+def _conditional_module(branches_attr: str) -> str:
+    return HEADER + ADD + """%light (l0: f32[8]) -> f32[8] {
+  %l0 = f32[8]{0} parameter(0)
+  ROOT %ar_light = f32[8]{0} all-reduce(%l0), replica_groups={{0,1}}, to_apply=%add
+}
+
+%heavy (h0: f32[8]) -> f32[8] {
+  %h0 = f32[8]{0} parameter(0)
+  %ar_heavy = f32[8]{0} all-reduce(%h0), replica_groups={{0,1}}, to_apply=%add
+  ROOT %ar_heavy2 = f32[8]{0} all-reduce(%ar_heavy), replica_groups={{0,1}}, to_apply=%add
+}
+
+%none (n0: f32[8]) -> f32[8] {
+  ROOT %n0 = f32[8]{0} parameter(0)
+}
+
+ENTRY %main (p: f32[8], i: s32[]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %cnd = f32[8]{0} conditional(%i, %p, %p, %p), BRANCHES
+}
+""".replace("BRANCHES", branches_attr)
+
+
+@pytest.mark.parametrize("branches", [
+    "branch_computations={%light, %heavy, %none}",
+    "true_computation=%heavy, false_computation=%light",
+])
+def test_conditional_counts_only_its_heaviest_branch(branches):
+    stats = collective_stats(_conditional_module(branches))
+    assert {c.name: c.executions for c in stats.collectives} == {
+        "ar_light": 0, "ar_heavy": 1, "ar_heavy2": 1}
+    assert stats.count() == 2 and stats.bytes() == 2 * 32
+
+
+def test_call_cycle_is_rejected():
+    text = HEADER + (
+        "%a (x: f32[]) -> f32[] {\n  %x = f32[] parameter(0)\n  ROOT %c = f32[] call(%x), to_apply=%b\n}\n\n"
+        "%b (y: f32[]) -> f32[] {\n  %y = f32[] parameter(0)\n  ROOT %d = f32[] call(%y), to_apply=%a\n}\n"
+    )
+    with pytest.raises(ValueError, match="calls itself"):
+        collective_stats(text)
