@@ -30,14 +30,20 @@ class LoopSpace:
         return tuple(l for l in range(len(self.sizes)) if l not in in_result)
 
 
-ELEMENTWISE = {
-    "abs", "add", "and", "atan2", "cbrt", "ceil", "clamp", "compare", "complex", "convert",
-    "cosine", "divide", "exponential", "exponential_minus_one", "floor", "imag", "is_finite",
-    "log", "log_plus_one", "logistic", "maximum", "minimum", "multiply", "negate", "not", "or",
-    "popcnt", "power", "real", "reduce_precision", "remainder", "round_nearest_afz",
+# Ops that apply one function per element, by full name (operands have the result's shape, or
+# are scalars: clamp bounds, a select's predicate). XLA expands the CHLO ones into StableHLO
+# elementwise ops before it partitions; CHLO's broadcast_* ops broadcast implicitly and are left out.
+ELEMENTWISE = frozenset({f"stablehlo.{k}" for k in (
+    "abs", "add", "and", "atan2", "cbrt", "ceil", "clamp", "compare", "complex", "convert", "cosine",
+    "count_leading_zeros", "divide", "exponential", "exponential_minus_one", "floor", "imag",
+    "is_finite", "log", "log_plus_one", "logistic", "maximum", "minimum", "multiply", "negate", "not",
+    "or", "popcnt", "power", "real", "reduce_precision", "remainder", "round_nearest_afz",
     "round_nearest_even", "rsqrt", "select", "shift_left", "shift_right_arithmetic",
-    "shift_right_logical", "sign", "sine", "sqrt", "square", "subtract", "tan", "tanh", "xor",
-}
+    "shift_right_logical", "sign", "sine", "sqrt", "subtract", "tan", "tanh", "xor")} | {
+    f"chlo.{k}" for k in (
+    "_asin_acos_kernel", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bessel_i1e", "conj",
+    "cosh", "digamma", "erf", "erf_inv", "erfc", "is_inf", "is_neg_inf", "is_pos_inf", "lgamma",
+    "mulhi", "next_after", "polygamma", "sinh", "square", "tan", "zeta")})
 COMPUTE_HEAVY = {"stablehlo.dot_general", "stablehlo.convolution"}
 
 
@@ -51,12 +57,18 @@ def loop_space(node: Node, graph: Graph) -> LoopSpace | None:
     shapes_out = [graph.values[r].shape for r in node.results]
     kind = node.op.split(".", 1)[1] if "." in node.op else node.op
     a = node.attrs
-    if node.op == "sdy.sharding_constraint" or kind in ELEMENTWISE or kind == "bitcast_convert" and (
-            shapes_in[0] == shapes_out[0]):
+    if node.op == "sdy.sharding_constraint" or node.op in ELEMENTWISE:
         out = shapes_out[0]
         # Scalar operands (clamp bounds, select predicates) broadcast: they have no dims.
         return LoopSpace(out, tuple(_same(len(s)) if len(s) == len(out) else () for s in shapes_in),
                          (_same(len(out)),))
+    if kind == "bitcast_convert":
+        # Between element types of different widths, the narrower side has one more (last) dim,
+        # holding the pieces of one wide element: it stays whole, the shared dims split.
+        (x,), (y,) = shapes_in, shapes_out
+        shared = _same(min(len(x), len(y)))
+        return LoopSpace(x[:len(shared)], (shared + (None,) * (len(x) - len(shared)),),
+                         (shared + (None,) * (len(y) - len(shared)),))
     if kind == "dot_general":
         return _dot(a, shapes_in, shapes_out)
     if kind == "convolution":
@@ -73,6 +85,11 @@ def loop_space(node: Node, graph: Graph) -> LoopSpace | None:
         return LoopSpace(out, (tuple(inv),), (_same(len(out)),))
     if kind == "reduce":
         return _reduce(a, shapes_in, shapes_out)
+    if kind == "rng_bit_generator":
+        # The state stays whole; the bits split freely: XLA hands every device its slice of the
+        # single-device bits without communicating (checked on the CPU backend).
+        (state,), (new_state, bits) = shapes_in, shapes_out
+        return LoopSpace(bits, ((None,) * len(state),), ((None,) * len(new_state), _same(len(bits))))
     if kind in ("iota", "constant"):
         return LoopSpace(shapes_out[0], (), (_same(len(shapes_out[0])),))
     if kind == "slice":
@@ -168,76 +185,94 @@ def _convolution(a: dict, shapes_in, shapes_out) -> LoopSpace:
 
 
 def _reduce(a: dict, shapes_in, shapes_out) -> LoopSpace:
+    """Kept dims are parallel loops, reduced dims reduction loops. A single `add` leaves partial
+    sums; any other body (max, and, argmax's two-operand compare-and-select, ...) is combined inside
+    the op: XLA reduces each device's piece, then combines the pieces (an all-reduce, or for a
+    variadic reduce an all-gather of the pieces and a second reduce). StableHLO leaves the order of
+    a reduction to the implementation, so splitting it is always allowed."""
     n = len(shapes_in) // 2
     x = shapes_in[0]
     kept = [d for d in range(len(x)) if d not in a["dims"]]
     order = kept + list(a["dims"])  # result loops first, then reduction loops
     loop_of = {d: i for i, d in enumerate(order)}
     dims = tuple(loop_of[d] for d in range(len(x)))
-    combiner = a["combiner"]
-    kind = "sum" if combiner == "stablehlo.add" and n == 1 else (
-        "other" if combiner in ("stablehlo.maximum", "stablehlo.minimum", "stablehlo.and",
-                                "stablehlo.or", "stablehlo.multiply") and n == 1 else "none")
+    kind = "sum" if a["combiner"] == "stablehlo.add" and n == 1 else "other"
     return LoopSpace(tuple(x[d] for d in order), (dims,) * n + ((),) * n,
                      (tuple(range(len(kept))),) * len(shapes_out), kind)
 
 
-def _gather(a: dict, shapes_in, shapes_out) -> LoopSpace | None:
-    """Split the indices' batch dims, the operand's fully-sliced (passthrough) dims and its
-    indexed dims of slice size 1 (a vocabulary-split embedding table, Megatron's
-    vocabulary-parallel embedding). The last are reduction loops: XLA's partitioner gathers
-    the rows each device holds, zeroes the others and all-reduces the result inside the op
-    (also for an `add` reader, so "other", not a partial sum)."""
+def _new_loop(sizes: list[int], size: int) -> int:
+    sizes.append(size)
+    return len(sizes) - 1
+
+
+def _gather(a: dict, shapes_in, shapes_out) -> LoopSpace:
+    """Split the result's batch dims (the indices' dims, and the operand's batching dims paired
+    with them: take_along_axis, an integer-label cross entropy), the operand's fully-sliced
+    (passthrough) dims, and its indexed dims of slice size 1 (a vocabulary-split embedding table,
+    Megatron's vocabulary-parallel embedding). The last are reduction loops: XLA's partitioner
+    gathers the rows each device holds, zeroes the others and all-reduces the result inside the
+    op (also for an `add` reader, so "other", not a partial sum). A window dim the slice cuts
+    short, or whose start is indexed, is no loop."""
     operand, indices = shapes_in
     out = shapes_out[0]
-    if a["operand_batching"]:
-        return None
-    out_dims: list[int | None] = list(range(len(out)))
+    sizes: list[int] = []
+    out_dims: list[int | None] = [None] * len(out)
     op_dims: list[int | None] = [None] * len(operand)
     idx_dims: list[int | None] = [None] * len(indices)
-    window = [d for d in range(len(operand)) if d not in a["collapsed"]]
-    for od, wd in zip(a["offset_dims"], window):
-        if a["sizes"][wd] == operand[wd] and wd not in a["start_index_map"]:
-            op_dims[wd] = od
-        else:
-            out_dims[od] = None
     batch_out = [d for d in range(len(out)) if d not in a["offset_dims"]]
     batch_idx = [d for d in range(len(indices)) if d != a["index_vector_dim"]]
     for od, idd in zip(batch_out, batch_idx):
-        idx_dims[idd] = od
-    sizes = list(out)
-    for d in a["start_index_map"]:
-        if a["sizes"][d] == 1:
-            op_dims[d] = len(sizes)
-            sizes.append(operand[d])
+        out_dims[od] = idx_dims[idd] = _new_loop(sizes, out[od])
+    for opd, idd in zip(a["operand_batching"], a["indices_batching"]):
+        op_dims[opd] = idx_dims[idd]
+    window = [d for d in range(len(operand)) if d not in a["collapsed"] and d not in a["operand_batching"]]
+    for od, wd in zip(a["offset_dims"], window):
+        if a["sizes"][wd] == operand[wd] and wd not in a["start_index_map"]:
+            out_dims[od] = op_dims[wd] = _new_loop(sizes, out[od])
+    indexed = [d for d in a["start_index_map"] if a["sizes"][d] == 1]
+    for d in indexed:
+        op_dims[d] = _new_loop(sizes, operand[d])
     return LoopSpace(tuple(sizes), (tuple(op_dims), tuple(idx_dims)), (tuple(out_dims),),
-                     "other" if len(sizes) > len(out) else "none")
+                     "other" if indexed else "none")
 
 
-def _scatter(a: dict, shapes_in, shapes_out) -> LoopSpace | None:
-    """Window dims follow the operand; the updates' scatter (batch) dims are reduction loops:
-    each device scatters its share of updates, and with an `add` combiner the results sum."""
+def _scatter(a: dict, shapes_in, shapes_out) -> LoopSpace:
+    """Operand and result share every loop. Batching dims (the gradient of take_along_axis and of
+    an integer-label cross entropy) also index the indices and updates: parallel. An indexed dim
+    the update window spans one element of (the vocabulary dim of that gradient) splits the
+    operand alone: each device applies the updates that land in its rows. A dim neither indexed nor
+    batched follows the operand (and the update window, when it spans the whole dim). With an
+    `add` combiner the updates' other scatter dims are reduction loops: each device scatters its
+    share of updates and the results sum; the cost model charges that reduction and the
+    partitioner (which sees the operand) keeps the result exact."""
     operand, indices, updates = shapes_in
-    if a["input_batching"]:
-        return None
     rank = len(operand)
-    op_dims: list[int | None] = [d if d not in a["inserted_window_dims"]
-                                 and d not in a["scatter_dims_to_operand"] else None for d in range(rank)]
-    window_operand = [d for d in range(rank) if d not in a["inserted_window_dims"]]
+    sizes: list[int] = []
+    op_dims: list[int | None] = [None] * rank
+    idx_dims: list[int | None] = [None] * len(indices)
     upd_dims: list[int | None] = [None] * len(updates)
-    for ud, od in zip(a["update_window_dims"], window_operand):
-        if updates[ud] == operand[od] and op_dims[od] is not None:
-            upd_dims[ud] = od
     scatter_upd = [d for d in range(len(updates)) if d not in a["update_window_dims"]]
     batch_idx = [d for d in range(len(indices)) if d != a["index_vector_dim"]]
-    sizes = list(operand)
-    idx_dims: list[int | None] = [None] * len(indices)
+    upd_of_idx = dict(zip(batch_idx, scatter_upd))
+    window_operand = [d for d in range(rank)
+                      if d not in a["inserted_window_dims"] and d not in a["input_batching"]]
+    window_upd = dict(zip(window_operand, a["update_window_dims"]))  # operand dim -> updates dim
+    batched = dict(zip(a["input_batching"], a["indices_batching"]))  # operand dim -> indices dim
+    for d in range(rank):
+        ud = window_upd.get(d)
+        extent = 1 if ud is None else updates[ud]
+        if d in batched:
+            idd = batched[d]
+            op_dims[d] = idx_dims[idd] = upd_dims[upd_of_idx[idd]] = _new_loop(sizes, operand[d])
+        elif d not in a["scatter_dims_to_operand"] or extent == 1:
+            op_dims[d] = _new_loop(sizes, operand[d])
+            if ud is not None and extent == operand[d] and d not in a["scatter_dims_to_operand"]:
+                upd_dims[ud] = op_dims[d]
     add = a["combiner"] == "stablehlo.add"
-    for ud, idd in zip(scatter_upd, batch_idx):
-        if add:
-            upd_dims[ud] = idx_dims[idd] = len(sizes)
-            sizes.append(updates[ud])
-    # Splitting the scatter dims leaves partial sums; the cost model charges their reduction and
-    # the partitioner (which sees the operand) keeps the result exact.
+    if add:
+        for idd, ud in upd_of_idx.items():
+            if idx_dims[idd] is None:
+                idx_dims[idd] = upd_dims[ud] = _new_loop(sizes, updates[ud])
     return LoopSpace(tuple(sizes), (tuple(op_dims), tuple(idx_dims), tuple(upd_dims)),
                      (tuple(op_dims),), "sum" if add else "none")

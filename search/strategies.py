@@ -101,7 +101,7 @@ class _Assigned:
 
 # Ops XLA fuses into one loop kernel with their fusible producers and readers (reductions take
 # fused producers as their input too): the tensors between them never reach memory.
-FUSIBLE = {f"stablehlo.{k}" for k in ELEMENTWISE} | {
+FUSIBLE = set(ELEMENTWISE) | {
     "stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.iota",
     "stablehlo.constant", "sdy.sharding_constraint"}
 _FUSED_READERS = FUSIBLE | {"stablehlo.reduce"}

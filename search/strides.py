@@ -24,7 +24,7 @@ from .rules import ELEMENTWISE, loop_space
 from .specs import ShardingSpec
 
 # Ops whose strided operands the rewrite can split (see hlo_passes/split_dims).
-STRIDED_OPS = {f"stablehlo.{k}" for k in ELEMENTWISE} | {
+STRIDED_OPS = set(ELEMENTWISE) | {
     "stablehlo.broadcast_in_dim", "stablehlo.transpose", "stablehlo.reshape", "stablehlo.reduce",
     "stablehlo.dot_general"}
 
