@@ -40,6 +40,8 @@ __all__ = [
     "CompiledLoop",
     "CollectiveStats",
     "collective_stats",
+    "ComputationRuns",
+    "computation_runs",
     "CompiledMemory",
     "compiled_memory",
 ]
@@ -82,18 +84,22 @@ class CompiledCollective:
 
 @dataclass(frozen=True)
 class CompiledLoop:
-    """One while loop of the compiled module, for reports on what the counts multiply.
+    """One while loop of the compiled module, for reports on what the counts multiply and for
+    re-pricing its body (compiled_cost).
 
     `trip_count` is XLA's `known_trip_count`, None when not recorded (then counted as 1).
     `entries` is how often the loop starts per step (enclosing trip counts multiplied).
     `collectives` is the number of collective executions in one trip of its body, nested
     loops multiplied (a condition's collectives, which run trips + 1 times, are not in it).
+    `body` is the body computation's name, `parent` the computation holding the while.
     """
 
     name: str
     trip_count: int | None
     entries: int
     collectives: int
+    body: str
+    parent: str
     op_name: str = ""
 
 
@@ -500,22 +506,30 @@ def _op_name(instr: _Instr) -> str:
     return m.group(1).replace('\\"', '"') if m else ""
 
 
-def _computations(hlo_text: str) -> dict[str, list[_Instr]]:
-    """Instructions by computation, in text order; lines outside any computation go under ""."""
+def _computations(hlo_text: str) -> tuple[dict[str, list[_Instr]], dict[str, str], str]:
+    """Instructions by computation, in text order (lines outside any computation go under "");
+    each computation's text, head line to closing brace; the ENTRY's name ("" when none)."""
     comps: dict[str, list[_Instr]] = {}
-    current = ""
+    lines: dict[str, list[str]] = {}
+    current, entry = "", ""
     for line in hlo_text.splitlines():
         head = _COMP_HEAD_RE.fullmatch(line)
         if head is not None:
             current = head.group(1) or head.group(2)
+            entry = head.group(1) or entry
             comps.setdefault(current, [])
+            lines[current] = [line]
         elif line.strip() == "}":
+            if current:
+                lines[current].append(line)
             current = ""
         else:
+            if current:
+                lines[current].append(line)
             instr = _parse_instr(line)
             if instr is not None:
                 comps.setdefault(current, []).append(instr)
-    return comps
+    return comps, {name: "\n".join(block) for name, block in lines.items()}, entry
 
 
 @dataclass(frozen=True)
@@ -526,7 +540,7 @@ class _Call:
     instr: _Instr
     alternatives: tuple[tuple[tuple[str, int], ...], ...]
     trip_count: int | None = None  # a while's, as XLA recorded it
-    body: tuple[str, ...] = ()  # a while's
+    body: str = ""  # a while's
 
 
 def _call_of(instr: _Instr) -> _Call | None:
@@ -537,12 +551,16 @@ def _call_of(instr: _Instr) -> _Call | None:
     if not refs or instr.opcode in _ASYNC_CONTINUATIONS:
         return None
     if instr.opcode == "while":
+        if len(refs.get("body", [])) != 1:
+            raise ValueError(f"while {instr.name!r} names {len(refs.get('body', []))} body computations, "
+                             "not one; not valid HLO")
+        (body,) = refs["body"]
         m = _TRIP_COUNT_RE.search(instr.attrs)
         trips = int(m.group(1)) if m else None
         n = 1 if trips is None else trips
         # The condition runs before every trip and once more to stop.
-        runs = [(c, n) for c in refs.get("body", [])] + [(c, n + 1) for c in refs.get("condition", [])]
-        return _Call(instr, (tuple(runs),), trips, tuple(refs.get("body", [])))
+        runs = [(body, n)] + [(c, n + 1) for c in refs.get("condition", [])]
+        return _Call(instr, (tuple(runs),), trips, body)
     if instr.opcode == "conditional":
         branches = refs.get("branch_computations") or (
             refs.get("true_computation", []) + refs.get("false_computation", []))
@@ -577,12 +595,13 @@ def _callers_first(calls: dict[str, list[_Call]]) -> list[str]:
 
 
 def _runs(
-    calls: dict[str, list[_Call]], own: dict[str, _Weight]
+    calls: dict[str, list[_Call]], own: dict[str, _Weight], every_branch: bool
 ) -> tuple[dict[str, int], tuple[CompiledLoop, ...]]:
     """How often each computation runs per step, and the module's while loops.
 
     Computations nobody calls (ENTRY, or every one of a text fragment) run once. A call's
-    alternative with the largest weight (bytes, then count, then first) is the one counted.
+    alternative with the largest weight (bytes, then count, then first) is the one counted,
+    or, with `every_branch`, all of them.
     """
     order = _callers_first(calls)
     weight: dict[str, _Weight] = {}
@@ -609,14 +628,16 @@ def _runs(
         for call in calls[comp]:
             for i, alt in enumerate(call.alternatives):
                 for callee, n in alt:
-                    if callee in runs and i == chosen[id(call)]:
+                    if callee in runs and (every_branch or i == chosen[id(call)]):
                         runs[callee] += runs[comp] * n
             if call.instr.opcode == "while":
                 loops.append(CompiledLoop(
                     name=call.instr.name,
                     trip_count=call.trip_count,
                     entries=runs[comp],
-                    collectives=sum(weight[c][1] for c in call.body if c in weight),
+                    collectives=weight[call.body][1] if call.body in weight else 0,
+                    body=call.body,
+                    parent=comp,
                     op_name=_op_name(call.instr),
                 ))
     return runs, tuple(loops)
@@ -678,15 +699,20 @@ def _collective(
     )
 
 
-def collective_stats(hlo_text: str) -> CollectiveStats:
-    """Every collective instruction of the module, each weighted by how often it runs per step
-    (see the module docstring for loops, conditionals and calls).
+@dataclass(frozen=True)
+class ComputationRuns:
+    """How often each computation of a module runs per step: the weights of anything measured
+    per computation (collectives here, XLA's cost of a while body in compiled_cost)."""
 
-    Async `*-start` instructions count as their collective and `*-done` does not, so a pair
-    counts once; collectives wrapped by `async-start` count in the wrapped computation, which
-    runs as often as the start.
-    """
-    comps = _computations(hlo_text)
+    runs: dict[str, int]  # computation -> runs per step (see the module docstring)
+    loops: tuple[CompiledLoop, ...]  # every while loop, outermost first
+    texts: dict[str, str]  # computation -> its text, head line to closing brace
+    entry: str  # the ENTRY computation's name, "" when the text has none (a fragment)
+
+
+def _analyse(hlo_text: str, every_branch: bool) -> tuple[dict[str, list[CompiledCollective]], ComputationRuns]:
+    """The collectives of each computation (run once), and the run counts they weight."""
+    comps, texts, entry = _computations(hlo_text)
     shapes_by_name = {i.name: i.shape for instrs in comps.values() for i in instrs}
     module_devices = _module_devices(hlo_text)
     found = {
@@ -695,8 +721,28 @@ def collective_stats(hlo_text: str) -> CollectiveStats:
     }
     calls = {comp: [c for c in map(_call_of, instrs) if c is not None] for comp, instrs in comps.items()}
     own = {comp: (sum(c.bytes for c in cs), len(cs)) for comp, cs in found.items()}
-    runs, loops = _runs(calls, own)
+    runs, loops = _runs(calls, own, every_branch)
+    return found, ComputationRuns(runs, loops, texts, entry)
+
+
+def computation_runs(hlo_text: str, every_branch: bool = False) -> ComputationRuns:
+    """How often each computation of the module runs per step, counted as `collective_stats`
+    counts: while bodies once per trip (conditions once more), calls at their caller's count, a
+    conditional's collective-heaviest branch only; with `every_branch`, every branch of a
+    conditional as if taken (an upper bound, for costs that are not collectives)."""
+    return _analyse(hlo_text, every_branch)[1]
+
+
+def collective_stats(hlo_text: str) -> CollectiveStats:
+    """Every collective instruction of the module, each weighted by how often it runs per step
+    (see the module docstring for loops, conditionals and calls).
+
+    Async `*-start` instructions count as their collective and `*-done` does not, so a pair
+    counts once; collectives wrapped by `async-start` count in the wrapped computation, which
+    runs as often as the start.
+    """
+    found, module = _analyse(hlo_text, every_branch=False)
     return CollectiveStats(
-        tuple(replace(c, executions=runs[comp]) for comp, cs in found.items() for c in cs),
-        loops,
+        tuple(replace(c, executions=module.runs[comp]) for comp, cs in found.items() for c in cs),
+        module.loops,
     )

@@ -5,6 +5,8 @@ the CPU backend never emits (async pairs, iota replica groups, inline operand sh
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ from rhino_jax.hlo_passes.hlo_stats import (
     CompiledMemory,
     collective_stats,
     compiled_memory,
+    computation_runs,
 )
 
 F32 = jnp.float32
@@ -164,19 +167,35 @@ def test_scan_counts_its_body_collective_once_per_trip(mesh):
     assert "4 trips" in str(stats)
 
 
-def test_nested_scans_multiply_trip_counts(mesh):
-    def body(x):
-        def outer(c, _):
-            return jax.lax.scan(_psum_step, c, None, length=2)[0], None
-        return jax.lax.scan(outer, x, None, length=3)[0]
+def _nested_scans(x):
+    """A 3-trip scan around a 2-trip scan whose body all-reduces once."""
+    def outer(c, _):
+        return jax.lax.scan(_psum_step, c, None, length=2)[0], None
+    return jax.lax.scan(outer, x, None, length=3)[0]
 
-    stats = _stats(_compile_local(mesh, body, (16, 64)))
+
+def test_nested_scans_multiply_trip_counts(mesh):
+    stats = _stats(_compile_local(mesh, _nested_scans, (16, 64)))
     (ar,) = stats.collectives
     assert ar.executions == 6
     assert stats.count("all-reduce") == 6 and stats.bytes("all-reduce") == 6 * LOCAL_AR
     outer, inner = stats.loops  # outermost first
     assert (outer.trip_count, outer.entries, outer.collectives) == (3, 1, 2)
     assert (inner.trip_count, inner.entries, inner.collectives) == (2, 3, 1)
+
+
+def test_computation_runs_of_nested_scans(mesh):
+    text = _compile_local(mesh, _nested_scans, (16, 64)).as_text()
+    module = computation_runs(text)
+    outer, inner = module.loops
+    assert module.runs[module.entry] == 1 and outer.parent == module.entry
+    assert inner.parent == outer.body
+    assert (module.runs[outer.body], module.runs[inner.body]) == (3, 6)
+    # A loop's condition runs once more than its body, per entry into the loop.
+    conditions = re.findall(r"condition=%?([\w.\-]+)", text)
+    assert sorted(module.runs[c] for c in conditions) == [4, 9]  # 3 + 1, 3 * (2 + 1)
+    assert module.texts[inner.body].splitlines()[-1] == "}"
+    assert set(module.texts) == set(module.runs)
 
 
 def test_fori_loop_beside_a_collective_outside_it(mesh):
@@ -491,9 +510,9 @@ def test_stats_api():
 def test_stats_weight_by_executions():
     a = CompiledCollective("all-reduce", 100, ("f32[25]",), 4, "a", executions=3)
     b = CompiledCollective("all-gather", 7, ("u8[7]",), 2, "b", executions=0)
-    known = CompiledLoop("while.1", 3, 1, 1)
-    unknown = CompiledLoop("while.2", None, 1, 1)
-    idle = CompiledLoop("while.3", None, 1, 0)
+    known = CompiledLoop("while.1", 3, 1, 1, "body.1", "main")
+    unknown = CompiledLoop("while.2", None, 1, 1, "body.2", "main")
+    idle = CompiledLoop("while.3", None, 1, 0, "body.3", "main")
     stats = CollectiveStats((a, b), (known, unknown, idle))
     assert stats.count() == 3 and stats.bytes() == 300
     assert stats.by_kind()["all-gather"] == (0, 0)
@@ -553,7 +572,7 @@ def test_calls_inside_a_loop_take_its_trip_count():
     assert [(c.name, c.executions) for c in stats.collectives] == [("ar", 3), ("ag", 4)]
     assert stats.by_kind()["all-reduce"] == (3, 3 * 32)
     assert stats.by_kind()["all-gather"] == (4, 4 * 128)  # 3 trips + the entry's own call
-    assert stats.loops == (CompiledLoop("loop", 3, 1, 2, "jit(f)/while"),)
+    assert stats.loops == (CompiledLoop("loop", 3, 1, 2, "body", "main", "jit(f)/while"),)
 
 
 def test_loop_trip_count_zero_and_unrecorded():
@@ -598,6 +617,10 @@ def test_conditional_counts_only_its_heaviest_branch(branches):
     assert {c.name: c.executions for c in stats.collectives} == {
         "ar_light": 0, "ar_heavy": 1, "ar_heavy2": 1}
     assert stats.count() == 2 and stats.bytes() == 2 * 32
+    # Costs other than collectives (compiled_cost) can ask for every branch as if taken.
+    counted = computation_runs(_conditional_module(branches)).runs
+    every = computation_runs(_conditional_module(branches), every_branch=True).runs
+    assert (counted["light"], counted["heavy"], every["light"], every["heavy"]) == (0, 1, 1, 1)
 
 
 def test_call_cycle_is_rejected():

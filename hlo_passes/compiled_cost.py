@@ -1,0 +1,212 @@
+"""Price a compiled program: the step time a cluster would take to run exactly what XLA compiled.
+
+The cost model predicts a plan's time from shardings; this module prices the compiled HLO of any
+program (rhino_jax's or a hand plan compiled by plain `jax.jit`) the same way, so that plans
+compare on what XLA really built:
+
+- compute: one roofline over the whole per-device program, max(flops / F(dtype),
+  bytes accessed / memory bandwidth), from XLA's `cost_analysis()`. XLA prices a while loop's
+  body once; bodies with a known trip count are priced again on their own and scaled up here
+  (`program_cost`, run counts from `hlo_stats.computation_runs`), so a `scan` over layers costs
+  all of its layers.
+- communication: every compiled collective (`hlo_stats.collective_stats`, once per execution:
+  loop trips counted) at the α-β ring cost of `search.collectives.Collective.time`, on a one-axis
+  topology of its group size and link.
+
+Pricing a CPU-compiled program for a GPU cluster inherits the CPU compiler's choices (e.g. bf16
+dots are computed in f32 and fusions differ), the same for every plan priced.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
+from rhino_jax.search.collectives import Collective
+
+from .hlo_stats import (
+    COLLECTIVE_KINDS,
+    CollectiveStats,
+    CompiledMemory,
+    ComputationRuns,
+    collective_stats,
+    compiled_memory,
+    computation_runs,
+)
+
+__all__ = ["CompiledCost", "price_compiled", "price_collectives", "program_cost", "dot_dtype"]
+
+
+@dataclass(frozen=True)
+class CompiledCost:
+    """Per-device time of one step of a compiled program on a cluster (no compute/comm overlap)."""
+
+    compute_s: float
+    comm_s: float
+    total_s: float
+    dtype: str  # the FLOP rate's dtype (`price_compiled` says how it is chosen)
+    flops: float  # per device, loop bodies counted per trip
+    bytes_accessed: float
+    collectives: dict[str, tuple[int, int]]  # kind -> (count, bytes per device), as hlo_stats counts
+    comm_by_kind: dict[str, float]  # kind -> seconds
+    memory: CompiledMemory
+    unknown_trip_loops: int = 0  # while loops XLA gave no trip count: their bodies are priced once
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["memory"] = dict(self.memory.__dict__, total=self.memory.total)
+        return d
+
+
+# ------------------------------------------------------------------------------ compute
+
+
+def _cost_dict(analysis: Any) -> dict[str, float]:
+    """`cost_analysis()` is a dict in new jax and a list of one dict per executable in old."""
+    if isinstance(analysis, (list, tuple)):
+        if not analysis:
+            raise RuntimeError("cost_analysis() returned no entries")
+        analysis = analysis[0]
+    if not isinstance(analysis, dict) or "flops" not in analysis:
+        raise RuntimeError(f"cost_analysis() gave no 'flops' ({analysis!r}); this backend cannot be priced")
+    return analysis
+
+
+_REF_RE = re.compile(r"%([\w.\-]+)")
+
+
+def _module_header(text: str) -> str:
+    """An `HloModule` line keeping the device counts, without the entry's layout (it changes)."""
+    counts = " ".join(f", {k}={v}" for k, v in re.findall(r"\b(num_partitions|replica_count)=(\d+)",
+                                                             text.split("\n", 1)[0]))
+    return f"HloModule loop_body{counts}"
+
+
+def _body_cost(module: ComputationRuns, body: str, header: str) -> dict[str, float]:
+    """XLA's cost analysis of one loop body run once: the module re-parsed with it as ENTRY."""
+    from jax._src.lib import _jax  # noqa: PLC0415 (jaxlib internals, only needed for loops)
+    from jaxlib import _hlo  # noqa: PLC0415
+
+    parts = [header]
+    for name, block in module.texts.items():
+        if name != module.entry:
+            parts.append("ENTRY " + block if name == body else block)
+    text = re.sub(r",?\s*stack_frame_id=\d+", "", "\n\n".join(parts))
+    try:
+        parsed = _hlo.hlo_module_from_text(text)
+        return _cost_dict(_jax.hlo_module_cost_analysis(jax.devices()[0].client, parsed))
+    except Exception as e:  # jaxlib internals move between versions: say what failed
+        raise RuntimeError(f"cannot price while-loop body {body!r} on its own with this jaxlib "
+                           f"({type(e).__name__}: {e})") from e
+
+
+def program_cost(compiled: Any) -> tuple[float, float, int]:
+    """(flops, bytes accessed, loops without a trip count) of one step, per device.
+
+    XLA prices each while body once; with M(c) the runs of computation c per step,
+    true = cost(entry) + Σ_loops (M(body) - M(caller)) · cost(body), where cost(x) counts the
+    loops nested in x once each (checked on nested loops in the tests). Every branch of a
+    conditional counts as taken: an upper bound for loops in branches (XLA's cost analysis takes
+    the costliest branch, once)."""
+    whole = _cost_dict(compiled.cost_analysis())
+    flops, nbytes = float(whole["flops"]), float(whole.get("bytes accessed", 0.0))
+    text = compiled.as_text()
+    module = computation_runs(text, every_branch=True)
+    if not module.entry:
+        raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text()")
+    header = _module_header(text)
+    for lp in module.loops:
+        extra = module.runs.get(lp.body, 0) - module.runs[lp.parent]
+        if extra > 0:
+            body = _body_cost(module, lp.body, header)
+            flops += extra * float(body["flops"])
+            nbytes += extra * float(body.get("bytes accessed", 0.0))
+    return flops, nbytes, sum(lp.trip_count is None for lp in module.loops)
+
+
+_DOT_RE = re.compile(r"%([\w.\-]+)\s*=\s*([a-z][a-z0-9]*)\[([^\]]*)\][^=]*?\s(dot|convolution)\((.*?)\)")
+_SHAPE_RE = re.compile(r"%([\w.\-]+)\s*=\s*([a-z][a-z0-9]*)\[([^\]]*)\]")
+_HLO_TO_NUMPY = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64",
+                 "s8": "int8", "s32": "int32", "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
+
+
+def dot_dtype(text: str) -> str:
+    """The element type of the operands of the largest dot/convolution (by result size × lhs
+    size), as a numpy name; float32 when the program has none. On CPU, XLA computes bf16 dots in
+    f32, so a bf16 program compiled for CPU reads as float32 here: pass the dtype instead."""
+    shapes = {m.group(1): (m.group(2), m.group(3)) for m in _SHAPE_RE.finditer(text)}
+
+    def elems(dims: str) -> int:
+        n = 1
+        for d in filter(None, (x.strip() for x in dims.split(","))):
+            n *= int(d.removeprefix("<="))
+        return n
+
+    best, best_size = "f32", -1
+    for m in _DOT_RE.finditer(text):
+        lhs = _REF_RE.search(m.group(5))
+        if lhs is None or lhs.group(1) not in shapes:
+            continue
+        ltype, ldims = shapes[lhs.group(1)]
+        size = elems(m.group(3)) * elems(ldims)
+        if size > best_size:
+            best, best_size = ltype, size
+    return _HLO_TO_NUMPY.get(best, best)
+
+
+# ------------------------------------------------------------------------------ communication
+
+
+def _num_partitions(text: str) -> int:
+    m = re.search(r"\bnum_partitions=(\d+)", text.split("\n", 1)[0])
+    return int(m.group(1)) if m else 1
+
+
+def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int) -> dict[str, float]:
+    """Seconds per step per collective kind: `Collective.time` on a one-axis topology of the group's size,
+    over the intra-host link when the group fits in one host (`devices_per_host`), else the
+    inter-host one. A collective-permute sends to one peer; its pairs may lie anywhere among the
+    program's `num_devices`, so its link is intra-host when they all fit in one host."""
+    out = {k: 0.0 for k in COLLECTIVE_KINDS}
+    for c in stats.collectives:
+        permute = c.kind == "collective-permute"
+        n = 2 if permute else c.group_size
+        if n <= 0:
+            raise ValueError(f"collective {c.name!r} ({c.kind}) has no readable replica group size; "
+                             "cannot price it (see hlo_stats._group_size for the forms understood)")
+        span = num_devices if permute else n
+        intra = span <= cluster.devices_per_host
+        topo = MeshTopology(("group",), (n,),
+                            (cluster.intra_host_bandwidth if intra else cluster.inter_host_bandwidth,),
+                            (cluster.intra_host_latency if intra else cluster.inter_host_latency,),
+                            cluster.collective_launch_s)
+        # The program is compiled: each op is priced as it stands (family 1, no combining left to
+        # predict), once per execution (loop trips, `CompiledCollective.executions`).
+        out[c.kind] += c.executions * Collective(c.kind, ("group",), c.bytes).time(topo)
+    return out
+
+
+# ------------------------------------------------------------------------------ entry point
+
+
+def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype: str | None = None) -> CompiledCost:
+    """Price a `jax.stages.Compiled` (anything with `as_text`, `cost_analysis`,
+    `memory_analysis`) on `cluster` (a `Cluster` or preset name; None: m8-v100).
+
+    `dtype` picks the FLOP rate (`cluster.flops(dtype)`); None reads it from the program: the
+    operand type of its largest dot (`dot_dtype`)."""
+    cluster = get_cluster(cluster)
+    text = compiled.as_text()
+    flops, nbytes, unknown = program_cost(compiled)
+    dtype = dtype or dot_dtype(text)
+    compute = max(flops / cluster.flops(dtype), nbytes / cluster.memory_bandwidth)
+    stats = collective_stats(text)
+    comm = price_collectives(stats, cluster, _num_partitions(text))
+    comm_s = sum(comm.values())
+    return CompiledCost(compute_s=compute, comm_s=comm_s, total_s=compute + comm_s, dtype=dtype,
+                        flops=flops, bytes_accessed=nbytes, collectives=stats.by_kind(),
+                        comm_by_kind=comm, memory=compiled_memory(compiled), unknown_trip_loops=unknown)
+

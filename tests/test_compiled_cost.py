@@ -1,0 +1,136 @@
+"""Pricing compiled programs: XLA's FLOPs per device, loops per trip, collectives at α-β cost."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from rhino_jax.hlo_passes.compiled_cost import dot_dtype, price_compiled, program_cost
+from rhino_jax.search.cluster import H100_8X, M8_V100
+
+M, K, N = 64, 32, 16
+
+
+def _mesh(shape, names) -> Mesh:
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
+
+
+def _compile(f, mesh, in_specs, out_spec, *shapes, dtype=jnp.float32):
+    ins = tuple(NamedSharding(mesh, s) for s in in_specs)
+    args = [jax.ShapeDtypeStruct(s, dtype, sharding=sh) for s, sh in zip(shapes, ins)]
+    return jax.jit(f, in_shardings=ins, out_shardings=NamedSharding(mesh, out_spec)).lower(*args).compile()
+
+
+def _grad_w(w, x):
+    return jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)
+
+
+def _ring(n, nbytes, bw, lat, launch, factor):
+    """The α-β ring time written out: factor 2 for all-reduce, 1 for gathers and scatters."""
+    steps = factor * (n - 1)
+    return launch + steps / n * nbytes / bw + steps * lat
+
+
+def test_data_parallel_gradient_is_one_all_reduce_at_ring_cost():
+    mesh = _mesh((8,), ("d",))
+    compiled = _compile(_grad_w, mesh, (P(), P("d")), P(), (K, N), (M, K))
+    cost = price_compiled(compiled, M8_V100)
+    assert cost.collectives["all-reduce"] == (1, K * N * 4)
+    assert sum(n for n, _ in cost.collectives.values()) == 1
+    want = _ring(8, K * N * 4, M8_V100.intra_host_bandwidth, M8_V100.intra_host_latency,
+                 M8_V100.collective_launch_s, 2)
+    assert cost.comm_s == pytest.approx(want, rel=1e-12)
+    assert cost.total_s == pytest.approx(cost.compute_s + cost.comm_s)
+
+
+def test_groups_beyond_a_host_take_the_inter_host_link():
+    cluster = dataclasses.replace(M8_V100, devices_per_host=4)
+    mesh = _mesh((2, 4), ("data", "model"))
+    # Both axes split the batch: the gradient's all-reduce spans all 8 devices, 2 hosts.
+    across = price_compiled(_compile(_grad_w, mesh, (P(), P(("data", "model"))), P(), (K, N), (M, K)), cluster)
+    assert across.collectives["all-reduce"] == (1, K * N * 4)
+    assert across.comm_s == pytest.approx(_ring(8, K * N * 4, cluster.inter_host_bandwidth,
+                                                cluster.inter_host_latency, cluster.collective_launch_s, 2))
+    # Only 'model' splits it: groups of 4 inside a host.
+    inside = price_compiled(_compile(_grad_w, mesh, (P(), P("model")), P(), (K, N), (M, K)), cluster)
+    assert inside.collectives["all-reduce"] == (1, K * N * 4)
+    assert inside.comm_s == pytest.approx(_ring(4, K * N * 4, cluster.intra_host_bandwidth,
+                                                cluster.intra_host_latency, cluster.collective_launch_s, 2))
+
+
+def test_all_gather_is_priced_one_ring_pass():
+    mesh = _mesh((8,), ("d",))
+    compiled = _compile(lambda x: x * 2.0, mesh, (P("d"),), P(), (M, K))
+    cost = price_compiled(compiled, "8x-h100")
+    n_ops, nbytes = cost.collectives["all-gather"]
+    assert nbytes == M * K * 4 and n_ops == 1
+    one = _ring(8, M * K * 4, H100_8X.intra_host_bandwidth, H100_8X.intra_host_latency,
+                H100_8X.collective_launch_s, 1)
+    assert cost.comm_s == pytest.approx(one)
+
+
+def test_matmul_without_collectives_costs_its_flops_and_no_communication():
+    compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((M, K)), jnp.ones((K, N))).compile()
+    cost = price_compiled(compiled, M8_V100)
+    assert cost.flops == 2 * M * N * K
+    assert cost.comm_s == 0.0 and all(n == 0 for n, _ in cost.collectives.values())
+    assert cost.compute_s == max(cost.flops / M8_V100.flops("float32"),
+                                 cost.bytes_accessed / M8_V100.memory_bandwidth)
+    assert cost.memory.argument_bytes == (M * K + K * N) * 4
+
+
+def test_flops_are_per_device():
+    mesh = _mesh((8,), ("d",))
+    compiled = _compile(lambda a, b: a @ b, mesh, (P("d"), P()), P("d"), (M, K), (K, N))
+    assert price_compiled(compiled).flops == 2 * M * N * K / 8
+
+
+def test_loop_bodies_count_once_per_trip_nested_too():
+    w = jnp.ones((K, K))
+
+    def inner(y):
+        return jax.lax.fori_loop(0, 3, lambda j, y: jnp.tanh(y @ w), y)
+
+    one = jax.jit(lambda x: jnp.tanh(x @ w)).lower(jnp.ones((M, K))).compile()
+    single = program_cost(one)[0]
+    assert single >= 2 * M * K * K
+    looped = jax.jit(lambda x: jax.lax.fori_loop(0, 5, lambda i, x: inner(x), x)).lower(jnp.ones((M, K))).compile()
+    assert jax.tree.leaves(looped.cost_analysis())  # XLA itself counts each body once
+    flops, _, unknown = program_cost(looped)
+    assert unknown == 0
+    # 15 matmuls + tanh; the loop counters add a few integer ops per trip.
+    assert 15 * single <= flops <= 15 * single + 64
+
+
+def test_dtype_picks_the_flop_rate():
+    f = lambda a, b: a @ b  # noqa: E731
+    compiled = jax.jit(f).lower(jnp.ones((256, 256)), jnp.ones((256, 256))).compile()
+    assert dot_dtype(compiled.as_text()) == "float32"
+    cluster = dataclasses.replace(M8_V100, flops_per_s={"float32": 1e9, "bfloat16": 4e9}, memory_bandwidth=1e15)
+    f32 = price_compiled(compiled, cluster)
+    bf16 = price_compiled(compiled, cluster, dtype="bfloat16")
+    assert f32.dtype == "float32" and bf16.dtype == "bfloat16"
+    assert f32.compute_s == pytest.approx(4 * bf16.compute_s)
+
+
+def test_unknown_cluster_is_a_clear_error():
+    compiled = jax.jit(lambda a: a + 1).lower(jnp.ones(4)).compile()
+    with pytest.raises(ValueError, match="unknown cluster preset 'v100'"):
+        price_compiled(compiled, "v100")
+
+
+def test_collectives_in_a_loop_are_priced_per_trip():
+    mesh = _mesh((8,), ("d",))
+
+    def f(x):  # each trip reduces the sharded x against the carry: an all-reduce XLA cannot hoist
+        return jax.lax.fori_loop(0, 3, lambda i, c: c + jnp.sum(jnp.sin(x * c)), jnp.float32(1.0))
+
+    cost = price_compiled(_compile(f, mesh, (P("d"),), P(), (M,)), M8_V100)
+    assert cost.collectives["all-reduce"] == (3, 3 * 4)
+    one = _ring(8, 4, M8_V100.intra_host_bandwidth, M8_V100.intra_host_latency, M8_V100.collective_launch_s, 2)
+    assert cost.comm_s == pytest.approx(3 * one)
