@@ -203,7 +203,9 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
     s = plan.search_stats
     row.update(solve_s=s.get("solve_s"), ops=s.get("ops"), step_ms=plan.cost.total_s * 1e3,
                compute_ms=plan.cost.compute_s * 1e3, comm_ms=plan.cost.comm_s * 1e3,
-               pred_mib=sum(c.bytes for c in plan.collectives) / 2**20, pred_count=len(plan.collectives),
+               # as the CPU compiles the plan here: its combiner merges all-reduces only
+               pred_mib=sum(b for _, b in plan.collective_summary("cpu").values()) / 2**20,
+               pred_count=sum(n for n, _ in plan.collective_summary("cpu").values()),
                mem_pred_gib=plan.cost.memory_bytes / 2**30, batch=getattr(cfg, "batch", None))
     row["samples_per_s"] = row["batch"] / plan.cost.total_s if plan.cost.total_s else None
     if method == "rhino_jax O3" and o2_result is not None and _same_plan(plan, o2_result[0].plan):
@@ -221,6 +223,7 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
             out = compiled(*model.example(cfg))
             row["max_abs_diff"] = _tree_max_abs_diff(reference, out)
     row["fidelity"] = row["hlo_mib"] / row["pred_mib"] if row["pred_mib"] else None
+    row["count_fidelity"] = row["hlo_count"] / row["pred_count"] if row["pred_count"] else None
     row["fits_m8"] = row["mem_pred_gib"] <= M8.memory_per_device / 2**30
     if h100 and row["status"] == "time limit" and rhino:
         row["note"] += "; H100 search not run (M8 search hit the limit)"
@@ -358,11 +361,12 @@ def _fmt(v, digits=3):
 COLUMNS = [("mesh", "mesh"), ("method", "method"), ("status", "status"), ("search_s", "search s (M8)"),
            ("step_ms", "step ms M8"), ("compute_ms", "compute ms"), ("comm_ms", "comm ms"),
            ("step_ms_h100", "step ms H100"), ("samples_per_s", "samples/s M8"), ("pred_mib", "pred MiB"),
-           ("hlo_count", "HLO colls"), ("hlo_mib", "HLO MiB"), ("fidelity", "HLO/pred"),
-           ("mem_pred_gib", "mem pred GiB"), ("mem_hlo_gib", "mem HLO GiB"), ("fits_m8", "fits 32 GiB")]
+           ("pred_count", "pred colls"), ("hlo_count", "HLO colls"), ("count_fidelity", "HLO/pred colls"),
+           ("hlo_mib", "HLO MiB"), ("fidelity", "HLO/pred"), ("mem_pred_gib", "mem pred GiB"), ("mem_hlo_gib", "mem HLO GiB"), ("fits_m8", "fits 32 GiB")]
 TINY_COLUMNS = [("mesh", "mesh"), ("method", "method"), ("status", "status"), ("search_s", "search s"),
-                ("step_ms", "step ms M8"), ("pred_mib", "pred MiB"), ("hlo_count", "HLO colls"),
-                ("hlo_mib", "HLO MiB"), ("fidelity", "HLO/pred"), ("max_abs_diff", "max |Δ| vs 1 device")]
+                ("step_ms", "step ms M8"), ("pred_mib", "pred MiB"), ("pred_count", "pred colls"),
+                ("hlo_count", "HLO colls"), ("count_fidelity", "HLO/pred colls"), ("hlo_mib", "HLO MiB"),
+                ("fidelity", "HLO/pred"), ("max_abs_diff", "max |Δ| vs 1 device")]
 
 
 def _skipped(r) -> bool:
@@ -463,6 +467,11 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
           f"plans" + (": all." if not bad else "; outside: " + ", ".join(
               f"{r['model']} {r.get('preset', '')} {r['mesh']} {r['method']} ({r['fidelity']:.2f})" for r in bad)
                        + "."), ""]
+    cfid = [r for r in fid if r.get("count_fidelity") is not None]
+    cbad = [r for r in cfid if abs(r["count_fidelity"] - 1) > 0.10]
+    L += [f"Count fidelity (compiled / predicted collective ops, predicted as XLA's CPU combiner merges them) "
+          f"within ±10 %: {len(cfid) - len(cbad)} of {len(cfid)} plans" + (": all." if not cbad else "; outside: " + ", ".join(
+              f"{r['model']} {r['mesh']} {r['method']} ({r['count_fidelity']:.2f})" for r in cbad) + "."), ""]
     models = list(dict.fromkeys(r["model"] for r in rows))
     for m in models:
         paper = [r for r in rows if r["model"] == m and r.get("kind") == "paper"]

@@ -22,7 +22,7 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_module
-from rhino_jax.search.cluster import MeshTopology, get_cluster
+from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 
 from .errors import MeshError
 from .mesh_search import plan_on, search_meshes
@@ -74,10 +74,14 @@ class Compiled:
         return self._executable(*args)
 
     def report(self) -> str:
-        """The plan's report, then its predicted communication beside the compiled HLO's."""
-        predicted = self.plan.collective_summary()
+        """The plan's report, then its predicted communication beside the compiled HLO's (the
+        prediction combined as this platform's XLA combines collectives)."""
+        platform = self._lowered.mesh.devices.flat[0].platform
+        backend = platform if platform in BACKENDS else self.plan.backend
+        predicted = self.plan.collective_summary(backend)
         compiled = self.collectives.by_kind()
-        lines = [self.plan.report(), "", "communication: predicted vs compiled HLO (per device)",
+        lines = [self.plan.report(), "", f"communication: predicted (as XLA's {backend} backend combines it) "
+                 "vs compiled HLO (per device)",
                  f"  {'collective':<20} {'pred ops':>9} {'pred MiB':>10} {'HLO ops':>9} {'HLO MiB':>10}"]
         for kind in compiled:
             pn, pb = predicted.get(kind, (0, 0))
@@ -85,8 +89,10 @@ class Compiled:
             if pn or cn:
                 lines.append(f"  {kind:<20} {pn:>9} {pb / 2**20:>10.3f} {cn:>9} {cb / 2**20:>10.3f}")
         mem = self.memory
-        lines.append(f"compiled memory: arguments {mem.argument_bytes / 2**20:.1f} MiB, outputs "
-                     f"{mem.output_bytes / 2**20:.1f} MiB, temporaries {mem.temp_bytes / 2**20:.1f} MiB")
+        lines.append(f"memory: predicted {self.plan.cost.memory_bytes / 2**20:.2f} MiB, compiled "
+                     f"{mem.total / 2**20:.2f} MiB per device (arguments {mem.argument_bytes / 2**20:.2f}, outputs "
+                     f"{mem.output_bytes / 2**20:.2f}, temporaries {mem.temp_bytes / 2**20:.2f}, donated "
+                     f"{mem.alias_bytes / 2**20:.2f} counted once)")
         return "\n".join(lines)
 
 

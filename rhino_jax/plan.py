@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from rhino_jax.hlo_passes.graph import dtype_size
+from rhino_jax.search.cluster import combiner_for
+from rhino_jax.search.combining import combined_collectives
 from rhino_jax.search.specs import ShardingSpec
 
 
@@ -25,8 +27,10 @@ class PlannedCollective:
     kind: str
     axes: tuple[str, ...]
     bytes: int
-    time_s: float
+    time_s: float  # alone; XLA may combine it with others (`Plan.collective_summary`)
     where: str  # the op (source name) that needs it
+    combinable: bool = False  # XLA may combine it with others (`search.combining.combining_sides`)
+    depends_on: int = 0  # bit i set: it needs the i-th planned collective's result first
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class Plan:
     collectives: tuple[PlannedCollective, ...] = ()
     fallback_ops: tuple[str, ...] = ()  # ops without a sharding rule, kept replicated
     search_stats: dict = field(default_factory=dict)
+    backend: str = "gpu"  # the XLA backend the cluster stands for (`cluster.Combiner`)
     # With `parallelize(mesh=None)`: every mesh shape searched, best predicted first (the chosen
     # one is marked), infeasible ones last with their reason. Empty for a given mesh.
     mesh_candidates: tuple[MeshCandidate, ...] = ()
@@ -82,10 +87,13 @@ class Plan:
     input_shardings: object = field(default=None, compare=False, repr=False)
     output_shardings: object = field(default=None, compare=False, repr=False)
 
-    def collective_summary(self) -> dict[str, tuple[int, int]]:
-        """kind → (count, bytes), as the cost model predicts them."""
+    def collective_summary(self, backend: str | None = None) -> dict[str, tuple[int, int]]:
+        """kind → (count, bytes) of the collectives a backend's XLA compiles for this plan, once
+        its combiners have merged independent ones (default: the cluster's backend; "cpu" to
+        compare with a program compiled here)."""
+        combiner = combiner_for(backend or self.backend)
         out: dict[str, tuple[int, int]] = {}
-        for c in self.collectives:
+        for c in combined_collectives(self.collectives, combiner):
             n, b = out.get(c.kind, (0, 0))
             out[c.kind] = (n + 1, b + c.bytes)
         return out
@@ -151,7 +159,9 @@ class Plan:
         if not summary:
             lines.append("  none")
         for kind, (n, b) in sorted(summary.items()):
-            lines.append(f"  {kind:<16} {n:>5} ops {b / 2**20:>10.3f} MiB")
+            alone = sum(c.kind == kind for c in self.collectives)
+            merged = f"  ({alone} combined by XLA)" if alone > n else ""
+            lines.append(f"  {kind:<16} {n:>5} ops {b / 2**20:>10.3f} MiB{merged}")
         heavy = sorted(self.collectives, key=lambda c: -c.time_s)[:6]
         for col in heavy:
             lines.append(f"    {col.kind:<14} over {'+'.join(col.axes):<12} {col.bytes / 2**10:>10.1f} KiB "

@@ -6,11 +6,67 @@ inter-host network. `MeshTopology` works that out from the devices' host placeme
 """
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
+
+
+# XLA's combiners merge independent collectives of one kind over the same device groups into one
+# op, up to a byte and a count threshold (xla/service/collective_utils.h and the GPU compiler's
+# pipeline: 30 MiB + 7 bytes and 256 ops for all-reduce, all-gather and reduce-scatter; flags
+# --xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes override the bytes).
+# The CPU compiler combines all-reduces only, whatever their size (256 at most: measured with
+# jax 0.10.2), and its SPMD partitioner writes a reduce-scatter as an all-reduce plus a slice.
+_GPU_COMBINE_BYTES = 30 * 1024 * 1024 + 7
+_GPU_FLAGS = {"all-reduce": "xla_gpu_all_reduce_combine_threshold_bytes",
+              "all-gather": "xla_gpu_all_gather_combine_threshold_bytes",
+              "reduce-scatter": "xla_gpu_reduce_scatter_combine_threshold_bytes"}
+BACKENDS = ("gpu", "cpu")
+
+
+@dataclass(frozen=True)
+class Combiner:
+    """What one backend's XLA pipeline does to the collectives the SPMD partitioner emits: which
+    kinds it combines (bytes and count thresholds; 0 bytes: never combined) and whether a
+    reduce-scatter runs as an all-reduce of the whole buffer (CPU)."""
+
+    backend: str = "gpu"
+    threshold_bytes: tuple[tuple[str, int], ...] = ()
+    threshold_count: int = 256
+    reduce_scatter_as_all_reduce: bool = False
+
+    def compiled_kind(self, kind: str) -> str:
+        return "all-reduce" if kind == "reduce-scatter" and self.reduce_scatter_as_all_reduce else kind
+
+    def limit(self, kind: str) -> int:
+        """Byte threshold of the combiner of this (compiled) kind; 0 when it is not combined."""
+        return dict(self.threshold_bytes).get(kind, 0)
+
+    def latency_share(self, kind: str, nbytes: int) -> float:
+        """The share of one launch and its latency a collective pays when XLA combines it with
+        others: each op of the byte threshold pays one. (The first op of a family is paid once by
+        the ILP's family variable, `ilp.Problem.fixed`; the plan counts the ops exactly.)"""
+        limit = self.limit(self.compiled_kind(kind))
+        return min(1.0, nbytes / limit) if limit else 1.0
+
+
+def _flag_value(name: str) -> int | None:
+    found = re.findall(rf"--{name}=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else None
+
+
+def combiner_for(backend: str) -> Combiner:
+    """The combiner of an XLA backend, with XLA's default thresholds and the user's XLA_FLAGS."""
+    if backend == "gpu":
+        limits = {k: _flag_value(flag) for k, flag in _GPU_FLAGS.items()}
+        return Combiner("gpu", tuple((k, _GPU_COMBINE_BYTES if v is None else v) for k, v in limits.items()))
+    if backend == "cpu":
+        return Combiner("cpu", (("all-reduce", 1 << 62),), reduce_scatter_as_all_reduce=True)
+    raise ValueError(f"unknown XLA backend {backend!r}; choose one of {BACKENDS}")
 
 
 @dataclass(frozen=True)
@@ -28,6 +84,11 @@ class Cluster:
     memory_bandwidth: float = 1e12  # bytes/s, bounds memory-bound ops
     memory_per_device: int = 32 << 30
     host_to_device_bandwidth: float = 12e9  # bytes/s per device (PCIe), to feed each batch
+    backend: str = "gpu"  # the XLA backend that compiles for it: how collectives are combined
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
 
     def flops(self, dtype: str) -> float:
         return self.flops_per_s.get(dtype, self.flops_per_s.get("float32", 1e13))
@@ -76,6 +137,7 @@ class MeshTopology:
     bandwidth: tuple[float, ...]
     latency: tuple[float, ...]
     launch: float = 0.0  # the cluster's collective_launch_s
+    combiner: Combiner = field(default_factory=lambda: combiner_for("gpu"))
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -105,4 +167,4 @@ class MeshTopology:
             bws.append(cluster.intra_host_bandwidth if same_host else cluster.inter_host_bandwidth)
             lats.append(cluster.intra_host_latency if same_host else cluster.inter_host_latency)
         return MeshTopology(tuple(mesh.axis_names), tuple(devices.shape), tuple(bws), tuple(lats),
-                            cluster.collective_launch_s)
+                            cluster.collective_launch_s, combiner_for(cluster.backend))

@@ -28,17 +28,23 @@ class Collective:
     axes: tuple[str, ...]
     bytes: int
 
-    def time(self, topo: MeshTopology) -> float:
+    def time(self, topo: MeshTopology, combined: bool = False) -> float:
         """Ring algorithms: all-reduce moves 2(n-1)/n of the buffer, the others (n-1)/n; each
         step pays the link latency and each collective one launch. A collective-permute sends
-        the whole buffer to one peer in one step."""
+        the whole buffer to one peer in one step. Priced as the backend compiles it (a CPU
+        reduce-scatter is an all-reduce). `combined`: XLA merges it with independent others,
+        so it pays only its share of the launch and latency (`Combiner.latency_share`)."""
         n, bw, lat = topo.link(self.axes)
         if n <= 1:
             return 0.0
-        if self.kind == "collective-permute":
-            return topo.launch + self.bytes / bw + lat
-        steps = (n - 1) * (2 if self.kind == "all-reduce" else 1)
-        return topo.launch + steps / n * self.bytes / bw + steps * lat
+        kind = topo.combiner.compiled_kind(self.kind)
+        if kind == "collective-permute":
+            fixed, steps = topo.launch + lat, 1.0
+        else:
+            steps = (n - 1) * (2 if kind == "all-reduce" else 1) / n
+            fixed = topo.launch + steps * n * lat
+        share = topo.combiner.latency_share(kind, self.bytes) if combined else 1.0
+        return share * fixed + steps * self.bytes / bw
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def find_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int]
 
 
 def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
-                own_cost: Callable[[Strategy], float],
+                own_cost: Callable[[int, Strategy], float],
                 reshard_cost: Callable[[ShardingSpec, ShardingSpec, int], float],
                 read_bytes: Callable[[ShardingSpec, int], int]) -> list[Cone]:
     """The cones of the graph, each with its strategies (one per root strategy, DP inside).
@@ -78,7 +78,7 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
     entering: dict[int, np.ndarray] = {}
     back: dict[tuple[int, int], np.ndarray] = {}
     for m, u in enumerate(units):  # producers before readers
-        cost = np.array([own_cost(s) for s in u.strategies])
+        cost = np.array([own_cost(m, s) for s in u.strategies])
         inside = {units[c].results[0] for c in children[m]}
         outside = [(k, v) for k, v in enumerate(u.operands) if v in u.live and v not in inside]
         enter = np.array([sum(read_bytes(spec, v) for v, spec in {(v, s.operands[k]) for k, v in outside})
@@ -87,7 +87,7 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
             v = units[c].results[0]
             positions = [k for k, o in enumerate(u.operands) if o == v]
             step = np.array([[best[c][a] + sum(reshard_cost(cs.results[0], spec, v)
-                                               for spec in {ms.operands[k] for k in positions})
+                                               for spec in dict.fromkeys(ms.operands[k] for k in positions))
                                for ms in u.strategies]
                              for a, cs in enumerate(units[c].strategies)])
             back[m, c] = _least(step, entering[c])
@@ -106,9 +106,9 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
         reads = [k for k, o in enumerate(u.operands) if o == v]
         as_is = [s for s in u.strategies if all(s.operands[k] == spec for k in reads)]
         if as_is:
-            return min(as_is, key=own_cost)
-        return min(u.strategies, key=lambda s: own_cost(s) + sum(
-            reshard_cost(spec, to, v) for to in {s.operands[k] for k in reads}))
+            return min(as_is, key=lambda s: own_cost(m, s))
+        return min(u.strategies, key=lambda s: own_cost(m, s) + sum(
+            reshard_cost(spec, to, v) for to in dict.fromkeys(s.operands[k] for k in reads)))
 
     def pick(root: int, t: int, forward: list[int]) -> dict[int, Strategy]:
         out: dict[int, Strategy] = {}

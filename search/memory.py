@@ -1,8 +1,18 @@
-"""Per-device memory of a plan: arguments, outputs and the peak of live intermediates."""
+"""Per-device memory of a plan: arguments, outputs and the peak of live intermediates, as XLA's
+buffer assignment counts them (arguments + outputs + temporaries, donated buffers once).
+
+XLA fuses chains of elementwise ops into one kernel: only the tensors a fusion writes for readers
+outside it reach memory, and the tensors it reads stay live until its last fused reader has run.
+A tensor read in another layout than it was made in is moved into a buffer of its own, which
+lives from the first to the last reader of that layout (XLA makes one move per layout, as the
+planner prices it)."""
 from __future__ import annotations
 
 from ..hlo_passes.graph import Graph
 from .specs import ShardingSpec
+from .strategies import _FUSED_READERS, FUSIBLE
+
+VIEWS = {"stablehlo.reshape", "sdy.sharding_constraint"}  # XLA makes them bitcasts of their operand
 
 
 def local_bytes(graph: Graph, vid: int, spec: ShardingSpec | None, sizes: dict[str, int]) -> int:
@@ -10,32 +20,107 @@ def local_bytes(graph: Graph, vid: int, spec: ShardingSpec | None, sizes: dict[s
     return full if spec is None else full // spec.shard_factor(sizes)
 
 
-def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], sizes: dict[str, int]) -> int:
-    """Arguments stay live for the whole step (donated ones are reused by their outputs);
-    intermediates live from their producer to their last reader, in program order."""
-    last_use: dict[int, int] = {}
-    for n in graph.nodes:
-        for o in n.operands:
-            last_use[o] = n.id
-    end = len(graph.nodes)
-    for o in graph.outputs:
-        last_use[o] = end
-    args = sum(local_bytes(graph, a.value, specs.get(a.value), sizes) for a in graph.args)
-    donated = {a.donated_to for a in graph.args if a.donated_to is not None}
-    live = peak = 0
-    frees: dict[int, int] = {}
+def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], sizes: dict[str, int],
+                reads: dict[tuple[int, int], ShardingSpec] | None = None) -> int:
+    """Bytes per device at the step's peak. `specs`: each value's layout; `reads`: the layout
+    operand `pos` of node `id` is read in, keyed (id, pos), where it differs from the value's."""
+    moves = {key: spec for key, spec in (reads or {}).items()
+             if not graph.values[graph.nodes[key[0]].operands[key[1]]].constant
+             and specs.get(graph.nodes[key[0]].operands[key[1]]) != spec}
+    stored = _stored(graph)
+    end, moved = _lifetimes(graph, stored, moves)
+    alloc: list[int] = [0] * (len(graph.nodes) + 2)  # bytes allocated at step t, freed after end
+
+    def hold(start: int, stop: int, nbytes: int) -> None:
+        alloc[start] += nbytes
+        alloc[stop + 1] -= nbytes
+
+    # Outputs are counted apart, for the whole step, as XLA's figures count them (a donated
+    # argument's buffer holds its output); XLA may place temporaries in an output's buffer
+    # before the output is written, so this errs high when outputs are not donated.
+    returned = {_buffer(graph, o) for o in graph.outputs}
     for n in graph.nodes:
         for r in n.results:
-            v = graph.values[r]
-            if v.constant or r not in last_use:
-                continue
-            b = local_bytes(graph, r, specs.get(r), sizes)
-            live += b
-            frees[last_use[r]] = frees.get(last_use[r], 0) + b
+            if stored[r] and r in end and r not in returned and not graph.values[r].constant:
+                hold(n.id, end[r], local_bytes(graph, r, specs.get(r), sizes))
+    for (v, spec), (first, last) in moved.items():
+        hold(first, last, local_bytes(graph, v, spec, sizes))
+    live = peak = 0
+    for b in alloc:
+        live += b
         peak = max(peak, live)
-        live -= frees.pop(n.id, 0)
-    # Outputs that do not reuse a donated buffer need their own space at the end.
-    extra_out = sum(local_bytes(graph, o, specs.get(o), sizes)
-                    for k, o in enumerate(graph.outputs) if k not in donated
-                    and graph.values[o].producer == -1)
-    return args + peak + extra_out
+    args = sum(local_bytes(graph, a.value, specs.get(a.value), sizes) for a in graph.args)
+    donated = {a.donated_to for a in graph.args if a.donated_to is not None}
+    outputs = sum(local_bytes(graph, o, specs.get(o), sizes) for k, o in enumerate(graph.outputs)
+                  if k not in donated and not graph.values[o].constant)
+    return args + outputs + peak
+
+
+def _buffer(graph: Graph, v: int) -> int:
+    """The value whose buffer `v` is (itself, or the source of the views it is)."""
+    while graph.values[v].producer >= 0 and graph.nodes[graph.values[v].producer].op in VIEWS:
+        v = graph.nodes[graph.values[v].producer].operands[0]
+    return v
+
+
+def _stored(graph: Graph) -> list[bool]:
+    """Whether each value has a buffer of its own: a result of a fusible op read only by fusible
+    ops (or reductions, which fuse their input) stays inside the fusion, and a view (a reshape,
+    a sharding constraint) is its operand's buffer; its readers count as its operand's."""
+    fused_only = [True] * len(graph.values)
+    for o in graph.outputs:
+        fused_only[o] = False
+    for n in reversed(graph.nodes):  # every reader of a value comes before its producer
+        fused = all(fused_only[r] for r in n.results) if n.op in VIEWS else n.op in _FUSED_READERS
+        for o in n.operands:
+            fused_only[o] = fused_only[o] and fused
+    stored = [True] * len(graph.values)
+    for n in graph.nodes:
+        for r in n.results:
+            if n.op in FUSIBLE:
+                stored[r] = n.op not in VIEWS and not fused_only[r]
+    return stored
+
+
+def _lifetimes(graph: Graph, stored: list[bool], moves: dict[tuple[int, int], ShardingSpec]):
+    """The last step at which each value is needed in its own layout (outputs: after the last
+    node), and the first and last step of each (value, layout) it is moved into. An op whose
+    results stay inside fusions runs where they are read: from the first of those steps to the
+    last. A value is moved where its first reader in that layout runs, so it is needed until
+    then; after that the moved copy is, until its last reader has run."""
+    end = {o: len(graph.nodes) for o in graph.outputs}
+    start: dict[int, int] = {}  # value → the first step at which it is read
+    moved: dict[int, dict[ShardingSpec, tuple[int, int]]] = {}
+    for n in reversed(graph.nodes):  # every reader of a value comes before its producer
+        for r in n.results:
+            for first, _ in moved.get(r, {}).values():
+                end[r] = max(end.get(r, first), first)
+        first = last = n.id
+        if not all(stored[r] for r in n.results):
+            first = min([start[r] for r in n.results if r in start], default=n.id)
+            last = max([n.id] + [end[r] for r in n.results if r in end])
+        for pos, o in enumerate(n.operands):
+            start[o] = min(start.get(o, first), first)
+            spec = moves.get((n.id, pos))
+            if spec is None:
+                end[o] = max(end.get(o, last), last)
+                continue
+            a, b = moved.setdefault(o, {}).get(spec, (first, last))
+            moved[o][spec] = (min(a, first), max(b, last))
+    return end, {(v, spec): span for v, by_spec in moved.items() for spec, span in by_spec.items()}
+
+
+def held_fractions(graph: Graph) -> dict[int, float]:
+    """The fraction of the step each value holds a buffer of its own, whatever its layout:
+    arguments all of it, intermediates from their producer to their last reader, values that
+    stay inside fusions or are views none. Bytes times this fraction, summed, are the average
+    memory of the step: a linear stand-in for its peak that the strategy ILP can price."""
+    stored = _stored(graph)
+    end, _ = _lifetimes(graph, stored, {})
+    steps = len(graph.nodes) + 1
+    held = {a.value: 1.0 for a in graph.args}
+    for n in graph.nodes:
+        for r in n.results:
+            if stored[r] and r in end and not graph.values[r].constant:
+                held[r] = (end[r] - n.id + 1) / steps
+    return held

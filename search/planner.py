@@ -7,6 +7,8 @@ argument (constants, iotas and their broadcasts) are left to XLA, which builds t
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -22,10 +24,12 @@ from ..hlo_passes.graph import Graph, Pin
 from . import ilp
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard, reshard_path
+from .combining import combined_time
+from .pricing import Prices
 from .cones import Cone, build_cones
 from .critical import backbone
 from .repeats import group_segments, tie_repeats
-from .memory import local_bytes, plan_memory
+from .memory import held_fractions, local_bytes, plan_memory
 from .rules import COMPUTE_HEAVY
 from .specs import ShardingSpec
 from .strategies import Strategy, memory_traffic, node_strategies, tensor_specs
@@ -78,18 +82,33 @@ def _matches(spec: ShardingSpec, pin: Pin) -> bool:
     return not spec.partial and not spec.strides and all(p is None or tuple(p) == tuple(d) for p, d in zip(pin.dims, spec.dims))
 
 
+def _tied_outputs(graph: Graph) -> dict[int, int]:
+    """Output index → the argument whose layout it leaves in: a donated argument's aliased output
+    (the buffer is reused, so it must be), and a result the training loop feeds back as that
+    argument (`Graph.fed_back`), so the next step takes it as it is, without a reshard outside
+    the program and outside every count. A result the user pins (rj.annotate on the returned
+    value) is not tied: it leaves in its pinned layout, and the next step reshards it."""
+    tied = {a.donated_to: a.index for a in graph.args if a.donated_to is not None}
+    pinned = {p.value for p in graph.pins}
+    for k, i in graph.fed_back().items():
+        if k not in tied and i not in tied.values() and graph.outputs[k] not in pinned:
+            tied[k] = i
+    return tied
+
+
 def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bool):
     units: list[_Unit] = []
     producer_unit: dict[int, int] = {}  # value id → unit producing it
     fallback: list[str] = []
-    aliased = {a.donated_to: a for a in graph.args if a.donated_to is not None}
+    aliased = _tied_outputs(graph)
+    tied_to = {i: k for k, i in aliased.items()}
     for arg in graph.args:
         strategies = _arg_strategies(graph, arg, topo, cluster)
         operands: tuple[int, ...] = ()
-        if arg.donated_to is not None:
-            # A donated argument and the output that reuses its buffer share one layout.
-            out = graph.outputs[arg.donated_to]
-            operands = (out,)
+        if arg.index in tied_to and graph.outputs[tied_to[arg.index]] != arg.value:
+            # The argument and its tied output share one layout: the argument's unit reads the
+            # output in its own layout, which prices the reshard from the output's producer.
+            operands = (graph.outputs[tied_to[arg.index]],)
             strategies = [Strategy((s.results[0],), s.results, 0.0) for s in strategies]
         producer_unit[arg.value] = len(units)
         units.append(_Unit("arg", arg.index, operands, (arg.value,), strategies, arg.path))
@@ -119,7 +138,7 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bo
         strategies = [Strategy((s,), (), 0.0) for s in tensor_specs(shape, topo)]
         units.append(_Unit("output", k, (out,), (), strategies, graph.output_paths[k],
                            _live((out,), graph, producer_unit)))
-    for u in units[:len(graph.args)]:  # donated arguments read their aliased output
+    for u in units[:len(graph.args)]:  # tied arguments read their output
         u.live = _live(u.operands, graph, producer_unit)
     return units, producer_unit, fallback
 
@@ -165,21 +184,12 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
     units, producer_unit, fallback = _build_units(graph, topo, cluster, strided)
     _apply_pins(graph, units, producer_unit, topo)
     sizes = topo.sizes
-    rcache: dict = {}
 
-    def reshard_cost(src: ShardingSpec, dst: ShardingSpec, v: int) -> float:
-        key = (src, dst, graph.values[v].nbytes, graph.values[v].shape)
-        if key not in rcache:
-            rcache[key] = sum(c.time(topo) for c in reshard(src, dst, key[2], topo, key[3]))
-        return rcache[key]
-
-    def own_cost(s: Strategy) -> float:
-        return s.compute_s + sum(c.time(topo) for c in s.collectives)
-
-    groups = build_cones(units, producer_unit, own_cost, reshard_cost,
+    prices = Prices(graph, topo, [u.results for u in units])
+    groups = build_cones(units, producer_unit, prices.own, prices.reshard,
                          lambda spec, v: graph.values[v].nbytes // spec.shard_factor(sizes))
     group_of = {m: gi for gi, g in enumerate(groups) for m in g.members}
-    problem = _problem(units, groups, group_of, producer_unit, own_cost, reshard_cost)
+    problem = _problem(units, groups, group_of, producer_unit, prices)
     bb = backbone(graph)
     stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges))
     class_of = list(range(len(groups)))
@@ -193,15 +203,20 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
              len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],
              stats.get("tied_segments", 0), stats["build_s"])
 
-    def plan_with(forced: list[int]) -> Plan:
-        """The best plan in which the arguments of the `forced` groups are not replicated."""
+    held_bytes = functools.cache(lambda: _held_bytes(graph, units, groups, index, len(solved.costs), sizes))
+
+    def plan_with(forced: list[int], weight_s: float = 0.0) -> Plan:
+        """The best plan in which the arguments of the `forced` groups are not replicated, with
+        `weight_s` seconds added per byte a device holds on average (`_weigh_memory`)."""
         forbidden = [np.zeros(len(c), dtype=bool) for c in solved.costs]
         for g in forced:
             forbidden[index[g]] |= [ch[groups[g].root].results[0].shard_factor(sizes) == 1 for ch in groups[g].choice]
         log.info("rhino_jax: solving the ILP over %d groups%s (time limit %g s; Ctrl-C stops at the best "
                  "plan so far)", len(solved.costs), f", {len(forced)} arguments not replicated" if forced else "",
                  time_limit_s)
-        solution = model.solve(time_limit_s, tuple(forbidden))
+        weighed = model if not weight_s else ilp.Model(dataclasses.replace(
+            solved, costs=tuple(c + weight_s * b for c, b in zip(solved.costs, held_bytes()))), backend)
+        solution = weighed.solve(time_limit_s, tuple(forbidden))
         log.info("rhino_jax: ILP %s in %.2f s%s: predicted %.4g ms", solution.status, solution.solve_s,
                  " (its LP relaxation was integral)" if solution.relaxation_exact else "",
                  solution.objective_s * 1e3)
@@ -217,8 +232,9 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
                   ilp_constraints=solution.num_constraints, solve_s=solution.solve_s,
                   backend=solution.backend, status=solution.status, gap=solution.gap,
                   objective_s=solution.objective_s, relaxation_exact=solution.relaxation_exact,
-                  not_replicated=tuple(units[groups[g].root].name for g in forced))
-        return _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st)
+                  not_replicated=tuple(units[groups[g].root].name for g in forced), memory_weight_s=weight_s)
+        return _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st,
+                          prices)
 
     plan = plan_with([])
     if memory_limit_bytes is not None and plan.cost.memory_bytes > memory_limit_bytes:
@@ -226,7 +242,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
             raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
         candidates = _by_size(graph, units, groups, sizes)
         plan = _fit_memory(plan_with, candidates, [units[groups[g].root].ref for g in candidates],
-                           plan, memory_limit_bytes, graph)
+                           plan, memory_limit_bytes, graph, _least_arguments(graph, units, producer_unit, sizes))
     return plan
 
 
@@ -243,33 +259,89 @@ def _by_size(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -> 
 
 
 def _fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Plan, limit: int,
-                graph: Graph) -> Plan:
-    """Rhino §4.4: forbid replicating the k largest parameters (and optimizer states), with the
-    smallest k whose plan fits the limit. Rhino's premise is that a few tensors hold most of the
-    memory, so k is searched by galloping up from the small end (k = 1, 2, 4, ...), then by
-    bisection: about 2 log2(k) solves rather than log2(len(candidates)). A plan that keeps more
-    of the leading candidates off replication than it was made to is also the best plan for those
-    larger k, so a plan that does not fit rules them out too (`_leading`)."""
-    plan, lo, step = unlimited, _leading(unlimited, args), 1  # the plan with k = lo does not fit
+                graph: Graph, least: int) -> Plan:
+    """The fastest plan within the limit among every plan solved on the way.
+
+    First Rhino §4.4: forbid replicating the k largest parameters (and optimizer states), k found
+    by galloping up from the small end (k = 1, 2, 4, ...), then by bisection down to the smallest
+    k that fits: about 2 log2(k) solves, as a few tensors usually hold most of the memory. A plan
+    that keeps more of the leading candidates off replication than it was made to is also the
+    best plan for those larger k, so a plan that does not fit rules them out too (`_leading`).
+    Memory need not fall as k grows (a plan forced to shard its weights may replicate its
+    activations instead), so when no k fits, the ILP prices memory itself (`_weigh_memory`).
+    `least`: a lower bound on every plan's memory, for the error."""
+    tried = [unlimited]
+
+    def fits(plan: Plan) -> bool:
+        return plan.cost.memory_bytes <= limit
+
+    lo, hi, step = _leading(unlimited, args), None, 1  # the plan with k = lo does not fit
     while lo < len(candidates):  # gallop up to a k = hi that fits
         k = min(lo + step, len(candidates))
-        plan = _try(plan_with, candidates, k, limit)
-        if plan.cost.memory_bytes <= limit:
-            hi, best = k, plan
+        tried.append(_try(plan_with, candidates, k, limit))
+        if fits(tried[-1]):
+            hi = k
             break
-        if plan.search_stats["status"] == "interrupted":
-            raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
-        lo, step = max(k, _leading(plan, args)), 2 * step
-    else:
-        _raise_memory_error(plan, limit, graph)
-    while hi - lo > 1 and plan.search_stats["status"] != "interrupted":  # bisect down to the smallest k
-        k = (lo + hi) // 2
-        plan = _try(plan_with, candidates, k, limit)
-        if plan.cost.memory_bytes <= limit:
-            hi, best = k, plan
+        _stop_if_interrupted(tried, fits)
+        lo, step = max(k, _leading(tried[-1], args)), 2 * step
+    while hi is not None and hi - lo > 1 and tried[-1].search_stats["status"] != "interrupted":
+        k = (lo + hi) // 2  # bisect down to the smallest k that fits
+        tried.append(_try(plan_with, candidates, k, limit))
+        if fits(tried[-1]):
+            hi = k
         else:
-            lo = max(k, min(_leading(plan, args), hi - 1))
-    return best
+            lo = max(k, min(_leading(tried[-1], args), hi - 1))
+    if hi is None:
+        tried += _weigh_memory(plan_with, unlimited, limit, fits, lambda: _stop_if_interrupted(tried, fits))
+    fitting = [p for p in tried if fits(p)]
+    if not fitting:
+        _raise_memory_error(tried, limit, graph, least)
+    return min(fitting, key=lambda p: p.cost.total_s)
+
+
+def _weigh_memory(plan_with, unlimited: Plan, limit: int, fits, check, steps: int = 8) -> list[Plan]:
+    """Plans of the ILP with each byte a device holds on average (`memory.held_fractions`) priced
+    at w seconds: w galloping up (x4) from the unlimited plan's seconds per byte until a plan
+    fits, then two bisections (geometric) back down towards the fastest plan that fits. The
+    average stands in for the peak, which is not linear in the choices; each plan's own peak
+    decides whether it fits. Returns every plan solved."""
+    base = unlimited.cost.total_s / max(unlimited.cost.memory_bytes, 1)
+    plans: list[Plan] = []
+    low, high = 0.0, None
+    for i in range(steps):
+        w = base * 4.0 ** i
+        plans.append(_try_weight(plan_with, w, limit))
+        if fits(plans[-1]):
+            high = w
+            break
+        check()
+        low = w
+    for _ in range(2 if high is not None and low else 0):
+        w = (low * high) ** 0.5
+        plans.append(_try_weight(plan_with, w, limit))
+        low, high = (low, w) if fits(plans[-1]) else (w, high)
+    return plans
+
+
+def _held_bytes(graph: Graph, units, groups: list[Cone], index: list[int], classes: int,
+                sizes: dict[str, int]) -> list[np.ndarray]:
+    """Per ILP class and strategy: the bytes a device holds on average over the step (each value's
+    local bytes times the fraction of the step it is held, `memory.held_fractions`)."""
+    held = held_fractions(graph)
+    out = [None] * classes
+    for g, cone in enumerate(groups):
+        b = np.array([sum(held.get(v, 0.0) * local_bytes(graph, v, spec, sizes)
+                          for m, s in ch.items() for v, spec in zip(units[m].results, s.results))
+                      for ch in cone.choice])
+        out[index[g]] = b if out[index[g]] is None else out[index[g]] + b
+    return out
+
+
+def _least_arguments(graph: Graph, units, producer_unit: dict[int, int], sizes: dict[str, int]) -> int:
+    """A lower bound on every plan's memory: the arguments, which stay for the whole step, each
+    split as finely as the mesh and the pins allow."""
+    return sum(min(local_bytes(graph, a.value, s.results[0], sizes) for s in units[producer_unit[a.value]].strategies)
+               for a in graph.args)
 
 
 def _leading(plan: Plan, args: list[int]) -> int:
@@ -287,30 +359,59 @@ def _try(plan_with, candidates: list[int], k: int, limit: int) -> Plan:
     return plan
 
 
-def _raise_memory_error(best: Plan, limit: int, graph: Graph):
+def _try_weight(plan_with, weight_s: float, limit: int) -> Plan:
+    plan = plan_with([], weight_s)
+    log.info("rhino_jax: memory limit: memory priced at %.3g s/GiB → %.1f MiB per device (limit %.1f)",
+             weight_s * 2**30, plan.cost.memory_bytes / 2**20, limit / 2**20)
+    return plan
+
+
+def _stop_if_interrupted(tried: list[Plan], fits) -> None:
+    """Ctrl-C during the search: stop, with no plan to return unless one fits already."""
+    if tried[-1].search_stats["status"] == "interrupted" and not any(fits(p) for p in tried):
+        raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
+
+
+def _raise_memory_error(tried: list[Plan], limit: int, graph: Graph, least: int):
+    best = min(tried, key=lambda p: p.cost.memory_bytes)
     local = [local_bytes(graph, a.value, spec, best.mesh_axes) for a, spec in zip(graph.args, best.arg_specs)]
     largest = sorted(range(len(local)), key=lambda i: -local[i])[:5]
     listing = ", ".join(f"{best.arg_paths[i]} {tuple(best.arg_shapes[i])} {best.arg_specs[i]} "
                         f"({local[i] / 2**20:.1f} MiB)" for i in largest)
+    donate = ("" if any(a.donated_to is not None for a in graph.args) else
+              ", donate the parameters and optimizer state (donate_argnums) so the outputs reuse their buffers")
     raise MemoryLimitError(
-        f"no plan fits memory_limit_bytes={limit:,}: with every parameter and optimizer state "
-        f"sharded the best plan needs {best.cost.memory_bytes:,} bytes per device "
-        f"({sum(local):,} in arguments, the rest in intermediates at the peak), "
-        f"{best.cost.memory_bytes - limit:,} more than the limit. Largest arguments per device: "
-        f"{listing}. Raise the limit, use more devices, or shrink the batch or model.")
+        f"no plan fits memory_limit_bytes={limit:,}. Every plan needs at least {least:,} bytes per device "
+        f"(a lower bound: the arguments alone, each split as finely as the mesh and pins allow). Of the "
+        f"{len(tried)} plans solved, the smallest needs {best.cost.memory_bytes:,} bytes per device "
+        f"({sum(local):,} in arguments, the rest in outputs and intermediates at the peak), "
+        f"{best.cost.memory_bytes - limit:,} more than the limit; its largest arguments per device: "
+        f"{listing}. Raise the limit, use more devices, or shrink the batch or model{donate}.")
 
 
 def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit: dict[int, int],
-             own_cost, reshard_cost) -> ilp.Problem:
+             prices: Prices) -> ilp.Problem:
     """The ILP over cones: a cost per cone strategy, and an edge per pair of cones with reads
-    between them (reads inside a cone, or from a cone with one layout, fold into the costs)."""
-    costs = [np.array([sum(own_cost(s) for s in ch.values()) for ch in g.choice]) for g in groups]
+    between them (reads inside a cone, or from a cone with one layout, fold into the costs); each
+    with the combined families it uses (`pricing`)."""
+    costs = [np.array([sum(prices.own(m, s) for m, s in ch.items()) for ch in g.choice]) for g in groups]
+    uses = [[frozenset().union(*(prices.own_uses(m, s) for m, s in ch.items())) for ch in g.choice]
+            for g in groups]
+
+    def moves(values, src_specs, dst_specs) -> dict:
+        """A value read in one layout by several readers is resharded once (as in `_make_plan`
+        and in XLA, which shares the collective). In read order, not a set's hash order: a float
+        sum's last bits, and so the ILP's ties, must not change with PYTHONHASHSEED."""
+        return dict.fromkeys(zip(values, src_specs, dst_specs))
 
     def moves_cost(values, src_specs, dst_specs) -> float:
-        """A value read in one layout by several readers is resharded once (as in `_make_plan`
-        and in XLA, which shares the collective); reads of one value from different cones are
-        still charged per cone, an overestimate the ILP cannot avoid without a variable per move."""
-        return sum(reshard_cost(a, b, v) for v, a, b in set(zip(values, src_specs, dst_specs)))
+        """Reads of one value from different cones are charged per cone, an overestimate the ILP
+        cannot avoid without a variable per move (a k-th to each of k cones was tried: the ILP
+        then read values in several layouts to collect the discounts)."""
+        return sum(prices.reshard(a, b, v) for v, a, b in moves(values, src_specs, dst_specs))
+
+    def moves_uses(values, src_specs, dst_specs) -> frozenset[int]:
+        return frozenset().union(*(prices.reshard_uses(a, b, v) for v, a, b in moves(values, src_specs, dst_specs)))
 
     reads: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
     for gi, g in enumerate(groups):
@@ -324,22 +425,35 @@ def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit:
         values = [v for v, _, _ in rs]
         if src == dst:
             for j in range(len(gs.choice)):
-                costs[src][j] += moves_cost(values, [_result_spec(units, gs, j, producer_unit[v], v) for v in values],
-                                            [gd.choice[j][m].operands[pos] for _, m, pos in rs])
+                read = (values, [_result_spec(units, gs, j, producer_unit[v], v) for v in values],
+                        [gd.choice[j][m].operands[pos] for _, m, pos in rs])
+                costs[src][j] += moves_cost(*read)
+                uses[src][j] |= moves_uses(*read)
             continue
         src_keys = [tuple(_result_spec(units, gs, j, producer_unit[v], v) for v in values)
                     for j in range(len(gs.choice))]
         dst_keys = [tuple(gd.choice[j][m].operands[pos] for _, m, pos in rs) for j in range(len(gd.choice))]
-        edge = ilp.make_edge(src, dst, src_keys, dst_keys, lambda a, b: moves_cost(values, a, b))  # noqa: B023
+        edge = ilp.make_edge(src, dst, src_keys, dst_keys, lambda a, b: moves_cost(values, a, b),  # noqa: B023
+                             lambda a, b: prices.families.vector(moves_uses(values, a, b)))  # noqa: B023
         if not edge.matrix.any():
             continue
         if edge.matrix.shape[0] == 1:
             costs[dst] += edge.matrix[0, list(edge.dst_class)]
+            for j, b in enumerate(edge.dst_class):
+                uses[dst][j] |= _indices(edge.uses[:, 0, b])
         elif edge.matrix.shape[1] == 1:
             costs[src] += edge.matrix[list(edge.src_class), 0]
+            for j, a in enumerate(edge.src_class):
+                uses[src][j] |= _indices(edge.uses[:, a, 0])
         else:
             edges.append(edge)
-    return ilp.Problem(tuple(costs), tuple(edges))
+    return ilp.Problem(tuple(costs), tuple(edges), prices.families.fixed,
+                       tuple(np.array([prices.families.vector(u) for u in g], dtype=bool).T.reshape(
+                           len(prices.families.fixed), len(g)) for g in uses))
+
+
+def _indices(mask: np.ndarray) -> frozenset[int]:
+    return frozenset(np.nonzero(mask)[0].tolist())
 
 
 def _shared_path(reached: dict[ShardingSpec, tuple[ShardingSpec, ...]], dst: ShardingSpec, value,
@@ -365,7 +479,8 @@ def _shared_path(reached: dict[ShardingSpec, tuple[ShardingSpec, ...]], dst: Sha
     return way[:-1], path
 
 
-def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, stats) -> Plan:
+def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, stats,
+               prices: Prices) -> Plan:
     chosen: dict[int, Strategy] = {}
     for g, j in zip(groups, choice):
         chosen.update(g.choice[j])
@@ -379,11 +494,23 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
     # resharded once per layout read, and a later read may go on from one of them.
     reached: dict[int, dict[ShardingSpec, tuple[ShardingSpec, ...]]] = {}
     read_paths: dict[tuple[int, ShardingSpec], tuple[ShardingSpec, ...]] = {}
-    for i, s in sorted(chosen.items()):
+    # What each value, and each layout a value is resharded into, waits for: a mask of planned
+    # collectives (bit i: the i-th), so the combiner's replay knows which ones are independent.
+    after: dict[int, int] = {}
+    layout_after: dict[tuple[int, ShardingSpec], int] = {}
+
+    def add(c, u: _Unit, together: bool, needs: int) -> int:
+        planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind,
+                                         together, needs))
+        return 1 << (len(planned) - 1)
+
+    # Program order; arguments tied to an output read it at the end of the step.
+    for i, s in sorted(chosen.items(), key=lambda item: (bool(units[item[0]].operands)
+                                                          and units[item[0]].kind == "arg", item[0])):
         u = units[i]
-        for c in s.collectives:
-            planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind))
+        needs = 0
         for pos, v in enumerate(u.operands):
+            needs |= after.get(v, 0) | layout_after.get((v, s.operands[pos]), 0)
             if graph.values[v].constant and s.operands[pos].strides and u.kind == "node":
                 read_specs[u.ref, pos] = s.operands[pos]  # built locally, but split like its reader
             if graph.values[v].constant or v not in specs or specs[v] == s.operands[pos]:
@@ -396,21 +523,34 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
             way, path = _shared_path(here, s.operands[pos], graph.values[v], topo)
             if way:
                 read_paths[v, s.operands[pos]] = way
-            for c in (c for step in path for c in step.collectives):
-                planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind))
-    comm = sum(c.time_s for c in planned)
+            mask = after.get(v, 0)
+            for spec in way:
+                mask |= layout_after.get((v, spec), 0)
+            for step in path:
+                step_mask = 0
+                for c in step.collectives:
+                    step_mask |= add(c, u, prices.combined(c, prices.sides.get(v)), mask)
+                mask |= step_mask
+                layout_after[v, step.spec] = mask
+            needs |= mask
+        side = prices.side_of(u.results)
+        for c in s.collectives:
+            needs |= add(c, u, prices.combined(c, side), needs)
+        for r in u.results:
+            after[r] = needs
+    comm = combined_time(planned, topo)
     arg_specs = tuple(specs[a.value] for a in graph.args)
     out_specs = []
     output_unit = {u.ref: i for i, u in enumerate(units) if u.kind == "output"}
+    tied = _tied_outputs(graph)
     for k, o in enumerate(graph.outputs):
-        if k in output_unit:
+        if k in tied:  # a donated or fed-back argument's layout
+            out_specs.append(specs[graph.args[tied[k]].value])
+        elif k in output_unit:
             out_specs.append(chosen[output_unit[k]].operands[0])
-        elif graph.values[o].constant:
+        else:
             out_specs.append(ShardingSpec.replicated(len(graph.values[o].shape)))
-        else:  # aliased to a donated argument
-            arg = next(a for a in graph.args if a.donated_to == k)
-            out_specs.append(specs[arg.value])
-    memory = plan_memory(graph, specs, topo.sizes)
+    memory = plan_memory(graph, specs, topo.sizes, read_specs)
     strided = [v for v, spec in specs.items() if spec.strides]
     examples = dict.fromkeys(f"{graph.values[v].shape} {specs[v]}" for v in strided)
     stats = dict(stats, strided_values=len(strided), strided_examples=tuple(examples)[:3])
@@ -432,4 +572,5 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
         collectives=tuple(planned),
         fallback_ops=tuple(fallback),
         search_stats=dict(ops=len(graph.nodes), **stats),
+        backend=cluster.backend,
     )

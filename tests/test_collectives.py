@@ -134,27 +134,32 @@ def _as_cpu_compiles(collectives) -> list[tuple[str, int]]:
 def test_partial_sums_settle_where_the_plan_priced_them():
     """A matmul's partial sums (contraction split on x) read split on (x, y): the plan reduce-
     scatters into x behind y, then permutes; the rewrite pins the settled layout so that XLA
-    does not settle them some other way (it gathered the operands instead, on MoE)."""
-    def f(a, w):
+    does not settle them some other way (it gathered the operands instead, on MoE). The weight
+    comes first, a parameter: the last argument is a batch fed from the host every step, which
+    the plan would rather feed split 8 ways and gather."""
+    def f(w, a):
         a = rj.annotate(a, P("y", "x"))
         w = rj.annotate(w, P("x", None))
         return rj.annotate(jnp.tanh(a @ w), P(("x", "y"), None))
 
-    a = jax.random.normal(jax.random.PRNGKey(0), (64, 256))
     w = jax.random.normal(jax.random.PRNGKey(1), (256, 128))
-    lowered = rj.parallelize(f, mesh=rj.device_mesh((2, 4), ("x", "y"))).lower(a, w)
+    a = jax.random.normal(jax.random.PRNGKey(0), (64, 256))
+    lowered = rj.parallelize(f, mesh=rj.device_mesh((2, 4), ("x", "y"))).lower(w, a)
     predicted = sorted((c.kind, c.bytes) for c in lowered.plan.collectives)
     compiled = lowered.compile()
     found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
     assert [k for k, _ in predicted] == ["collective-permute", "reduce-scatter"], predicted
     assert found == _as_cpu_compiles(lowered.plan.collectives), (found, predicted)
-    assert_same_numbers(jax.jit(f)(a, w), compiled(a, w))
+    assert_same_numbers(jax.jit(f)(w, a), compiled(w, a))
 
 
 def test_partial_sums_are_scattered_only_into_a_dim_that_divides():
     """MoE's expert combine: [G=4, S, D] split 4 ways on G, a partial sum over the other axis,
     read split on that axis. Scattering it into G beside the first would cut 4 groups 8 ways;
-    the sums are all-reduced instead and the layout then moves as any other."""
+    the sums are all-reduced instead and the layout then moves as any other. The contraction is
+    long (65536) so that the search keeps the sums' rows on y: on a short one (4096) it gathers
+    the operand over y instead, sums into [-, y] and reduce-scatters into G. The weight comes
+    first, a parameter (see above)."""
     src = ShardingSpec((("y",), ()), ("x",))
     dst = spec(("x",), ())
     settled = reshard_path(src, dst, 4 * 64 * 4, XY, (4, 64))[0]
@@ -162,20 +167,20 @@ def test_partial_sums_are_scattered_only_into_a_dim_that_divides():
     settled = reshard_path(src, dst, 8 * 64 * 4, XY, (8, 64))[0]
     assert settled.spec == spec(("y", "x"), ()) and [c.kind for c in settled.collectives] == ["reduce-scatter"]
 
-    def f(a, w):
+    def f(w, a):
         a = rj.annotate(a, P("y", "x"))
         w = rj.annotate(w, P("x", None))
         return rj.annotate(jnp.tanh(a @ w), P("x", None))
 
-    a = jax.random.normal(jax.random.PRNGKey(0), (4, 4096)) / 64  # sums of order 1: float32 split sums agree
-    w = jax.random.normal(jax.random.PRNGKey(1), (4096, 1024))
-    lowered = rj.parallelize(f, mesh=rj.device_mesh((2, 4), ("x", "y"))).lower(a, w)
+    w = jax.random.normal(jax.random.PRNGKey(1), (65536, 16))
+    a = jax.random.normal(jax.random.PRNGKey(0), (4, 65536)) / 256  # sums of order 1: float32 split sums agree
+    lowered = rj.parallelize(f, mesh=rj.device_mesh((2, 4), ("x", "y"))).lower(w, a)
     predicted = sorted((c.kind, c.bytes) for c in lowered.plan.collectives)
     compiled = lowered.compile()
     found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
-    assert ("all-reduce", 4 * 1024 * 4 // 4) in predicted, predicted
+    assert ("all-reduce", 4 * 16 * 4 // 4) in predicted, predicted
     assert found == predicted, (found, predicted)
-    assert_same_numbers(jax.jit(f)(a, w), compiled(a, w))
+    assert_same_numbers(jax.jit(f)(w, a), compiled(w, a))
 
 
 def test_a_partial_sum_read_in_two_layouts_is_settled_once():
@@ -200,13 +205,14 @@ def test_a_contraction_split_on_two_loops_is_summed_one_loop_at_a_time():
     """A weight gradient with batch split on x and sequence on y, wanted whole: XLA all-reduces
     the full result over one axis, then over the other (not once over both), and the plan prices
     both. (Wanted split on y, XLA slices between the two and the second sums a quarter; the plan
-    still prices it in full.)"""
+    still prices it in full.) A sequence of 256: on a shorter one (128) gathering the operands
+    over y costs less than the second all-reduce, and the plan does that instead."""
     def f(x, dy):
         return rj.annotate(jnp.einsum("bsd,bse->de", rj.annotate(x, P("x", "y", None)),
                                       rj.annotate(dy, P("x", "y", None))), P(None, None))
 
-    x = jax.random.normal(jax.random.PRNGKey(0), (8, 16, 32))
-    dy = jax.random.normal(jax.random.PRNGKey(1), (8, 16, 64))
+    x = jax.random.normal(jax.random.PRNGKey(0), (16, 256, 32)) / 64  # sums of order 1: float32 split sums agree
+    dy = jax.random.normal(jax.random.PRNGKey(1), (16, 256, 64))
     lowered = rj.parallelize(f, mesh=rj.device_mesh((2, 4), ("x", "y"))).lower(x, dy)
     predicted = _as_cpu_compiles(lowered.plan.collectives)
     assert [k for k, _ in predicted] == ["all-reduce", "all-reduce"], predicted

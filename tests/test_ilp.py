@@ -68,12 +68,13 @@ def test_memory_search_finds_the_smallest_k_in_few_solves(smallest):
 
     def plan_with(forced):
         solved.append(len(forced))
-        return SimpleNamespace(cost=SimpleNamespace(memory_bytes=1000 - len(forced)), mesh_axes=sizes,
+        return SimpleNamespace(cost=SimpleNamespace(memory_bytes=1000 - len(forced), total_s=len(forced)),
+                               mesh_axes=sizes,
                                search_stats={"status": "optimal"},
                                arg_specs=[sharded if i < len(forced) else replicated for i in range(n)])
 
     unlimited = plan_with([])
-    best = _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - smallest, graph=None)
+    best = _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - smallest, graph=None, least=0)
     assert best.cost.memory_bytes == 1000 - smallest
     assert len(solved) - 1 <= 2 * np.log2(smallest) + 2, solved
 

@@ -1,0 +1,158 @@
+"""Which planned collectives XLA combines into one op, and what the combined ops cost.
+
+XLA's combiner passes merge collectives of one kind over the same device groups when neither
+depends on the other, up to a byte and a count threshold (`cluster.Combiner`). A train step's
+gradient all-reduces are such a family: each hangs off the backward chain and feeds only the
+optimizer, so data parallelism runs one all-reduce, not one per parameter. Priced one by one,
+each paying a launch and the ring's latency, they made the search run from data parallelism.
+
+Two prices, one model:
+- the search sums a linear price per collective: one whose value is off the compute chain
+  (`combining_sides`: no compute-heavy op before it, or none after it) pays only its share of a
+  launch (`Collective.time(..., combined=True)`), and the ILP pays each family's launch once;
+- the plan replays the combiner on the planned collectives in program order with their true
+  dependencies (`combine`), and prices each combined op as one collective of the summed bytes.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..hlo_passes.graph import Graph
+from .cluster import Combiner, MeshTopology
+from .collectives import Collective
+from .rules import COMPUTE_HEAVY
+
+
+class Planned(Protocol):
+    kind: str
+    axes: tuple[str, ...]
+    bytes: int
+    depends_on: int  # bit i set: depends on the i-th planned collective
+
+
+HEAD, TAIL, DERIVED = "head", "tail", "derived"
+
+
+def combining_sides(graph: Graph) -> dict[int, str]:
+    """Where each value off the compute chain stands; values on it, and values of a program
+    with no chain (no matmul or convolution), are left out. HEAD: no compute-heavy op among its
+    ancestors but one among its descendants (parameters on their way into the forward pass);
+    TAIL: one among its ancestors, none among its descendants (gradients on their way to the
+    optimizer, the optimizer's updates); DERIVED: a reduction of gradients (a global norm's partial sums, a
+    metric of the gradients: a reduce of a tail value of a parameter's shape) and what is
+    computed from it (the clipped gradients).
+    Collectives on HEAD values are independent of the chain and of one another, and so are those
+    on TAIL values: XLA combines each side's into one op. A collective on the chain (a Megatron
+    all-reduce between two layers) waits for the last and runs alone. The sides are separate
+    families: one runs before the chain, the other after it."""
+    heavy_before = {a.value: False for a in graph.args}
+    for n in graph.nodes:
+        before = n.op in COMPUTE_HEAVY or any(heavy_before.get(o, False) for o in n.operands)
+        for r in n.results:
+            heavy_before[r] = before
+    heavy_after: dict[int, bool] = {}
+    for n in reversed(graph.nodes):
+        after = n.op in COMPUTE_HEAVY or any(heavy_after.get(r, False) for r in n.results)
+        for o in n.operands:
+            heavy_after[o] = heavy_after.get(o, False) or after
+    sides: dict[int, str] = {a.value: HEAD for a in graph.args if heavy_after.get(a.value, False)}
+    param_shapes = {graph.values[a.value].shape for a in graph.args if a.role == "parameter"}
+    gradient_like: set[int] = set()  # tail values of a parameter's shape: gradients, their squares
+    for n in graph.nodes:
+        derived = any(sides.get(o) == DERIVED for o in n.operands) or (
+            n.op == "stablehlo.reduce" and any(o in gradient_like for o in n.operands))
+        for r in n.results:
+            if not heavy_before.get(r, False):
+                if heavy_after.get(r, False):
+                    sides[r] = HEAD
+            elif not heavy_after.get(r, False):
+                sides[r] = DERIVED if derived else TAIL
+                if sides[r] == TAIL and graph.values[r].shape in param_shapes:
+                    gradient_like.add(r)
+    return sides
+
+
+def combined_alone(kind: str, side: str | None) -> bool:
+    """Whether a collective of this (compiled) kind on a value at this side runs as its own op.
+    An all-reduce of a DERIVED value (a global norm's partial sums, a metric) follows the
+    gradients' all-reduces one by one: XLA's combiner, greedy in program order, closes a group at
+    each such dependency, so neither it nor the gradient it follows is combined (measured: optax's
+    clip_by_global_norm over 71 sharded gradients compiled to 71 all-reduces)."""
+    return side is None or (side == DERIVED and kind == "all-reduce")
+
+
+@dataclass(frozen=True)
+class Families:
+    """The families of collectives the backend combines on this mesh, (compiled kind, set of
+    axes, side) → index, and the launch and latency one combined op of each pays (`fixed`)."""
+
+    index: dict[tuple[str, frozenset[str], str], int]
+    fixed: tuple[float, ...]
+
+    def of(self, collectives: Sequence[Collective], combiner: Combiner, side: str | None) -> frozenset[int]:
+        keys = ((combiner.compiled_kind(c.kind), frozenset(c.axes), side) for c in collectives)
+        return frozenset(self.index[k] for k in keys if k in self.index and not combined_alone(k[0], side))
+
+    def vector(self, used: frozenset[int]) -> np.ndarray:
+        out = np.zeros(len(self.fixed), dtype=bool)
+        out[list(used)] = True
+        return out
+
+
+def families(topo: MeshTopology) -> Families:
+    """Every family the backend combines: each kind with a combiner, over each set of mesh axes
+    of more than one device, on each side of the compute chain (`combining_sides`)."""
+    index: dict[tuple[str, frozenset[str], str], int] = {}
+    fixed: list[float] = []
+    names = topo.axis_names
+    for kind in ("all-reduce", "all-gather", "reduce-scatter"):
+        if not topo.combiner.limit(kind) or topo.combiner.compiled_kind(kind) != kind:
+            continue
+        for k in range(1, len(names) + 1):
+            for axes in itertools.combinations(names, k):
+                if topo.link(axes)[0] == 1:
+                    continue
+                for side in (HEAD, TAIL, DERIVED):
+                    if not combined_alone(kind, side):
+                        index[kind, frozenset(axes), side] = len(fixed)
+                        fixed.append(Collective(kind, axes, 0).time(topo))
+    return Families(index, tuple(fixed))
+
+
+def combine(planned: Sequence[Planned], combiner: Combiner) -> list[list[int]]:
+    """The combined ops, as lists of indices into `planned` (program order), the way XLA's
+    combiners group them: walking in order, a collective joins the open group of its kind and
+    axes unless it depends on a member or the group would pass a threshold; then the group is
+    closed and it opens the next. Kinds the backend does not combine stay alone."""
+    groups: list[list[int]] = []
+    open_group: dict[tuple, tuple[int, int, int]] = {}  # key → (group index, member mask, bytes)
+    for i, c in enumerate(planned):
+        kind = combiner.compiled_kind(c.kind)
+        limit = combiner.limit(kind)
+        key = (kind, frozenset(c.axes))
+        if limit and key in open_group:
+            g, members, total = open_group[key]
+            if not c.depends_on & members and total + c.bytes <= limit \
+                    and len(groups[g]) < combiner.threshold_count:
+                groups[g].append(i)
+                open_group[key] = (g, members | 1 << i, total + c.bytes)
+                continue
+        groups.append([i])
+        open_group[key] = (len(groups) - 1, 1 << i, c.bytes)
+    return groups
+
+
+def combined_collectives(planned: Sequence[Planned], combiner: Combiner) -> list[Collective]:
+    """One collective per combined op (as the backend compiles it), with the members' bytes."""
+    return [Collective(combiner.compiled_kind(planned[g[0]].kind), planned[g[0]].axes,
+                       sum(planned[i].bytes for i in g)) for g in combine(planned, combiner)]
+
+
+def combined_time(planned: Sequence[Planned], topo: MeshTopology) -> float:
+    """Communication time of the planned collectives once XLA has combined them."""
+    return sum(c.time(topo) for c in combined_collectives(planned, topo.combiner))

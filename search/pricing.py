@@ -1,0 +1,60 @@
+"""What the search charges: a unit's strategy (its compute and its own collectives) and a read in
+another layout (the reshard's collectives), each with the combined families it uses.
+
+A collective on a value off the compute chain (`combining.combining_sides`) is combined by XLA
+with the others of its family: it pays its bandwidth and only its share of a launch, and the
+family's one launch is charged once by the ILP (`ilp.Problem.fixed`). Everything else pays its
+own launch and latency (`combining.combined_alone`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..hlo_passes.graph import Graph
+from .cluster import MeshTopology
+from .collectives import Collective, reshard
+from .combining import Families, combined_alone, combining_sides, families
+from .specs import ShardingSpec
+from .strategies import Strategy
+
+
+class Prices:
+    def __init__(self, graph: Graph, topo: MeshTopology, unit_results: Sequence[tuple[int, ...]]):
+        self.graph, self.topo = graph, topo
+        self.sides = combining_sides(graph)
+        self.families: Families = families(topo)
+        self._unit_side = [self.side_of(rs) for rs in unit_results]
+        self._reshards: dict[tuple, tuple[float, frozenset[int]]] = {}
+
+    def side_of(self, values: Sequence[int]) -> str | None:
+        """The side of a unit's results when they share one (an op's own collectives act on them)."""
+        found = {self.sides.get(v) for v in values}
+        return found.pop() if len(found) == 1 else None
+
+    def combined(self, c: Collective, side: str | None) -> bool:
+        return not combined_alone(self.topo.combiner.compiled_kind(c.kind), side)
+
+    def _priced(self, collectives: Sequence[Collective], side: str | None) -> tuple[float, frozenset[int]]:
+        time = sum(c.time(self.topo, self.combined(c, side)) for c in collectives)
+        return time, self.families.of(collectives, self.topo.combiner, side)
+
+    def own(self, m: int, s: Strategy) -> float:
+        """Seconds of unit m's strategy s: compute and the collectives inside the op."""
+        return s.compute_s + self._priced(s.collectives, self._unit_side[m])[0]
+
+    def own_uses(self, m: int, s: Strategy) -> frozenset[int]:
+        return self._priced(s.collectives, self._unit_side[m])[1] if s.collectives else frozenset()
+
+    def _reshard(self, src: ShardingSpec, dst: ShardingSpec, v: int) -> tuple[float, frozenset[int]]:
+        value = self.graph.values[v]
+        key = (src, dst, value.nbytes, value.shape, self.sides.get(v))
+        if key not in self._reshards:
+            self._reshards[key] = self._priced(reshard(src, dst, value.nbytes, self.topo, value.shape), key[4])
+        return self._reshards[key]
+
+    def reshard(self, src: ShardingSpec, dst: ShardingSpec, v: int) -> float:
+        """Seconds to move value v from layout src to dst."""
+        return self._reshard(src, dst, v)[0]
+
+    def reshard_uses(self, src: ShardingSpec, dst: ShardingSpec, v: int) -> frozenset[int]:
+        return self._reshard(src, dst, v)[1]

@@ -1,0 +1,128 @@
+"""Collectives XLA combines: which ones, how the plan counts them, how the search prices them."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import rhino_jax as rj
+from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.lowering import lower_on_mesh
+from rhino_jax.models import mlp
+from rhino_jax.plan import PlannedCollective
+from rhino_jax.search import ilp, pricing
+from rhino_jax.search.cluster import combiner_for, get_cluster
+from rhino_jax.search.combining import DERIVED, HEAD, TAIL, combine, combining_sides
+
+from benchmarks.third_party_models import linen_gpt
+from helpers import assert_same_numbers
+
+GPU, CPU = combiner_for("gpu"), combiner_for("cpu")
+
+
+def _planned(kind, nbytes, depends_on=0, axes=("d",)):
+    return PlannedCollective(kind, axes, nbytes, 0.0, "", True, depends_on)
+
+
+def test_independent_collectives_combine_and_a_dependent_one_opens_a_new_op():
+    planned = [_planned("all-reduce", 1024), _planned("all-reduce", 2048),
+               _planned("all-reduce", 4, depends_on=0b11),  # a norm of both: waits for them
+               _planned("all-reduce", 8, axes=("e",))]  # other device groups
+    assert combine(planned, GPU) == [[0, 1], [2], [3]]
+
+
+def test_the_byte_threshold_splits_a_family():
+    limit = GPU.limit("all-reduce")
+    planned = [_planned("all-reduce", limit // 2)] * 3
+    assert combine(planned, GPU) == [[0, 1], [2]]
+    assert combine(planned, CPU) == [[0, 1, 2]]  # the CPU combines all-reduces whatever their size
+
+
+def test_the_cpu_combines_only_all_reduces_and_runs_reduce_scatters_as_all_reduces():
+    planned = [_planned("all-gather", 64), _planned("all-gather", 64),
+               _planned("reduce-scatter", 64), _planned("all-reduce", 64)]
+    assert combine(planned, GPU) == [[0, 1], [2], [3]]
+    assert combine(planned, CPU) == [[0], [1], [2, 3]]
+
+
+def test_the_count_threshold_splits_a_family():
+    planned = [_planned("all-reduce", 4)] * (GPU.threshold_count + 1)
+    assert [len(g) for g in combine(planned, GPU)] == [GPU.threshold_count, 1]
+
+
+def test_the_sides_of_the_compute_chain():
+    """Weights are on the head side, weight gradients and their optimizer updates on the tail;
+    an activation between two matmuls is on the chain (no side)."""
+    step = mlp.make_mlp_train_step()
+    args = mlp.mlp_example((16, 32, 32, 8), 8)
+    lowered = lower_on_mesh(step, args, rj.device_mesh((8,), ("d",)), ())
+    graph = import_module(lowered.module, lowered.arg_paths, lowered.arg_roles, lowered.output_paths)
+    sides = combining_sides(graph)
+    dots = [n for n in graph.nodes if n.op == "stablehlo.dot_general"]
+    weights = {a.value for a in graph.args if a.role == "parameter"}
+    # every weight-gradient dot's result (the last dot reading it per weight) feeds the optimizer only
+    grads = [n.results[0] for n in dots if not any(o in weights for o in n.operands)
+             and all(m.op != "stablehlo.dot_general" for m in graph.nodes if n.results[0] in m.operands)]
+    assert grads and all(sides[g] == TAIL for g in grads)
+    assert all(sides[w] == HEAD for w in weights)
+    assert all(sides[o] == TAIL for o, path in zip(graph.outputs, graph.output_paths)
+               if path.startswith("out[0]"))  # updated parameters
+    hidden = dots[0].results[0]  # the first layer's output, read by the next layer's matmul
+    assert hidden not in sides
+
+
+def test_a_family_variable_pays_one_launch_for_all_its_users():
+    """Two groups each choose between a strategy that uses a combined family (1.0 s) and one that
+    does not (1.3 s); the family's launch is paid once, however many use it. With a launch of
+    1.0 s neither takes it (both: 3.0 s, neither: 2.6 s); with 0.5 s both do (2.5 s)."""
+    uses = (np.array([[True, False]]), np.array([[True, False]]))
+    for fixed, want in ((1.0, (1, 1)), (0.5, (0, 0))):
+        problem = ilp.Problem((np.array([1.0, 1.3]), np.array([1.0, 1.3])), (), (fixed,), uses)
+        solution = ilp.solve(problem)
+        assert solution.choice == want
+        best = min(((a, b) for a in range(2) for b in range(2)), key=lambda c: ilp.evaluate(problem, c))
+        assert solution.choice == best
+        assert solution.objective_s == pytest.approx(ilp.evaluate(problem, best))
+
+
+def test_a_family_used_across_an_edge_and_kept_by_tie():
+    """The family is used by an edge entry (a reshard between the groups): tying the two groups
+    keeps it, as a cost of the tied class."""
+    matrix = np.array([[0.0, 0.1], [0.1, 0.0]])
+    edge = ilp.Edge(0, 1, (0, 1), (0, 1), matrix, np.array([[[False, True], [True, False]]]))
+    problem = ilp.Problem((np.array([0.0, 0.05]), np.array([0.2, 0.0])), (edge,), (1.0,),
+                          (np.zeros((1, 2), bool), np.zeros((1, 2), bool)))
+    assert ilp.evaluate(problem, (0, 1)) == pytest.approx(0.0 + 0.0 + 0.1 + 1.0)
+    assert ilp.solve(problem).choice in ((0, 0), (1, 1))  # no reshard, no launch
+    tied, _ = ilp.tie(problem, [0, 0])
+    assert not tied.uses[0].any()  # a tied pair takes one strategy: the edge's diagonal, no reshard
+
+
+def _cpu(preset: str):
+    """A preset as the compiler here sees it: XLA's CPU backend, whose combining we can check."""
+    return dataclasses.replace(get_cluster(preset), backend="cpu")
+
+
+@pytest.mark.parametrize("preset", ["m8-v100", "8x-h100"])
+def test_data_parallel_is_chosen_and_compiles_one_gradient_all_reduce(preset):
+    """A Flax GPT-like LM (4 layers, 71 parameters, adamw): data parallelism needs one combined
+    all-reduce of the gradients, which the search now prices as such; priced per gradient, 71
+    launches, it ran from data parallelism (`benchmarks/THIRD_PARTY.md`: 1.5-2.5x slower)."""
+    case = linen_gpt()
+    lowered = rj.parallelize(case.step, mesh=rj.device_mesh((8,), ("data",)), cluster=_cpu(preset)).lower(*case.args)
+    plan = lowered.plan
+    assert all(s.shard_factor(plan.mesh_axes) == 1 for s, r in zip(plan.arg_specs, plan.arg_roles) if r != "batch")
+    assert all(s.dims[0] == ("data",) for s, r in zip(plan.arg_specs, plan.arg_roles) if r == "batch")
+    compiled = lowered.compile()
+    assert compiled.collectives.count() == compiled.collectives.count("all-reduce") == 1
+    assert plan.collective_summary() == {"all-reduce": compiled.collectives.by_kind()["all-reduce"]}
+    assert_same_numbers(jax.jit(case.step)(*case.args), compiled(*case.args), rtol=1e-3, atol=1e-4)
+
+
+def test_without_combining_the_search_ran_from_data_parallelism(monkeypatch):
+    """The same step with every collective priced alone, as before: the plan was not data parallel."""
+    monkeypatch.setattr(pricing, "combining_sides", lambda graph: {})
+    case = linen_gpt()
+    plan = rj.parallelize(case.step, mesh=rj.device_mesh((8,), ("data",)), cluster=_cpu("m8-v100")).lower(
+        *case.args).plan
+    assert set(plan.collective_summary()) != {"all-reduce"}  # it gathered and exchanged activations
