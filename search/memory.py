@@ -12,14 +12,21 @@ def local_bytes(graph: Graph, vid: int, spec: ShardingSpec | None, sizes: dict[s
 
 def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], sizes: dict[str, int]) -> int:
     """Arguments stay live for the whole step (donated ones are reused by their outputs);
-    intermediates live from their producer to their last reader, in program order."""
+    intermediates live from their producer to their last reader, in program order. A counted
+    loop's entry and exit hand on the buffers they read (a carried value is one buffer in, through
+    and out of the loop), so their results are the same bytes, live until the last read of any."""
+    buffer: dict[int, int] = {}  # loop-carried value → the value whose buffer it is
+    for n in graph.nodes:
+        if "loop_trips" in n.attrs:
+            for o, r in zip(n.operands, n.results):
+                buffer[r] = buffer.get(o, o)
     last_use: dict[int, int] = {}
     for n in graph.nodes:
         for o in n.operands:
-            last_use[o] = n.id
+            last_use[buffer.get(o, o)] = n.id
     end = len(graph.nodes)
     for o in graph.outputs:
-        last_use[o] = end
+        last_use[buffer.get(o, o)] = end
     args = sum(local_bytes(graph, a.value, specs.get(a.value), sizes) for a in graph.args)
     donated = {a.donated_to for a in graph.args if a.donated_to is not None}
     live = peak = 0
@@ -27,7 +34,7 @@ def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], sizes: dict[str, i
     for n in graph.nodes:
         for r in n.results:
             v = graph.values[r]
-            if v.constant or r not in last_use:
+            if v.constant or r not in last_use or r in buffer:
                 continue
             b = local_bytes(graph, r, specs.get(r), sizes)
             live += b
