@@ -144,6 +144,8 @@ def _bitcast(node: Node, graph: Graph) -> bool:
     if node.op not in ("stablehlo.reshape", "stablehlo.broadcast_in_dim"):
         return False
     src, dst = graph.values[node.operands[0]].shape, graph.values[node.results[0]].shape
+    if node.op == "stablehlo.broadcast_in_dim" and list(node.attrs["dims"]) != sorted(node.attrs["dims"]):
+        return False  # it transposes
     return tuple(d for d in src if d != 1) == tuple(d for d in dst if d != 1)
 
 
