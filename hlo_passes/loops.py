@@ -62,7 +62,9 @@ def count_trips(op: ir.Operation) -> Counted:
     if (isinstance(step, ir.Block) or step.name != "stablehlo.add"
             or _block_arg(step.operands[0], body) != slot or _constant(step.operands[1]) != 1):
         return Counted(None, "its body does not add 1 to the counter")
-    return Counted(max(0, bound - start))
+    if bound <= start:
+        return Counted(None, "it never runs (its counter starts at its bound)")
+    return Counted(bound - start)
 
 
 def body_block(op: ir.Operation) -> ir.Block:
