@@ -3,9 +3,10 @@
 jax lowers `lax.scan`, `fori_loop` with constant bounds and flax's `nn.scan` to a while whose
 condition compares one carried counter with a constant (`i < n`), whose body adds 1 to it, and
 whose initial counter is a constant. Such a loop runs `n - init` times whatever the data, so its
-body's ops can be planned like any others, each one charged once per trip. Any other loop (a
-data-dependent `while_loop`, bounds passed in as arguments) and a loop inside an imported loop's
-body stay one opaque op, replicated, with the reason in `Counted.reason`.
+body's ops can be planned like any others, each one charged once per trip (a nested counted loop's
+ops once per trip of every loop around them). Any other loop (a data-dependent `while_loop`,
+bounds passed in as arguments) stays one opaque op, replicated, with the reason in
+`Counted.reason`.
 """
 from __future__ import annotations
 

@@ -107,7 +107,8 @@ class Site:
     """One op of the walk that import and rewrite share. `kind`: "op" (an ordinary op), "loop" (a
     counted while: its node stands for the entry into the body), "loop_end" (that body's return:
     the exit from it) or "opaque" (control flow kept whole, `reason` says why). `trips`: how often
-    the op runs per step (its loop's trip count in a body, the "loop_end" included); `loop_trips`:
+    the op runs per step (the product of the trip counts of the loops around it, the "loop_end"
+    in its loop's body); `loop_trips`:
     the trip count of the loop a "loop"/"loop_end" site enters or leaves."""
 
     op: ir.Operation
@@ -117,16 +118,14 @@ class Site:
     loop_trips: int = 0
 
 
-def _opaque_reason(op: ir.Operation, nested: bool) -> str:
+def _opaque_reason(op: ir.Operation) -> str:
     if op.name != "stablehlo.while":
         return "conditionals (lax.cond, lax.switch) are not searched inside yet"
-    if nested:
-        return "a loop inside another loop's body is not searched inside yet"
     counted = loops.count_trips(op)
     return "" if counted.trips is not None else f"loop without a known trip count: {counted.reason}"
 
 
-def _sites(block: ir.Block, trips: int, nested: bool) -> Iterator[Site]:
+def _sites(block: ir.Block, trips: int) -> Iterator[Site]:
     for op in block.operations:
         op = op.operation
         if op.name in ("func.return", "stablehlo.return"):
@@ -134,14 +133,14 @@ def _sites(block: ir.Block, trips: int, nested: bool) -> Iterator[Site]:
         if op.name not in _CONTROL_FLOW:
             yield Site(op, "op", trips)
             continue
-        reason = _opaque_reason(op, nested)
+        reason = _opaque_reason(op)
         if reason:
             yield Site(op, "opaque", trips, reason)
             continue
         n = loops.count_trips(op).trips
         body = loops.body_block(op)
         yield Site(op, "loop", trips, loop_trips=n)
-        yield from _sites(body, trips * n, True)
+        yield from _sites(body, trips * n)
         yield Site(list(body.operations)[-1].operation, "loop_end", trips * n, loop_trips=n)
 
 
@@ -150,8 +149,9 @@ _CONTROL_FLOW = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
 
 def entry_sites(module: ir.Module) -> Iterator[Site]:
     """The ops of @main in program order, without the final return; after each counted loop's
-    while op (`loops.count_trips`), the ops of its body, then the body's return."""
-    yield from _sites(_block(entry_function(module)), 1, False)
+    while op (`loops.count_trips`), the ops of its body (nested counted loops alike), then the
+    body's return."""
+    yield from _sites(_block(entry_function(module)), 1)
 
 
 def entry_return(module: ir.Module) -> ir.Operation:

@@ -77,9 +77,7 @@ def test_stacked_weights_split_on_their_layer_dims_under_a_memory_limit(shape, n
     assert_same_numbers(jax.jit(_scan_step)(*args), step(*args))
 
 
-def test_nested_loop_stays_opaque_with_its_reason():
-    mesh = rj.device_mesh((8,), ("data",))
-
+def test_nested_loops_are_searched_and_charged_per_inner_trip():
     def f(w, x):
         def outer(h, wi):
             h = jax.lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h @ wi), h)
@@ -87,10 +85,17 @@ def test_nested_loop_stays_opaque_with_its_reason():
         h, _ = jax.lax.scan(outer, x, w)
         return jnp.sum(h ** 2)
 
-    w, x = jnp.stack([jnp.eye(16) * 0.5] * 3), jnp.ones((64, 16))
+    mesh = rj.device_mesh((8,), ("data",))
+    w, x = jnp.stack([jnp.eye(D) * 0.5] * L), jax.random.normal(jax.random.PRNGKey(0), (8192, D))
     step = rj.parallelize(jax.value_and_grad(f), mesh=mesh)
-    plan = step.lower(w, x).plan
-    assert any("a loop inside another loop's body" in op for op in plan.fallback_ops)
+    lowered = step.lower(w, x)
+    plan = lowered.plan
+    assert plan.fallback_ops == ()
+    assert max(v.trips for v in lowered.graph.values) == L * 2
+    stats = lowered.compile().collectives
+    # data parallel: the weight's gradient summed once per inner trip, the loss once
+    assert stats.count("all-gather") == 0 and stats.count("all-reduce") == L * 2 + 1
+    assert stats.count() == len(plan.collectives) and stats.bytes() == sum(c.bytes for c in plan.collectives)
     assert_same_numbers(jax.jit(jax.value_and_grad(f))(w, x), step(w, x))
 
 
