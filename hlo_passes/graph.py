@@ -1,8 +1,12 @@
 """Graph IR: the plain-data view of a lowered train step that the search works on.
 
-One `Node` per top-level StableHLO op of the (inlined) entry function, in program order;
-`Value`s are the tensors between them. Node i corresponds to the i-th op that
-`hlo_passes.module.entry_ops` yields, which is how the rewrite finds the op to annotate.
+One `Node` per StableHLO op of the (inlined) entry function, in program order, the ops of a
+counted loop's body included (`hlo_passes.loops`); `Value`s are the tensors between them. Node i
+corresponds to the i-th site that `hlo_passes.module.entry_sites` yields, which is how the
+rewrite finds the op to annotate. A counted loop is two nodes around its body's: a
+"stablehlo.while" node that reads the loop's initial values and makes the body's block arguments,
+and a "stablehlo.return" node (the body's return) that reads the values the body yields and makes
+the loop's results. Slot k of both is one loop-carried value, which keeps one layout throughout.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ class Value:
     dtype: str  # numpy dtype name, e.g. "float32"
     producer: int  # node id, or -1 for an entry argument
     constant: bool  # depends on no entry argument: XLA materialises it locally at no cost
+    trips: int = 1  # made (and read) once per trip of the counted loop whose body holds it
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -43,6 +48,7 @@ class Node:
     attrs: dict[str, Any] = field(default_factory=dict)
     flops: float = 0.0
     name: str = ""  # source name from the op's location (named scopes, jax primitive)
+    trips: int = 1  # runs once per trip of the counted loop whose body holds it
 
 
 @dataclass(frozen=True)

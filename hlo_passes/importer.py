@@ -1,7 +1,8 @@
 """Import: StableHLO module (inlined) → Graph IR.
 
-Each top-level op of @main becomes a Node with the facts its sharding rule needs (dimension
-numbers, reduce combiners, slice bounds, ...) as plain Python values. Ops with regions stay one
+Each op of @main becomes a Node with the facts its sharding rule needs (dimension numbers,
+reduce combiners, slice bounds, ...) as plain Python values. A counted loop's body is imported
+op by op between the loop's entry and exit nodes (see `graph`); other ops with regions stay one
 node (their bodies are only read to name the combiner); ops the rules do not know keep working
 through the replicated fallback of the strategy space.
 """
@@ -189,10 +190,10 @@ def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequen
     values: list[Value] = []
     ids: dict = {}
 
-    def new_value(v: ir.Value, producer: int, constant: bool) -> int:
+    def new_value(v: ir.Value, producer: int, constant: bool, trips: int = 1) -> int:
         shape, dtype = _tensor_type(v.type)
         vid = len(values)
-        values.append(Value(vid, shape, dtype, producer, constant))
+        values.append(Value(vid, shape, dtype, producer, constant, trips))
         ids[v] = vid
         return vid
 
@@ -209,14 +210,29 @@ def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequen
 
     nodes: list[Node] = []
     pins: list[Pin] = []
-    for op in mod.entry_ops(module):
+    loops: list[tuple[ir.Operation, int]] = []  # counted loops (op, entry node) the walk is inside
+    for site in mod.entry_sites(module):
+        op = site.op
+        nid = len(nodes)
         operands = tuple(ids[v] for v in op.operands)
         constant = all(values[o].constant for o in operands)
-        nid = len(nodes)
-        results = tuple(new_value(r, nid, constant) for r in op.results)
         attrs = _op_attrs(op)
-        flops = _flops(op.name, attrs, [values[o].shape for o in operands], [values[r].shape for r in results])
-        node = Node(nid, op.name, operands, results, attrs, flops, mod.source_name(op))
+        if site.kind == "loop":
+            loops.append((op, nid))
+            results = tuple(new_value(a, nid, False, site.trips * site.loop_trips)
+                            for a in op.regions[1].blocks[0].arguments)
+        elif site.kind == "loop_end":
+            loop, attrs["loop_entry"] = loops.pop()
+            results = tuple(new_value(r, nid, False, site.trips // site.loop_trips) for r in loop.results)
+        else:
+            results = tuple(new_value(r, nid, constant, site.trips) for r in op.results)
+        if site.loop_trips:
+            attrs["loop_trips"] = site.loop_trips
+        if site.reason:
+            attrs["opaque"] = site.reason
+        flops = 0.0 if site.loop_trips else _flops(op.name, attrs, [values[o].shape for o in operands],
+                                                   [values[r].shape for r in results])
+        node = Node(nid, op.name, operands, results, attrs, flops, mod.source_name(op), site.trips)
         nodes.append(node)
         if op.name == "sdy.sharding_constraint":
             pins.append(Pin(results[0], parse_sdy_dims(attrs["sharding"]), node.name or f"%{nid}"))

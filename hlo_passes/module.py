@@ -1,14 +1,17 @@
 """StableHLO module handling shared by import and rewrite: copy, inline calls, walk the entry.
 
 Import and rewrite must see exactly the same op sequence (node i of the Graph IR is the i-th op
-of `entry_ops`), so both go through these functions on the same inlined module.
+of `entry_sites`), so both go through these functions on the same inlined module.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from jax._src.lib.mlir import ir
+
+from . import loops
 
 
 def copy_module(module: ir.Module) -> ir.Module:
@@ -99,12 +102,56 @@ def inline_calls(module: ir.Module) -> ir.Module:
     return module
 
 
-def entry_ops(module: ir.Module) -> Iterator[ir.Operation]:
-    """The top-level ops of @main in program order, without the final return."""
-    for op in _block(entry_function(module)).operations:
+@dataclass(frozen=True)
+class Site:
+    """One op of the walk that import and rewrite share. `kind`: "op" (an ordinary op), "loop" (a
+    counted while: its node stands for the entry into the body), "loop_end" (that body's return:
+    the exit from it) or "opaque" (control flow kept whole, `reason` says why). `trips`: how often
+    the op runs per step (the product of the trip counts of the loops around it, the "loop_end"
+    in its loop's body); `loop_trips`:
+    the trip count of the loop a "loop"/"loop_end" site enters or leaves."""
+
+    op: ir.Operation
+    kind: str
+    trips: int = 1
+    reason: str = ""
+    loop_trips: int = 0
+
+
+def _opaque_reason(op: ir.Operation) -> str:
+    if op.name != "stablehlo.while":
+        return "conditionals (lax.cond, lax.switch) are not searched inside yet"
+    counted = loops.count_trips(op)
+    return "" if counted.trips is not None else f"loop without a known trip count: {counted.reason}"
+
+
+def _sites(block: ir.Block, trips: int) -> Iterator[Site]:
+    for op in block.operations:
         op = op.operation
-        if op.name != "func.return":
-            yield op
+        if op.name in ("func.return", "stablehlo.return"):
+            continue
+        if op.name not in _CONTROL_FLOW:
+            yield Site(op, "op", trips)
+            continue
+        reason = _opaque_reason(op)
+        if reason:
+            yield Site(op, "opaque", trips, reason)
+            continue
+        n = loops.count_trips(op).trips
+        body = loops.body_block(op)
+        yield Site(op, "loop", trips, loop_trips=n)
+        yield from _sites(body, trips * n)
+        yield Site(list(body.operations)[-1].operation, "loop_end", trips * n, loop_trips=n)
+
+
+_CONTROL_FLOW = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
+
+
+def entry_sites(module: ir.Module) -> Iterator[Site]:
+    """The ops of @main in program order, without the final return; after each counted loop's
+    while op (`loops.count_trips`), the ops of its body (nested counted loops alike), then the
+    body's return."""
+    yield from _sites(_block(entry_function(module)), 1)
 
 
 def entry_return(module: ir.Module) -> ir.Operation:

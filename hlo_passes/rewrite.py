@@ -29,8 +29,10 @@ from . import module as mod
 from .graph import Graph
 
 
-# Pins are already constraints; control flow carries its layout in its regions, which XLA
-# propagates itself (an attribute on the op alone can disagree with its tuple shape).
+# Pins are already constraints; control flow that is not a counted loop carries its layout in its
+# regions, which XLA propagates itself (an attribute on the op alone can disagree with its tuple
+# shape). A counted loop's carried values are pinned on the way in, at the top of the body, on the
+# way out of the body and after the loop, all to the one layout the plan gives each.
 _LEFT_TO_XLA = {"sdy.sharding_constraint", "stablehlo.while", "stablehlo.case", "stablehlo.if"}
 
 
@@ -125,12 +127,17 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
     with module.context:
         main.attributes["arg_attrs"] = _with_sharding(main.attributes["arg_attrs"], arg_specs, name)
         main.attributes["res_attrs"] = _with_sharding(main.attributes["res_attrs"], out_specs, name)
-        for node, op in zip(graph.nodes, list(mod.entry_ops(module))):
+        loops: list[ir.Operation] = []  # the counted loops (while ops) the walk is inside
+        for node, site in zip(graph.nodes, list(mod.entry_sites(module))):
+            op = site.op
             assert node.op == op.name, "module and graph are out of step"
-            left = node.op in _LEFT_TO_XLA
+            left = node.op in _LEFT_TO_XLA and site.kind == "opaque"
             ins = []
             for pos, v in enumerate(node.operands):
                 spec = read_specs.get((node.id, pos))
+                if site.kind in ("loop", "loop_end") and spec is None:  # in and out: the carried layout
+                    spec = value_specs.get(node.results[pos])
+                    spec = None if spec is None or graph.values[v].dtype == "token" else spec
                 if left or spec is None:  # read as produced (or, by ops left to XLA, unsplit)
                     wanted = None if left else value_specs.get(v)
                     source = reshaped(op.operands[pos], split(v, wanted)[0], op.operation)
@@ -145,6 +152,23 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
                     reads[v, spec] = constrain(reshaped(source, shape, op.operation), physical, op.operation)
                 op.operands[pos] = reads[v, spec]
                 ins.append(_dim_map(graph.values[v].shape, spec))
+            if site.kind in ("loop", "loop_end"):
+                if site.kind == "loop":
+                    loops.append(op)
+                    body = op.regions[1].blocks[0]
+                    made, first = list(body.arguments), list(body.operations)[0].operation
+                else:
+                    loop = loops.pop()
+                    made, first = list(loop.results), None
+                for r, result in zip(node.results, made):
+                    spec = value_specs.get(r)
+                    if spec is None or graph.values[r].dtype == "token":
+                        continue
+                    c = constrain(result, spec, first if first is not None else loop)
+                    if first is None:
+                        c.owner.operation.move_after(loop)
+                    result.replace_all_uses_except(c, c.owner.operation)
+                continue
             if left:
                 continue
             outs = [_dim_map(graph.values[r].shape, value_specs.get(r)) for r in node.results]

@@ -91,11 +91,12 @@ class Families:
     """The families of collectives the backend combines on this mesh, (compiled kind, set of
     axes, side) → index, and the launch and latency one combined op of each pays (`fixed`)."""
 
-    index: dict[tuple[str, frozenset[str], str], int]
+    index: dict[tuple[str, frozenset[str], str, int], int]
     fixed: tuple[float, ...]
 
-    def of(self, collectives: Sequence[Collective], combiner: Combiner, side: str | None) -> frozenset[int]:
-        keys = ((combiner.compiled_kind(c.kind), frozenset(c.axes), side) for c in collectives)
+    def of(self, collectives: Sequence[Collective], combiner: Combiner, side: str | None,
+           trips: int = 1) -> frozenset[int]:
+        keys = ((combiner.compiled_kind(c.kind), frozenset(c.axes), side, trips) for c in collectives)
         return frozenset(self.index[k] for k in keys if k in self.index and not combined_alone(k[0], side))
 
     def vector(self, used: frozenset[int]) -> np.ndarray:
@@ -104,10 +105,12 @@ class Families:
         return out
 
 
-def families(topo: MeshTopology) -> Families:
+def families(topo: MeshTopology, trips: Sequence[int] = (1,)) -> Families:
     """Every family the backend combines: each kind with a combiner, over each set of mesh axes
-    of more than one device, on each side of the compute chain (`combining_sides`)."""
-    index: dict[tuple[str, frozenset[str], str], int] = {}
+    of more than one device, on each side of the compute chain (`combining_sides`), and per trip
+    count of the loops that run them: a loop body's collectives combine within a trip, never
+    across trips, so that family pays its launch once per trip."""
+    index: dict[tuple[str, frozenset[str], str, int], int] = {}
     fixed: list[float] = []
     names = topo.axis_names
     for kind in ("all-reduce", "all-gather", "reduce-scatter"):
@@ -117,10 +120,10 @@ def families(topo: MeshTopology) -> Families:
             for axes in itertools.combinations(names, k):
                 if topo.link(axes)[0] == 1:
                     continue
-                for side in (HEAD, TAIL, DERIVED):
+                for side, n in itertools.product((HEAD, TAIL, DERIVED), sorted(set(trips))):
                     if not combined_alone(kind, side):
-                        index[kind, frozenset(axes), side] = len(fixed)
-                        fixed.append(Collective(kind, axes, 0).time(topo))
+                        index[kind, frozenset(axes), side, n] = len(fixed)
+                        fixed.append(n * Collective(kind, axes, 0).time(topo))
     return Families(index, tuple(fixed))
 
 

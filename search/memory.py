@@ -56,10 +56,19 @@ def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], sizes: dict[str, i
     return args + outputs + peak
 
 
+def _aliases(graph: Graph, v: int) -> bool:
+    """Whether `v` is a view of an operand's buffer: a reshape or sharding constraint's result, or
+    what a counted loop's entry or exit hands on (a carried value is one buffer in, through and
+    out of the loop)."""
+    p = graph.values[v].producer
+    return p >= 0 and (graph.nodes[p].op in VIEWS or "loop_trips" in graph.nodes[p].attrs)
+
+
 def _buffer(graph: Graph, v: int) -> int:
     """The value whose buffer `v` is (itself, or the source of the views it is)."""
-    while graph.values[v].producer >= 0 and graph.nodes[graph.values[v].producer].op in VIEWS:
-        v = graph.nodes[graph.values[v].producer].operands[0]
+    while _aliases(graph, v):
+        node = graph.nodes[graph.values[v].producer]
+        v = node.operands[node.results.index(v)] if "loop_trips" in node.attrs else node.operands[0]
     return v
 
 
@@ -79,6 +88,8 @@ def _stored(graph: Graph) -> list[bool]:
         for r in n.results:
             if n.op in FUSIBLE:
                 stored[r] = n.op not in VIEWS and not fused_only[r]
+            elif "loop_trips" in n.attrs:
+                stored[r] = False
     return stored
 
 

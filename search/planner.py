@@ -21,7 +21,7 @@ from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverInterrupt
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
 from ..hlo_passes.graph import Graph, Pin
-from . import ilp
+from . import carried, ilp
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard, reshard_path
 from .combining import combined_time
@@ -42,7 +42,7 @@ log = logging.getLogger("rhino_jax")
 class _Unit:
     """An ILP unit: an argument, an op or a returned value, with its strategies."""
 
-    kind: str  # "arg" | "node" | "output"
+    kind: str  # "arg" | "node" | "slot" (one tensor of a node, `carried`) | "output"
     ref: int
     operands: tuple[int, ...]
     results: tuple[int, ...]
@@ -50,6 +50,7 @@ class _Unit:
     name: str
     live: tuple[int, ...] = ()  # distinct operand values that other units produce
     join: str = ""  # "reader" | "producer": the cone it may join (see `cones`), "" for a root
+    slot: int = 0  # a "slot" unit (`carried`): the node operand (and result) it stands for
 
 
 def _arg_strategies(graph: Graph, arg, topo: MeshTopology, cluster: Cluster) -> list[Strategy]:
@@ -115,22 +116,38 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bo
     traffic = memory_traffic(graph)
     facts = stride_candidates(graph, topo) if strided else {}
     known: dict[tuple, tuple[list[Strategy], bool]] = {}  # identical ops (repeated layers)
+    consumers = graph.consumers()
+    entries: dict[tuple[int, int], int] = {}  # (loop entry node, slot) → its unit
+    ties: list[tuple[int, int]] = []  # a loop slot's entry and exit units: one layout
     for node in graph.nodes:
         if all(graph.values[r].constant for r in node.results):
             continue
+        if carried.is_multi_slot(node):
+            for k, (v, r) in enumerate(zip(node.operands, node.results)):
+                if "loop_entry" in node.attrs:
+                    ties.append((entries[node.attrs["loop_entry"], k], len(units)))
+                elif "loop_trips" in node.attrs:
+                    entries[node.id, k] = len(units)
+                producer_unit[r] = len(units)
+                strategies = carried.slot_strategies(graph, node, k, topo, consumers)
+                units.append(_Unit("slot", node.id, (v,), (r,), strategies, node.name,
+                                   _live((v,), graph, producer_unit), slot=k))
+            continue
+        if "opaque" in node.attrs:
+            fallback.append(f"{node.op.split('.')[-1]} ({node.name or f'%{node.id}'}): {node.attrs['opaque']}")
         key = (node.op, repr(node.attrs), node.flops, traffic[node.id],
                tuple((graph.values[v].shape, graph.values[v].dtype, facts.get(v))
                      for v in node.operands + node.results))
         if key not in known:
             known[key] = node_strategies(node, graph, topo, cluster, traffic[node.id], facts)
         strategies, has_rule = known[key]
-        if not has_rule and any(graph.values[r].shape for r in node.results):
+        if not has_rule and "opaque" not in node.attrs and any(graph.values[r].shape for r in node.results):
             fallback.append(f"{node.op.split('.')[-1]} ({node.name or f'%{node.id}'})")
         live = _live(node.operands, graph, producer_unit)
         for r in node.results:
             producer_unit[r] = len(units)
-        units.append(_Unit("node", node.id, node.operands, node.results, strategies, node.name,
-                           live, _join(node, live, has_rule, graph)))
+        units.append(_Unit("node", node.id, node.operands, node.results, carried.per_trip(strategies, node.trips),
+                           node.name, live, _join(node, live, has_rule, graph)))
     for k, out in enumerate(graph.outputs):
         if k in aliased or graph.values[out].constant:
             continue
@@ -140,7 +157,7 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bo
                            _live((out,), graph, producer_unit)))
     for u in units[:len(graph.args)]:  # tied arguments read their output
         u.live = _live(u.operands, graph, producer_unit)
-    return units, producer_unit, fallback
+    return units, producer_unit, fallback, ties
 
 
 def _join(node, live: tuple[int, ...], has_rule: bool, graph: Graph) -> str:
@@ -181,7 +198,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
     Under a memory limit, the largest parameters and optimizer states may not stay replicated
     (`_fit_memory`). `strided`: offer non-maximum strides where reshapes call for them."""
     t0 = time.perf_counter()
-    units, producer_unit, fallback = _build_units(graph, topo, cluster, strided)
+    units, producer_unit, fallback, ties = _build_units(graph, topo, cluster, strided)
     _apply_pins(graph, units, producer_unit, topo)
     sizes = topo.sizes
 
@@ -196,6 +213,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
     if opt_level == "O2":
         segments = group_segments(units, groups, group_of, bb, producer_unit)
         class_of, stats["tied_segments"] = tie_repeats(units, groups, segments, graph, producer_unit)
+    class_of = _merge_classes(class_of, [(group_of[a], group_of[b]) for a, b in ties])
     solved, index = ilp.tie(problem, class_of)
     model = ilp.Model(solved, backend)
     stats["build_s"] = time.perf_counter() - t0
@@ -244,6 +262,21 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
         plan = _fit_memory(plan_with, candidates, [units[groups[g].root].ref for g in candidates],
                            plan, memory_limit_bytes, graph, _least_arguments(graph, units, producer_unit, sizes))
     return plan
+
+
+def _merge_classes(class_of: list[int], pairs: list[tuple[int, int]]) -> list[int]:
+    """`class_of` with the classes of each pair of groups made one (union-find)."""
+    parent = list(range(len(class_of)))
+
+    def find(c: int) -> int:
+        while parent[c] != c:
+            parent[c] = parent[parent[c]]
+            c = parent[c]
+        return c
+
+    for a, b in pairs:
+        parent[find(class_of[a])] = find(class_of[b])
+    return [find(c) for c in class_of]
 
 
 def _by_size(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -> list[int]:
@@ -511,12 +544,12 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
         needs = 0
         for pos, v in enumerate(u.operands):
             needs |= after.get(v, 0) | layout_after.get((v, s.operands[pos]), 0)
-            if graph.values[v].constant and s.operands[pos].strides and u.kind == "node":
-                read_specs[u.ref, pos] = s.operands[pos]  # built locally, but split like its reader
+            if graph.values[v].constant and s.operands[pos].strides and u.kind in ("node", "slot"):
+                read_specs[u.ref, u.slot + pos] = s.operands[pos]  # built locally, but split like its reader
             if graph.values[v].constant or v not in specs or specs[v] == s.operands[pos]:
                 continue
-            if u.kind == "node":
-                read_specs[u.ref, pos] = s.operands[pos]
+            if u.kind in ("node", "slot"):
+                read_specs[u.ref, u.slot + pos] = s.operands[pos]
             here = reached.setdefault(v, {specs[v]: ()})
             if s.operands[pos] in here:
                 continue
@@ -529,12 +562,13 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
             for step in path:
                 step_mask = 0
                 for c in step.collectives:
-                    step_mask |= add(c, u, prices.combined(c, prices.sides.get(v)), mask)
+                    for _ in range(graph.values[v].trips):  # in a loop's body: each trip after the last
+                        step_mask |= add(c, u, prices.combined(c, prices.sides.get(v)), mask | step_mask)
                 mask |= step_mask
                 layout_after[v, step.spec] = mask
             needs |= mask
         side = prices.side_of(u.results)
-        for c in s.collectives:
+        for c in s.collectives:  # an op in a loop's body lists them once per trip (`carried.per_trip`)
             needs |= add(c, u, prices.combined(c, side), needs)
         for r in u.results:
             after[r] = needs

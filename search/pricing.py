@@ -22,8 +22,9 @@ class Prices:
     def __init__(self, graph: Graph, topo: MeshTopology, unit_results: Sequence[tuple[int, ...]]):
         self.graph, self.topo = graph, topo
         self.sides = combining_sides(graph)
-        self.families: Families = families(topo)
+        self.families: Families = families(topo, sorted({v.trips for v in graph.values}))
         self._unit_side = [self.side_of(rs) for rs in unit_results]
+        self._unit_trips = [graph.values[rs[0]].trips if rs else 1 for rs in unit_results]
         self._reshards: dict[tuple, tuple[float, frozenset[int]]] = {}
 
     def side_of(self, values: Sequence[int]) -> str | None:
@@ -34,27 +35,32 @@ class Prices:
     def combined(self, c: Collective, side: str | None) -> bool:
         return not combined_alone(self.topo.combiner.compiled_kind(c.kind), side)
 
-    def _priced(self, collectives: Sequence[Collective], side: str | None) -> tuple[float, frozenset[int]]:
+    def _priced(self, collectives: Sequence[Collective], side: str | None, trips: int
+                ) -> tuple[float, frozenset[int]]:
         time = sum(c.time(self.topo, self.combined(c, side)) for c in collectives)
-        return time, self.families.of(collectives, self.topo.combiner, side)
+        return time, self.families.of(collectives, self.topo.combiner, side, trips)
 
     def own(self, m: int, s: Strategy) -> float:
-        """Seconds of unit m's strategy s: compute and the collectives inside the op."""
-        return s.compute_s + self._priced(s.collectives, self._unit_side[m])[0]
+        """Seconds of unit m's strategy s: compute and the collectives inside the op (an op in a
+        loop's body lists them once per trip, `carried.per_trip`)."""
+        return s.compute_s + self._priced(s.collectives, self._unit_side[m], self._unit_trips[m])[0]
 
     def own_uses(self, m: int, s: Strategy) -> frozenset[int]:
-        return self._priced(s.collectives, self._unit_side[m])[1] if s.collectives else frozenset()
+        if not s.collectives:
+            return frozenset()
+        return self._priced(s.collectives, self._unit_side[m], self._unit_trips[m])[1]
 
     def _reshard(self, src: ShardingSpec, dst: ShardingSpec, v: int) -> tuple[float, frozenset[int]]:
         value = self.graph.values[v]
-        key = (src, dst, value.nbytes, value.shape, self.sides.get(v))
+        key = (src, dst, value.nbytes, value.shape, self.sides.get(v), value.trips)
         if key not in self._reshards:
-            self._reshards[key] = self._priced(reshard(src, dst, value.nbytes, self.topo, value.shape), key[4])
+            self._reshards[key] = self._priced(reshard(src, dst, value.nbytes, self.topo, value.shape), *key[4:])
         return self._reshards[key]
 
     def reshard(self, src: ShardingSpec, dst: ShardingSpec, v: int) -> float:
-        """Seconds to move value v from layout src to dst."""
-        return self._reshard(src, dst, v)[0]
+        """Seconds to move value v from layout src to dst: where it is made, in a loop's body once
+        per trip."""
+        return self._reshard(src, dst, v)[0] * self.graph.values[v].trips
 
     def reshard_uses(self, src: ShardingSpec, dst: ShardingSpec, v: int) -> frozenset[int]:
         return self._reshard(src, dst, v)[1]

@@ -119,11 +119,34 @@ def memory_traffic(graph: Graph) -> dict[int, int]:
         fused_only[o] = False
     traffic = {}
     for n in graph.nodes:
+        if _bitcast(n, graph):
+            traffic[n.id] = 0
+            continue
+        if n.op in _IN_PLACE:  # touches only the piece it reads or writes
+            piece = graph.values[n.results[0] if n.op == "stablehlo.dynamic_slice" else n.operands[1]].nbytes
+            traffic[n.id] = 2 * piece
+            continue
         reads = [o for o in dict.fromkeys(n.operands)
                  if not (n.op in _FUSED_READERS and producer.get(o) in FUSIBLE)]
         writes = [r for r in n.results if not (n.op in FUSIBLE and fused_only[r])]
         traffic[n.id] = sum(graph.values[v].nbytes for v in reads + writes)
     return traffic
+
+
+# A dynamic slice reads only its piece, and XLA updates a buffer in place (a scanned layer's
+# parameters read from their stack, its saved activations written into theirs, once per trip).
+_IN_PLACE = {"stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice"}
+
+
+def _bitcast(node: Node, graph: Graph) -> bool:
+    """A reshape or broadcast that only drops or adds size-1 dims (a scanned layer's slice of its
+    stack, and the piece it writes back) keeps every element where it is: XLA makes it a bitcast."""
+    if node.op not in ("stablehlo.reshape", "stablehlo.broadcast_in_dim"):
+        return False
+    src, dst = graph.values[node.operands[0]].shape, graph.values[node.results[0]].shape
+    if node.op == "stablehlo.broadcast_in_dim" and list(node.attrs["dims"]) != sorted(node.attrs["dims"]):
+        return False  # it transposes
+    return tuple(d for d in src if d != 1) == tuple(d for d in dst if d != 1)
 
 
 def compute_time(node: Node, values: tuple[Value, ...], traffic: int, split: float,
