@@ -31,6 +31,8 @@ class PlannedCollective:
     where: str  # the op (source name) that needs it
     combinable: bool = False  # XLA may combine it with others (`search.combining.combining_sides`)
     depends_on: int = 0  # bit i set: it needs the i-th planned collective's result first
+    trip: int = 0  # in a loop's body: which trip it runs in (one copy per trip)
+    trips: int = 1  # how many trips its loop runs (1 outside loops)
 
 
 @dataclass(frozen=True)

@@ -532,9 +532,9 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
     after: dict[int, int] = {}
     layout_after: dict[tuple[int, ShardingSpec], int] = {}
 
-    def add(c, u: _Unit, together: bool, needs: int) -> int:
+    def add(c, u: _Unit, together: bool, needs: int, trip: int = 0, trips: int = 1) -> int:
         planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind,
-                                         together, needs))
+                                         together, needs, trip, trips))
         return 1 << (len(planned) - 1)
 
     # Program order; arguments tied to an output read it at the end of the step.
@@ -562,14 +562,17 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
             for step in path:
                 step_mask = 0
                 for c in step.collectives:
-                    for _ in range(graph.values[v].trips):  # in a loop's body: each trip after the last
-                        step_mask |= add(c, u, prices.combined(c, prices.sides.get(v)), mask | step_mask)
+                    for trip in range(graph.values[v].trips):  # in a loop's body: each trip after the last
+                        step_mask |= add(c, u, prices.combined(c, prices.sides.get(v)), mask | step_mask, trip,
+                                         graph.values[v].trips)
                 mask |= step_mask
                 layout_after[v, step.spec] = mask
             needs |= mask
         side = prices.side_of(u.results)
-        for c in s.collectives:  # an op in a loop's body lists them once per trip (`carried.per_trip`)
-            needs |= add(c, u, prices.combined(c, side), needs)
+        trips = graph.values[u.results[0]].trips if u.results else 1
+        per_trip = max(1, len(s.collectives) // trips)
+        for k, c in enumerate(s.collectives):  # in a loop's body listed once per trip (`carried.per_trip`)
+            needs |= add(c, u, prices.combined(c, side), needs, k // per_trip, trips)
         for r in u.results:
             after[r] = needs
     comm = combined_time(planned, topo)

@@ -150,15 +150,16 @@ def test_flax_scan_remat_adamw_matches_one_device_and_its_unrolled_twin(shape, n
     unrolled_step, unrolled_args = _flax_step(scan=False)
     twin = rj.parallelize(unrolled_step, mesh=mesh, cluster=CPU).lower(*unrolled_args)
     assert twin.plan.fallback_ops == ()  # remat's optimization barriers pass each tensor on in its layout
-    assert abs(lowered.plan.cost.total_s / twin.plan.cost.total_s - 1) < 0.05
-    # the compiled loop runs the planned communication, counted per trip: XLA sums each layer's
-    # gradients in one all-reduce where the plan reduce-scatters them, the bytes are the same
+    # The scan moves what its twin moves; XLA combines the twin's gradient all-reduces into one
+    # op, and the scan's into one per trip (the body's instruction runs each trip): the plans price
+    # the same, less those L - 1 launches, which the scan cannot avoid.
+    scan_sum, twin_sum = lowered.plan.collective_summary(), twin.plan.collective_summary()
+    assert {k: b for k, (_, b) in scan_sum.items()} == {k: b for k, (_, b) in twin_sum.items()}
+    assert lowered.plan.cost.compute_s == pytest.approx(twin.plan.cost.compute_s, rel=0.10)
     compiled, planned = lowered.compile().collectives, lowered.plan.collectives
-    assert compiled.bytes() == sum(c.bytes for c in planned)
-    assert compiled.count("all-gather") == sum(c.kind == "all-gather" for c in planned)
-    assert compiled.count("all-reduce") >= L
-    if shape == (8,):  # data parallel inside the loop
-        assert compiled.count("all-gather") == 0
+    assert compiled.bytes() == sum(c.bytes for c in planned)  # counted per trip on both sides
+    if shape == (8,):  # data parallel inside the loop: one combined gradient all-reduce per trip, and the loss's
+        assert scan_sum == {"all-reduce": compiled.by_kind()["all-reduce"]} and scan_sum["all-reduce"][0] == L + 1
 
 
 def test_conditional_stays_opaque_with_its_reason():
