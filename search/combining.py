@@ -10,8 +10,9 @@ Two prices, one model:
 - the search sums a linear price per collective: one whose value is off the compute chain
   (`combining_sides`: no compute-heavy op before it, or none after it) pays only its share of a
   launch (`Collective.time(..., combined=True)`), and the ILP pays each family's launch once;
-- the plan replays the combiner on the planned collectives in program order with their true
-  dependencies (`combine`), and prices each combined op as one collective of the summed bytes.
+- the plan replays the combiner on the planned collectives in program order (a loop body's trip
+  by trip) with their true dependencies (`combine`), and prices each combined op as one
+  collective of the summed bytes.
 """
 from __future__ import annotations
 
@@ -42,12 +43,13 @@ HEAD, TAIL, DERIVED = "head", "tail", "derived"
 
 def combining_sides(graph: Graph) -> dict[int, str]:
     """Where each value off the compute chain stands; values on it, and values of a program
-    with no chain (no matmul or convolution), are left out. HEAD: no compute-heavy op among its
-    ancestors but one among its descendants (parameters on their way into the forward pass);
-    TAIL: one among its ancestors, none among its descendants (gradients on their way to the
-    optimizer, the optimizer's updates); DERIVED: a reduction of gradients (a global norm's partial sums, a
-    metric of the gradients: a reduce of a tail value of a parameter's shape) and what is
-    computed from it (the clipped gradients).
+    with no chain (no matmul or convolution), are left out.
+    - HEAD: no compute-heavy op among its ancestors, one among its descendants (parameters on
+      their way into the forward pass);
+    - TAIL: one among its ancestors, none among its descendants (gradients on their way to the
+      optimizer, the optimizer's updates);
+    - DERIVED: a reduction of gradients (a global norm's partial sums, a metric of the gradients:
+      a reduce of a tail value of a parameter's shape) and what is computed from it.
     Collectives on HEAD values are independent of the chain and of one another, and so are those
     on TAIL values: XLA combines each side's into one op. A collective on the chain (a Megatron
     all-reduce between two layers) waits for the last and runs alone. The sides are separate
@@ -91,7 +93,8 @@ def combined_alone(kind: str, side: str | None) -> bool:
 @dataclass(frozen=True)
 class Families:
     """The families of collectives the backend combines on this mesh, (compiled kind, set of
-    axes, side) → index, and the launch and latency one combined op of each pays (`fixed`)."""
+    axes, side, trips of the loop that runs them) → index, and the launch and latency the
+    combined ops of each pay in one step (`fixed`)."""
 
     index: dict[tuple[str, frozenset[str], str, int], int]
     fixed: tuple[float, ...]
@@ -99,7 +102,7 @@ class Families:
     def of(self, collectives: Sequence[Collective], combiner: Combiner, side: str | None,
            trips: int = 1) -> frozenset[int]:
         keys = ((combiner.compiled_kind(c.kind), frozenset(c.axes), side, trips) for c in collectives)
-        return frozenset(self.index[k] for k in keys if k in self.index and not combined_alone(k[0], side))
+        return frozenset(self.index[k] for k in keys if k in self.index)
 
     def vector(self, used: frozenset[int]) -> np.ndarray:
         out = np.zeros(len(self.fixed), dtype=bool)

@@ -138,13 +138,11 @@ def polish(problem: Problem, choice: tuple[int, ...], sweeps: int = 50) -> tuple
     incoming, outgoing = _edges_by_group(problem)
     best = _sweeps(problem, list(choice), incoming, outgoing, sweeps)
     cost = evaluate(problem, best)
-    tried: set[tuple[int, ...]] = set()
-    while True:
+    while True:  # each accepted move lowers the cost: it ends
         for f in np.nonzero(_family_users(problem, best))[0]:
             trial = _sweeps(problem, list(best), incoming, outgoing, sweeps, without=int(f))
             trial = _sweeps(problem, trial, incoming, outgoing, sweeps)
-            if tuple(trial) not in tried and evaluate(problem, trial) < cost - 1e-15:
-                tried.add(tuple(trial))
+            if evaluate(problem, trial) < cost - 1e-15:
                 best, cost = trial, evaluate(problem, trial)
                 break
         else:

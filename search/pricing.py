@@ -19,6 +19,8 @@ from .strategies import Strategy
 
 
 class Prices:
+    """The prices of one search: per unit and per read, cached by what they depend on."""
+
     def __init__(self, graph: Graph, topo: MeshTopology, unit_results: Sequence[tuple[int, ...]]):
         self.graph, self.topo = graph, topo
         self.sides = combining_sides(graph)
