@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..hlo_passes.graph import Graph
 from .specs import ShardingSpec
-from .strategies import _FUSED_READERS, FUSIBLE
+from .strategies import FUSED_READERS, FUSIBLE
 
 VIEWS = {"stablehlo.reshape", "sdy.sharding_constraint"}  # XLA makes them bitcasts of their operand
 
@@ -80,7 +80,7 @@ def _stored(graph: Graph) -> list[bool]:
     for o in graph.outputs:
         fused_only[o] = False
     for n in reversed(graph.nodes):  # every reader of a value comes before its producer
-        fused = all(fused_only[r] for r in n.results) if n.op in VIEWS else n.op in _FUSED_READERS
+        fused = all(fused_only[r] for r in n.results) if n.op in VIEWS else n.op in FUSED_READERS
         for o in n.operands:
             fused_only[o] = fused_only[o] and fused
     stored = [True] * len(graph.values)

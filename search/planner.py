@@ -23,7 +23,7 @@ from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 from ..hlo_passes.graph import Graph, Pin
 from . import carried, ilp
 from .cluster import Cluster, MeshTopology
-from .collectives import reshard, reshard_path
+from .collectives import reshard_path
 from .combining import combined_time
 from .pricing import Prices
 from .cones import Cone, build_cones

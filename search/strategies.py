@@ -104,7 +104,7 @@ class _Assigned:
 FUSIBLE = set(ELEMENTWISE) | {
     "stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.iota",
     "stablehlo.constant", "sdy.sharding_constraint"}
-_FUSED_READERS = FUSIBLE | {"stablehlo.reduce"}
+FUSED_READERS = FUSIBLE | {"stablehlo.reduce"}
 
 
 def memory_traffic(graph: Graph) -> dict[int, int]:
@@ -114,7 +114,7 @@ def memory_traffic(graph: Graph) -> dict[int, int]:
     fused_only = {v: True for v in range(len(graph.values))}
     for n in graph.nodes:
         for o in n.operands:
-            fused_only[o] = fused_only[o] and n.op in _FUSED_READERS
+            fused_only[o] = fused_only[o] and n.op in FUSED_READERS
     for o in graph.outputs:
         fused_only[o] = False
     traffic = {}
@@ -127,7 +127,7 @@ def memory_traffic(graph: Graph) -> dict[int, int]:
             traffic[n.id] = 2 * piece
             continue
         reads = [o for o in dict.fromkeys(n.operands)
-                 if not (n.op in _FUSED_READERS and producer.get(o) in FUSIBLE)]
+                 if not (n.op in FUSED_READERS and producer.get(o) in FUSIBLE)]
         writes = [r for r in n.results if not (n.op in FUSIBLE and fused_only[r])]
         traffic[n.id] = sum(graph.values[v].nbytes for v in reads + writes)
     return traffic

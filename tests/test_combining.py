@@ -2,6 +2,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -69,6 +70,25 @@ def test_the_sides_of_the_compute_chain():
                if path.startswith("out[0]"))  # updated parameters
     hidden = dots[0].results[0]  # the first layer's output, read by the next layer's matmul
     assert hidden not in sides
+
+
+def test_a_global_norm_of_the_gradients_is_derived():
+    """Global-norm clipping reduces each gradient (its all-reduce, where the gradient is split,
+    follows the gradient's own one by one, so XLA combines neither): the reductions and the
+    clipped gradients are DERIVED, the unclipped gradients TAIL."""
+    def step(params, batch):
+        grads = jax.grad(mlp.mlp_loss)(params, batch)
+        norm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
+        return jax.tree.map(lambda p, g: p - 0.1 * g / jnp.maximum(norm, 1.0), params, grads)
+
+    params, _, batch = mlp.mlp_example((16, 32, 8), 8)
+    lowered = lower_on_mesh(step, (params, batch), rj.device_mesh((8,), ("d",)), ())
+    graph = import_module(lowered.module, lowered.arg_paths, lowered.arg_roles, lowered.output_paths)
+    sides = combining_sides(graph)
+    norms = [r for n in graph.nodes if n.op == "stablehlo.reduce" for r in n.results if sides.get(r) == DERIVED]
+    assert norms and all(graph.values[r].shape == () for r in norms)
+    assert all(sides[o] == DERIVED for o in graph.outputs)  # clipped by the derived norm
+    assert any(side == TAIL for side in sides.values())
 
 
 def test_a_family_variable_pays_one_launch_for_all_its_users():
