@@ -19,7 +19,7 @@ setup(
         "rhino_jax.search": "search",
         "rhino_jax.runtime": "runtime",
     },
-    install_requires=["jax>=0.10.2,<0.11", "jaxlib>=0.10.2,<0.11", "numpy", "ortools>=9.10", "networkx"],
+    install_requires=["jax>=0.10.2,<0.11", "jaxlib>=0.10.2,<0.11", "numpy", "scipy", "ortools>=9.15", "networkx"],
     # Test-only: the user code the tests parallelize (Flax linen/NNX, Optax, Equinox), versions that
     # run on jax 0.10.
     extras_require={"test": ["pytest", "flax>=0.12,<0.13", "optax>=0.2.8,<0.3", "equinox>=0.13,<0.14"],

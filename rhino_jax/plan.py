@@ -135,12 +135,14 @@ class Plan:
         ]
         if s:
             tied = f", {s['tied_segments']} repeats tied" if "tied_segments" in s else ""
+            how = (f"each window optimal given the rest, {s['windows']} windows" if s["status"] == "windowed"
+                   else f"gap {s['gap']:.2%}")
             lines += [
                 f"coarsening      {s['ops']} ops, {s['critical_nodes']} critical nodes "
                 f"({s['critical_proportion']:.1%}), {s['subgraphs']} segments{tied}; {s['groups']} cones",
                 f"search          ILP over {s['ilp_groups']} groups: {s['ilp_vars']} vars, "
                 f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
-                f"(gap {s['gap']:.2%}) in {s['solve_s']:.2f} s"]
+                f"({how}) in {s['solve_s']:.2f} s"]
             if s.get("strided_values"):
                 lines.append(f"strided specs   {s['strided_values']} values held at a non-maximum stride "
                              "(split dims in the compiled program), e.g. " + ", ".join(s["strided_examples"]))

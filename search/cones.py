@@ -65,9 +65,12 @@ def find_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int]
 def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
                 own_cost: Callable[[int, Strategy], float],
                 reshard_cost: Callable[[ShardingSpec, ShardingSpec, int], float],
+                reads_cost: Callable[[int, list[ShardingSpec], list[list[ShardingSpec]]], np.ndarray],
                 read_bytes: Callable[[ShardingSpec, int], int]) -> list[Cone]:
     """The cones of the graph, each with its strategies (one per root strategy, DP inside).
-    `read_bytes(spec, value)`: bytes per device of a value in a layout (breaks the DP's ties)."""
+    `reshard_cost(src, dst, value)`: seconds of one move; `reads_cost(value, starts, reads)`:
+    [start, reader] seconds of many (`Prices.reads`); `read_bytes(spec, value)`: bytes per
+    device of a value in a layout (breaks the DP's ties)."""
     root_of, claimed_by = find_cones(units, producer_unit)
     children: dict[int, list[int]] = {i: [] for i in range(len(units))}
     for m, reader in claimed_by.items():
@@ -86,10 +89,8 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
         for c in children[m]:
             v = units[c].results[0]
             positions = [k for k, o in enumerate(u.operands) if o == v]
-            step = np.array([[best[c][a] + sum(reshard_cost(cs.results[0], spec, v)
-                                               for spec in dict.fromkeys(ms.operands[k] for k in positions))
-                               for ms in u.strategies]
-                             for a, cs in enumerate(units[c].strategies)])
+            step = best[c][:, None] + reads_cost(v, [cs.results[0] for cs in units[c].strategies],
+                                                 [[ms.operands[k] for k in positions] for ms in u.strategies])
             back[m, c] = _least(step, entering[c])
             picked = (back[m, c], np.arange(step.shape[1]))
             cost = cost + step[picked]

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from ortools.linear_solver import pywraplp
+import scipy.sparse
+from ortools.linear_solver.python import model_builder_helper as helper
 
 from rhino_jax.errors import SolverError
 
@@ -56,6 +58,7 @@ class Solution:
     objective_s: float
     bound_s: float
     status: str  # "optimal" | "near-optimal" (within one combined launch) | "feasible" (time limit) | "interrupted"
+    # | "windowed" (`windows`: each window optimal given the rest, no global bound)
     solve_s: float
     backend: str
     num_vars: int
@@ -64,12 +67,15 @@ class Solution:
 
     @property
     def gap(self) -> float:
+        """Relative distance to the bound; NaN without one (`windows`)."""
+        if np.isnan(self.bound_s):
+            return float("nan")
         if self.objective_s <= 0:
             return 0.0
         return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
 
 
-def _classes(keys: list) -> tuple[tuple[int, ...], list]:
+def classes(keys: list) -> tuple[tuple[int, ...], list]:
     """Number equal keys alike: (class of each key, the distinct keys in class order)."""
     index: dict = {}
     return tuple(index.setdefault(k, len(index)) for k in keys), list(index)
@@ -78,8 +84,8 @@ def _classes(keys: list) -> tuple[tuple[int, ...], list]:
 def make_edge(src: int, dst: int, src_keys: list, dst_keys: list, cost, uses=None) -> Edge:
     """An edge whose strategies are classed by the spec they present; cost(a, b) in seconds,
     uses(a, b) the families the pair uses (a bool vector), if any."""
-    sc, sk = _classes(src_keys)
-    dc, dk = _classes(dst_keys)
+    sc, sk = classes(src_keys)
+    dc, dk = classes(dst_keys)
     matrix = np.array([[cost(a, b) for b in dk] for a in sk], dtype=float)
     if uses is None:
         return Edge(src, dst, sc, dc, matrix)
@@ -91,7 +97,7 @@ def tie(problem: Problem, class_of: list[int]) -> tuple[Problem, list[int]]:
     """The problem in which groups of one class take the same strategy, and the index of each
     group's class in it. Costs add up; an edge inside a class becomes a cost of the class; edges
     between the same two classes merge into one."""
-    index, owner = _classes(class_of)
+    index, owner = classes(class_of)
     costs = [np.zeros_like(problem.costs[g], dtype=float) for g in owner]
     uses = [np.zeros_like(problem.group_uses(g)) for g in owner]
     for g, c in enumerate(problem.costs):
@@ -109,10 +115,12 @@ def tie(problem: Problem, class_of: list[int]) -> tuple[Problem, list[int]]:
         if old is None:
             merged[src, dst] = Edge(src, dst, e.src_class, e.dst_class, e.matrix, eu)
             continue
-        merged[src, dst] = make_edge(
-            src, dst, list(zip(old.src_class, e.src_class)), list(zip(old.dst_class, e.dst_class)),
-            lambda a, b: old.matrix[a[0], b[0]] + e.matrix[a[1], b[1]],  # noqa: B023
-            lambda a, b: old.uses[:, a[0], b[0]] | eu[:, a[1], b[1]])  # noqa: B023
+        src_class, src_pairs = classes(list(zip(old.src_class, e.src_class)))
+        dst_class, dst_pairs = classes(list(zip(old.dst_class, e.dst_class)))
+        (a0, a1), (b0, b1) = np.array(src_pairs).T, np.array(dst_pairs).T
+        merged[src, dst] = Edge(src, dst, src_class, dst_class,
+                                old.matrix[np.ix_(a0, b0)] + e.matrix[np.ix_(a1, b1)],
+                                old.uses[:, a0][:, :, b0] | eu[:, a1][:, :, b1])
     return Problem(tuple(costs), tuple(merged.values()), problem.fixed, tuple(uses)), list(index)
 
 
@@ -219,13 +227,15 @@ def _cost_given(g: int, costs: np.ndarray, choice, incoming, outgoing) -> np.nda
     return cost
 
 
-def greedy(problem: Problem) -> tuple[int, ...]:
+def greedy(problem: Problem, partial: Sequence[int | None] | None = None) -> tuple[int, ...]:
     """A feasible assignment in one pass (groups in program order, each picking its cheapest
-    strategy given the groups already picked): the start of the incumbent (`polish`)."""
+    strategy given the groups already picked): the start of the incumbent (`polish`). The
+    groups `partial` decides keep their choice."""
     incoming, outgoing = _edges_by_group(problem)
-    choice: list[int | None] = [None] * len(problem.costs)
+    choice: list[int | None] = list(partial) if partial is not None else [None] * len(problem.costs)
     for g, c in enumerate(problem.costs):
-        choice[g] = int(np.argmin(_cost_given(g, c, choice, incoming, outgoing)))
+        if choice[g] is None:
+            choice[g] = int(np.argmin(_cost_given(g, c, choice, incoming, outgoing)))
     return tuple(choice)
 
 
@@ -238,82 +248,115 @@ def forbid(problem: Problem, forbidden: tuple[np.ndarray, ...]) -> Problem:
 class Model:
     """The ILP of a problem, built once and solved as often as needed with different strategies
     forbidden: the memory limit's search (Rhino §4.4) re-solves one problem with more and more
-    parameters kept off replication."""
+    parameters kept off replication. Built as one sparse matrix (OR-Tools' model builder): a
+    window of `windows` is built in milliseconds, where one coefficient at a time took most of
+    its solve."""
 
     def __init__(self, problem: Problem, backend: str = "HIGHS"):
-        solver = pywraplp.Solver.CreateSolver(backend)
-        if solver is None:
-            raise SolverError(f"OR-Tools has no MIP backend {backend!r}; use 'HIGHS', 'SCIP', 'CBC' or 'CP-SAT'")
-        solver.SuppressOutput()
-        if backend == "HIGHS":  # its banner on stdout at every solve, which SuppressOutput leaves
-            solver.SetSolverSpecificParametersAsString("output_flag=false")
-        self.problem, self.backend, self._solver = problem, backend, solver
-        self._x = [[solver.BoolVar(f"x{g}_{j}") for j in range(len(c))] for g, c in enumerate(problem.costs)]
-        objective = solver.Objective()
-        family_users: list[list[list]] = [[] for _ in problem.fixed]
-        for g, c in enumerate(problem.costs):
-            _equal(solver, self._x[g], [], 1.0)
-            for f, mask in enumerate(problem.group_uses(g)):
-                if mask.any():
-                    family_users[f].append([self._x[g][j] for j in np.nonzero(mask)[0]])
-            for j, cost in enumerate(c):
-                if np.isfinite(cost) and cost:
-                    objective.SetCoefficient(self._x[g][j], float(cost) * SCALE)
+        if not helper.ModelSolverHelper(backend).solver_is_supported():
+            raise SolverError(f"OR-Tools has no MIP backend {backend!r}; use 'HIGHS', 'SCIP' or 'CP-SAT'")
+        self.problem, self.backend = problem, backend
+        sizes = [len(c) for c in problem.costs]
+        x_at = np.concatenate([[0], np.cumsum(sizes)])  # group g's x: x_at[g] .. x_at[g+1]
+        y_at = x_at[-1] + np.concatenate([[0], np.cumsum([e.matrix.size for e in problem.edges])]).astype(int)
+        self._x_at = x_at
+        rows: list[np.ndarray] = []  # (row, column, coefficient) triples, a block at a time
+        cols: list[np.ndarray] = []
+        vals: list[np.ndarray] = []
+        n_rows = 0
+
+        def block(r, c, v):
+            rows.append(np.asarray(r, dtype=np.int64))
+            cols.append(np.asarray(c, dtype=np.int64))
+            vals.append(np.broadcast_to(np.asarray(v, dtype=float), np.shape(r)))
+
+        group_of_x = np.repeat(np.arange(len(sizes)), sizes)
+        block(group_of_x, np.arange(x_at[-1]), 1.0)  # one strategy per group: Σ_j x = 1
+        n_rows = len(sizes)
+        family_users: list[list[np.ndarray]] = [[] for _ in problem.fixed]  # columns of each user
+        for g in range(len(sizes)):
+            uses = problem.group_uses(g)
+            for f in np.nonzero(uses.any(axis=1))[0]:
+                family_users[f].append(x_at[g] + np.nonzero(uses[f])[0])
         for e, edge in enumerate(problem.edges):
             na, nb = edge.matrix.shape
-            y = [[solver.NumVar(0.0, 1.0, f"y{e}_{a}_{b}") for b in range(nb)] for a in range(na)]
-            for a in range(na):
-                _equal(solver, y[a], [self._x[edge.src][j] for j, cl in enumerate(edge.src_class) if cl == a])
-            for b in range(nb):
-                _equal(solver, [y[a][b] for a in range(na)],
-                       [self._x[edge.dst][j] for j, cl in enumerate(edge.dst_class) if cl == b])
-            for a, b in zip(*np.nonzero(edge.matrix)):
-                objective.SetCoefficient(y[a][b], float(edge.matrix[a, b]) * SCALE)
-            for f, mask in enumerate(problem.edge_uses(edge)):
-                if mask.any():
-                    family_users[f].append([y[a][b] for a, b in zip(*np.nonzero(mask))])
-        for f, users in enumerate(family_users):
-            if users:  # f ≥ each group's (edge's) share of choices that use the family
-                used = solver.NumVar(0.0, 1.0, f"f{f}")
-                objective.SetCoefficient(used, float(problem.fixed[f]) * SCALE)
-                for vs in users:
-                    _at_least(solver, used, vs)
-        objective.SetMinimization()
-        self._objective = objective
+            y = y_at[e] + np.arange(na * nb).reshape(na, nb)
+            src_class, dst_class = np.asarray(edge.src_class), np.asarray(edge.dst_class)
+            # Σ_b y[a, b] = Σ x_src of class a; Σ_a y[a, b] = Σ x_dst of class b
+            block(n_rows + np.repeat(np.arange(na), nb), y.ravel(), 1.0)
+            block(n_rows + src_class, x_at[edge.src] + np.arange(len(src_class)), -1.0)
+            block(n_rows + na + np.tile(np.arange(nb), na), y.ravel(), 1.0)
+            block(n_rows + na + dst_class, x_at[edge.dst] + np.arange(len(dst_class)), -1.0)
+            n_rows += na + nb
+            uses = problem.edge_uses(edge)
+            for f in np.nonzero(uses.any(axis=(1, 2)))[0]:
+                family_users[f].append(y[uses[f]])
+        used = [f for f, users in enumerate(family_users) if users]
+        f_at = {f: y_at[-1] + k for k, f in enumerate(used)}
+        first_at_least = n_rows
+        for f in used:  # f ≥ each group's (edge's) share of choices that use the family
+            for users in family_users[f]:
+                block([n_rows], [f_at[f]], 1.0)
+                block(np.full(len(users), n_rows), users, -1.0)
+                n_rows += 1
+        n_vars = int(y_at[-1]) + len(used)
+        objective = np.zeros(n_vars)
+        finite = np.concatenate(problem.costs) if sizes else np.zeros(0)
+        objective[:x_at[-1]] = np.where(np.isfinite(finite), finite, 0.0) * SCALE
+        for e, edge in enumerate(problem.edges):
+            objective[y_at[e]:y_at[e + 1]] = edge.matrix.ravel() * SCALE
+        for f in used:
+            objective[f_at[f]] = float(problem.fixed[f]) * SCALE
+        matrix = scipy.sparse.csr_matrix((np.concatenate(vals) if vals else np.zeros(0),
+                                          (np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64),
+                                           np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64))),
+                                         shape=(n_rows, n_vars))
+        lower = np.zeros(n_rows)
+        lower[:len(sizes)] = 1.0
+        upper = np.where(np.arange(n_rows) < first_at_least, lower, np.inf)
+        self._model = helper.ModelBuilderHelper()
+        self._model.fill_model_from_sparse_data(np.zeros(n_vars), np.ones(n_vars), objective, lower, upper, matrix)
+        self._integer = False
 
-    def solve(self, time_limit_s: float = 60.0, forbidden: tuple[np.ndarray, ...] | None = None) -> Solution:
+    def solve(self, time_limit_s: float = 60.0, forbidden: tuple[np.ndarray, ...] | None = None,
+              incumbent: tuple[int, ...] | None = None) -> Solution:
         """The best choice with the strategies of infinite cost, and those marked in `forbidden`
         (a bool mask per group), left out. The LP relaxation is solved first: when its x are
         integral it is the ILP's optimum (no integral point can beat the relaxation), and with the
         transportation form it usually is. Otherwise its rounding, `polish`ed, is the incumbent
         and its objective the bound, and branch-and-bound runs in the time left, unless that
         incumbent is already within the solvers' usual gap (`MIP_GAP`) or less time is left than
-        the LP took (branch-and-bound starts by solving it again)."""
+        the LP took (branch-and-bound starts by solving it again). `incumbent`: a known choice
+        (O3 starts from O2's), returned unless a better one is found."""
         start = time.perf_counter()
         problem = self.problem if forbidden is None else forbid(self.problem, forbidden)
-        solver, x = self._solver, self._x
         for g, c in enumerate(problem.costs):
             if np.isinf(c).all():
                 raise SolverError(f"group {g} has no allowed strategy")
-            for j, cost in enumerate(c):
-                x[g][j].SetUb(0.0 if np.isinf(cost) else 1.0)
-        size = (self.backend, solver.NumVariables(), solver.NumConstraints())
+        allowed = np.isfinite(np.concatenate(problem.costs))
+        for i in range(len(allowed)):
+            self._model.set_var_upper_bound(i, float(allowed[i]))
+        size = (self.backend, self._model.num_variables(), self._model.num_constraints())
         bound = sum(float(np.min(c)) for c in problem.costs)  # edges cost ≥ 0
-        status, interrupted = self._run(time_limit_s, integer=False)
-        if status == pywraplp.Solver.INFEASIBLE:
+        status, run, interrupted = self._run(time_limit_s, integer=False)
+        if status == helper.SolveStatus.INFEASIBLE:
             raise SolverError("the strategy ILP is infeasible (the pins and limits leave no plan)")
-        solved = status == pywraplp.Solver.OPTIMAL and not interrupted
+        solved = status == helper.SolveStatus.OPTIMAL and not interrupted
         if solved:
-            values = [[v.solution_value() for v in xs] for xs in x]
+            values = self._choices(run)
             rounded = tuple(int(np.argmax(fs)) for fs in values)
-            if all(abs(f - round(f)) < 1e-6 for fs in values for f in fs):
+            if all(np.all(np.abs(fs - np.round(fs)) < 1e-6) for fs in values):
                 exact = evaluate(problem, rounded)
+                if incumbent is not None and evaluate(problem, incumbent) < exact:  # within the LP's tolerance
+                    rounded, exact = incumbent, evaluate(problem, incumbent)
                 return Solution(rounded, exact, exact, "optimal", time.perf_counter() - start, *size,
                                 relaxation_exact=True)
-            bound = max(bound, self._objective.Value() / SCALE)
+            bound = max(bound, run.objective_value() / SCALE)
         # The incumbent: the relaxation's rounding, or without one (Ctrl-C, time limit) a greedy pass.
-        choice = polish(problem, rounded if solved else greedy(problem))
+        choice = polish(problem, rounded if solved else incumbent or greedy(problem))
         obj = evaluate(problem, choice)
+        if incumbent is not None and evaluate(problem, incumbent) < obj:
+            choice, obj = incumbent, evaluate(problem, incumbent)
         if solved:
             spent = time.perf_counter() - start
             if obj - bound <= MIP_GAP * obj:
@@ -325,57 +368,49 @@ class Model:
                 # combiner's replay; branch-and-bound gets NEAR_BUDGET times the relaxation's time.
                 budget = min(budget, NEAR_BUDGET * spent)
             if budget > spent:  # branch-and-bound first solves this LP again
+                self._model.clear_hints()
                 if self.backend != "HIGHS":  # OR-Tools' HiGHS wrapper crashes on hints (seen with ortools 9.15)
-                    solver.SetHint([x[g][j] for g, j in enumerate(choice)], [1.0] * len(choice))
-                status, interrupted = self._run(budget, integer=True)
-                if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):  # the better incumbent
-                    bound = max(bound, self._objective.BestBound() / SCALE)
-                    found = tuple(int(np.argmax([v.solution_value() for v in xs])) for xs in x)
+                    for g, j in enumerate(choice):
+                        self._model.add_hint(int(self._x_at[g] + j), 1.0)
+                status, run, interrupted = self._run(budget, integer=True)
+                if status in (helper.SolveStatus.OPTIMAL, helper.SolveStatus.FEASIBLE):  # the better incumbent
+                    bound = max(bound, run.best_objective_bound() / SCALE)
+                    found = tuple(int(np.argmax(fs)) for fs in self._choices(run))
                     if evaluate(problem, found) < obj:
                         choice, obj = found, evaluate(problem, found)
-                    if status == pywraplp.Solver.OPTIMAL and not interrupted:
+                    if status == helper.SolveStatus.OPTIMAL and not interrupted:
                         return Solution(choice, obj, min(bound, obj), "optimal", time.perf_counter() - start, *size)
             if not interrupted and self._near(problem, obj, bound):
                 return Solution(choice, obj, min(bound, obj), "near-optimal", time.perf_counter() - start, *size)
         return Solution(choice, obj, min(bound, obj), "interrupted" if interrupted else "feasible",
                         time.perf_counter() - start, *size)
 
+    def _choices(self, run) -> list[np.ndarray]:
+        """Each group's x in the solver's solution."""
+        values = run.variable_values()
+        return [values[self._x_at[g]:self._x_at[g + 1]] for g in range(len(self.problem.costs))]
+
     @staticmethod
     def _near(problem: Problem, obj: float, bound: float) -> bool:
         return obj - bound <= max(problem.fixed, default=0.0)
 
-    def _run(self, time_limit_s: float, integer: bool) -> tuple[int | None, bool]:
-        for xs in self._x:
-            for v in xs:
-                v.SetInteger(integer)
-        if self.backend == "HIGHS" and not integer:
+    def _run(self, time_limit_s: float, integer: bool):
+        """(status or None when abandoned, the solver, whether interrupted)."""
+        if integer != self._integer:
+            for i in range(int(self._x_at[-1])):
+                self._model.set_var_integrality(i, integer)
+            self._integer = integer
+        run = helper.ModelSolverHelper(self.backend)
+        run.enable_output(False)
+        if self.backend == "HIGHS":
             # HiGHS's presolve made the LP end at another of its optimal vertices from run to run
             # under load (one model, same objective, another plan); without it the simplex takes
             # one path, so a plan does not depend on the machine's load (and LPs of ours with a
-            # million variables solve faster without it).
-            self._solver.SetSolverSpecificParametersAsString("output_flag=false\npresolve=off")
-        elif self.backend == "HIGHS":
-            self._solver.SetSolverSpecificParametersAsString("output_flag=false")
-        self._solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
-        return _solve_interruptibly(self._solver)
-
-
-def _equal(solver: pywraplp.Solver, plus: list, minus: list, rhs: float = 0.0) -> None:
-    """The constraint Σ plus − Σ minus = rhs, set coefficient by coefficient (OR-Tools' operator
-    API builds Python expression trees: a build four times slower)."""
-    ct = solver.Constraint(rhs, rhs)
-    for v in plus:
-        ct.SetCoefficient(v, 1.0)
-    for v in minus:
-        ct.SetCoefficient(v, -1.0)
-
-
-def _at_least(solver: pywraplp.Solver, var, terms: list) -> None:
-    """The constraint var ≥ Σ terms."""
-    ct = solver.Constraint(0.0, solver.infinity())
-    ct.SetCoefficient(var, 1.0)
-    for v in terms:
-        ct.SetCoefficient(v, -1.0)
+            # million variables solve faster without it). Its banner is off too.
+            run.set_solver_specific_parameters("output_flag=false" + ("" if integer else "\npresolve=off"))
+        run.set_time_limit_in_seconds(max(1e-3, time_limit_s))
+        status, interrupted = _solve_interruptibly(run, self._model)
+        return status, run, interrupted
 
 
 def solve(problem: Problem, backend: str = "HIGHS", time_limit_s: float = 60.0) -> Solution:
@@ -383,21 +418,19 @@ def solve(problem: Problem, backend: str = "HIGHS", time_limit_s: float = 60.0) 
     return Model(problem, backend).solve(time_limit_s)
 
 
-def _solve_interruptibly(solver: pywraplp.Solver) -> tuple[int | None, bool]:
+def _solve_interruptibly(run: helper.ModelSolverHelper, model: helper.ModelBuilderHelper):
     """Solve in a thread (OR-Tools releases the GIL) so Ctrl-C reaches Python: then stop the
     solver and keep its incumbent where the backend can stop (SCIP), or leave it to finish at
     its time limit in the background and go on without it (HiGHS cannot be interrupted).
     Returns (status or None when abandoned, whether interrupted)."""
-    result: list[int] = []
-    worker = threading.Thread(target=lambda: result.append(solver.Solve()), daemon=True,
-                              name="rhino_jax-ilp")
+    worker = threading.Thread(target=lambda: run.solve(model), daemon=True, name="rhino_jax-ilp")
     worker.start()
     try:
         while worker.is_alive():
             worker.join(0.05)
     except KeyboardInterrupt:
-        if solver.InterruptSolve():
+        if run.interrupt_solve():
             worker.join()
-            return result[0], True
+            return run.status(), True
         return None, True
-    return result[0], False
+    return run.status(), False

@@ -7,7 +7,6 @@ argument (constants, iotas and their broadcasts) are left to XLA, which builds t
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -21,7 +20,7 @@ from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverInterrupt
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
 from ..hlo_passes.graph import Graph, Pin
-from . import carried, ilp
+from . import carried, ilp, levels
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard_path
 from .combining import combined_time
@@ -204,37 +203,45 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
 
     prices = Prices(graph, topo, [u.results for u in units])
     groups = build_cones(units, producer_unit, prices.own, prices.reshard,
+                         lambda v, starts, reads: prices.reads(v, starts, reads, uses=False)[0],
                          lambda spec, v: graph.values[v].nbytes // spec.shard_factor(sizes))
     group_of = {m: gi for gi, g in enumerate(groups) for m in g.members}
     problem = _problem(units, groups, group_of, producer_unit, prices)
     bb = backbone(graph)
     stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges))
-    class_of = list(range(len(groups)))
-    if opt_level == "O2":
-        segments = group_segments(units, groups, group_of, bb, producer_unit)
-        class_of, stats["tied_segments"] = tie_repeats(units, groups, segments, graph, producer_unit)
-    class_of = _merge_classes(class_of, [(group_of[a], group_of[b]) for a, b in ties])
-    solved, index = ilp.tie(problem, class_of)
-    model = ilp.Model(solved, backend)
+    segments = group_segments(units, groups, group_of, bb, producer_unit)
+    loops = [(group_of[a], group_of[b]) for a, b in ties]
+    repeats, stats["tied_segments"] = tie_repeats(units, groups, segments, graph, producer_unit)
+
+    def similar() -> levels.Tying:  # only when the exact tying is too large to solve whole
+        alike, stats["similar_segments"] = tie_repeats(units, groups, segments, graph, producer_unit, exact=False)
+        return levels.tying(problem, _merge_classes(alike, loops), segments)
+
+    solvers = levels.Levels(
+        similar,
+        levels.tying(problem, _merge_classes(repeats, loops), segments),
+        levels.tying(problem, _merge_classes(list(range(len(groups))), loops), segments) if opt_level == "O3" else None,
+        backend)
     stats["build_s"] = time.perf_counter() - t0
     log.info("rhino_jax: %d ops → %d cones (%d critical nodes, %d segments, %d tied) in %.2f s",
              len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],
-             stats.get("tied_segments", 0), stats["build_s"])
+             stats["tied_segments"], stats["build_s"])
 
-    held_bytes = functools.cache(lambda: _held_bytes(graph, units, groups, index, len(solved.costs), sizes))
+    held_bytes = functools.cache(lambda: _held_bytes(graph, units, groups, sizes))
+    clock = [t0]  # the first solve's time limit counts the build
 
     def plan_with(forced: list[int], weight_s: float = 0.0) -> Plan:
         """The best plan in which the arguments of the `forced` groups are not replicated, with
         `weight_s` seconds added per byte a device holds on average (`_weigh_memory`)."""
-        forbidden = [np.zeros(len(c), dtype=bool) for c in solved.costs]
+        forbidden = [np.zeros(len(g.choice), dtype=bool) for g in groups]
         for g in forced:
-            forbidden[index[g]] |= [ch[groups[g].root].results[0].shard_factor(sizes) == 1 for ch in groups[g].choice]
+            forbidden[g] |= [ch[groups[g].root].results[0].shard_factor(sizes) == 1 for ch in groups[g].choice]
         log.info("rhino_jax: solving the ILP over %d groups%s (time limit %g s; Ctrl-C stops at the best "
-                 "plan so far)", len(solved.costs), f", {len(forced)} arguments not replicated" if forced else "",
-                 time_limit_s)
-        weighed = model if not weight_s else ilp.Model(dataclasses.replace(
-            solved, costs=tuple(c + weight_s * b for c, b in zip(solved.costs, held_bytes()))), backend)
-        solution = weighed.solve(time_limit_s, tuple(forbidden))
+                 "plan so far)", len(solvers.stages[-1][0].problem.costs),
+                 f", {len(forced)} arguments not replicated" if forced else "", time_limit_s)
+        started = clock.pop() if clock else time.perf_counter()
+        choice, solution, info = solvers.solve(time_limit_s, forbidden, started, weight_s,
+                                               held_bytes() if weight_s else None)
         log.info("rhino_jax: ILP %s in %.2f s%s: predicted %.4g ms", solution.status, solution.solve_s,
                  " (its LP relaxation was integral)" if solution.relaxation_exact else "",
                  solution.objective_s * 1e3)
@@ -245,8 +252,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
             warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with a gap of "
                           f"{solution.gap:.1%}; the plan is feasible but may not be optimal (raise "
                           "solver_time_limit_s for a better one)", SolverTimeLimitWarning, stacklevel=4)
-        choice = [solution.choice[index[g]] for g in range(len(groups))]
-        st = dict(stats, ilp_groups=len(solved.costs), ilp_vars=solution.num_vars,
+        st = dict(stats, **info, ilp_groups=len(solvers.stages[-1][0].problem.costs), ilp_vars=solution.num_vars,
                   ilp_constraints=solution.num_constraints, solve_s=solution.solve_s,
                   backend=solution.backend, status=solution.status, gap=solution.gap,
                   objective_s=solution.objective_s, relaxation_exact=solution.relaxation_exact,
@@ -356,18 +362,13 @@ def _weigh_memory(plan_with, unlimited: Plan, limit: int, fits, check, steps: in
     return plans
 
 
-def _held_bytes(graph: Graph, units, groups: list[Cone], index: list[int], classes: int,
-                sizes: dict[str, int]) -> list[np.ndarray]:
-    """Per ILP class and strategy: the bytes a device holds on average over the step (each value's
+def _held_bytes(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -> list[np.ndarray]:
+    """Per group and strategy: the bytes a device holds on average over the step (each value's
     local bytes times the fraction of the step it is held, `memory.held_fractions`)."""
     held = held_fractions(graph)
-    out = [None] * classes
-    for g, cone in enumerate(groups):
-        b = np.array([sum(held.get(v, 0.0) * local_bytes(graph, v, spec, sizes)
+    return [np.array([sum(held.get(v, 0.0) * local_bytes(graph, v, spec, sizes)
                           for m, s in ch.items() for v, spec in zip(units[m].results, s.results))
-                      for ch in cone.choice])
-        out[index[g]] = b if out[index[g]] is None else out[index[g]] + b
-    return out
+                      for ch in cone.choice]) for cone in groups]
 
 
 def _least_arguments(graph: Graph, units, producer_unit: dict[int, int], sizes: dict[str, int]) -> int:
@@ -438,9 +439,6 @@ def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit:
         return dict.fromkeys(zip(values, src_specs, dst_specs))
 
     def moves_cost(values, src_specs, dst_specs) -> float:
-        """Reads of one value from different cones are charged per cone, an overestimate the ILP
-        cannot avoid without a variable per move (a k-th to each of k cones was tried: the ILP
-        then read values in several layouts to collect the discounts)."""
         return sum(prices.reshard(a, b, v) for v, a, b in moves(values, src_specs, dst_specs))
 
     def moves_uses(values, src_specs, dst_specs) -> frozenset[int]:
@@ -466,8 +464,7 @@ def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit:
         src_keys = [tuple(_result_spec(units, gs, j, producer_unit[v], v) for v in values)
                     for j in range(len(gs.choice))]
         dst_keys = [tuple(gd.choice[j][m].operands[pos] for _, m, pos in rs) for j in range(len(gd.choice))]
-        edge = ilp.make_edge(src, dst, src_keys, dst_keys, lambda a, b: moves_cost(values, a, b),  # noqa: B023
-                             lambda a, b: prices.families.vector(moves_uses(values, a, b)))  # noqa: B023
+        edge = _read_edge(src, dst, values, src_keys, dst_keys, prices)
         if not edge.matrix.any():
             continue
         if edge.matrix.shape[0] == 1:
@@ -483,6 +480,31 @@ def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit:
     return ilp.Problem(tuple(costs), tuple(edges), prices.families.fixed,
                        tuple(np.array([prices.families.vector(u) for u in g], dtype=bool).T.reshape(
                            len(prices.families.fixed), len(g)) for g in uses))
+
+
+def _read_edge(src: int, dst: int, values: list[int], src_keys: list[tuple], dst_keys: list[tuple],
+               prices: Prices) -> ilp.Edge:
+    """The edge of the reads of `values` (one entry per read) from cone src by cone dst; a key
+    holds each read's layout at its end. A value read in one layout by several readers is moved
+    once (as in `_make_plan` and in XLA, which shares the collective). Reads of one value from
+    different cones are charged per cone, an overestimate the ILP cannot avoid without a
+    variable per move (a k-th to each of k cones was tried: the ILP then read values in several
+    layouts to collect the discounts). Built per value from its few distinct moves, summed over
+    each pair of classes by a matrix product: an edge has up to a thousand pairs."""
+    src_class, src_layouts = ilp.classes(src_keys)
+    dst_class, dst_layouts = ilp.classes(dst_keys)
+    matrix = np.zeros((len(src_layouts), len(dst_layouts)))
+    uses = np.zeros((len(prices.families.fixed),) + matrix.shape, dtype=bool)
+    positions: dict[int, list[int]] = defaultdict(list)
+    for p, v in enumerate(values):
+        positions[v].append(p)
+    for v, ps in positions.items():
+        cost, used = prices.reads(v, [a[ps[0]] for a in src_layouts], [[b[p] for p in ps] for b in dst_layouts],
+                                  uses=bool(uses.shape[0]))
+        matrix += cost
+        if used is not None:
+            uses |= used
+    return ilp.Edge(src, dst, src_class, dst_class, matrix, uses)
 
 
 def _indices(mask: np.ndarray) -> frozenset[int]:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from ..hlo_passes.graph import Graph
 from .cluster import MeshTopology
 from .collectives import Collective, reshard
 from .combining import Families, combined_alone, combining_sides, families
+from .ilp import classes
 from .specs import ShardingSpec
 from .strategies import Strategy
 
@@ -28,6 +31,7 @@ class Prices:
         self._unit_side = [self.side_of(rs) for rs in unit_results]
         self._unit_trips = [graph.values[rs[0]].trips if rs else 1 for rs in unit_results]
         self._reshards: dict[tuple, tuple[float, frozenset[int]]] = {}
+        self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def side_of(self, values: Sequence[int]) -> str | None:
         """The side of a unit's results when they share one (an op's own collectives act on them)."""
@@ -66,3 +70,32 @@ class Prices:
 
     def reshard_uses(self, src: ShardingSpec, dst: ShardingSpec, v: int) -> frozenset[int]:
         return self._reshard(src, dst, v)[1]
+
+    def reads(self, v: int, starts: Sequence[ShardingSpec], reads: Sequence[Sequence[ShardingSpec]],
+              uses: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """Value v made in each layout of `starts` and read by each reader of `reads` in each of
+        its layouts (a layout read twice is moved once, as XLA shares the collective): ([start,
+        reader] seconds, [family, start, reader] bools, the families used, when `uses`). Summed
+        from a table of the distinct moves, cached whole: the cones of one layer after another
+        read values of one shape in the same layouts."""
+        s_index, firsts = classes(starts)
+        ends_of = [tuple(dict.fromkeys(r)) for r in reads]
+        e_index, ends = classes([e for r in ends_of for e in r])
+        read = np.zeros((len(ends), len(reads)))  # [end layout, reader]: the reader reads v in it
+        read[list(e_index), np.repeat(np.arange(len(reads)), [len(r) for r in ends_of])] = 1.0
+        cost, used = self._table(tuple(firsts), tuple(ends), v)
+        seconds = (cost @ read)[list(s_index)]
+        if not uses:
+            return seconds, None
+        return seconds, np.einsum("sdf,dr->fsr", used.astype(float), read)[:, list(s_index)] > 0
+
+    def _table(self, starts: tuple[ShardingSpec, ...], ends: tuple[ShardingSpec, ...], v: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+        value = self.graph.values[v]
+        key = (starts, ends, value.nbytes, value.shape, self.sides.get(v), value.trips)
+        if key not in self._tables:
+            cost = np.array([[self.reshard(a, b, v) for b in ends] for a in starts]).reshape(len(starts), len(ends))
+            uses = np.array([[self.families.vector(self.reshard_uses(a, b, v)) for b in ends] for a in starts],
+                            dtype=bool).reshape(len(starts), len(ends), len(self.families.fixed))
+            self._tables[key] = (cost, uses)
+        return self._tables[key]

@@ -38,9 +38,16 @@ def group_segments(units, groups: Sequence[Cone], group_of: dict[int, int], back
     return seg
 
 
-def _unit_signature(u, graph: Graph, local: dict[int, tuple[int, int]], producer_unit) -> tuple:
+def _unit_signature(u, graph: Graph, local: dict[int, tuple[int, int]], producer_unit, exact: bool) -> tuple:
+    """What two units must share to be tied: everything (`exact`), or their op, the ranks of
+    their tensors and the layouts their strategies offer, in order (`similar`: the same layer
+    with other widths)."""
     values = graph.values
     op = graph.nodes[u.ref].op if u.kind == "node" else u.kind
+    if not exact:
+        reads = tuple(local.get(producer_unit[v], ("outside", len(values[v].shape))) for v in u.live)
+        return (op, tuple((len(values[v].shape), values[v].dtype) for v in u.operands + u.results), reads,
+                tuple((s.operands, s.results) for s in u.strategies))
     attrs = repr(sorted(graph.nodes[u.ref].attrs.items())) if u.kind == "node" else ""
     reads = tuple(local.get(producer_unit[v], ("outside", values[v].shape)) for v in u.live)
     return (op, attrs, tuple((values[v].shape, values[v].dtype) for v in u.operands),
@@ -48,9 +55,11 @@ def _unit_signature(u, graph: Graph, local: dict[int, tuple[int, int]], producer
 
 
 def tie_repeats(units, groups: Sequence[Cone], segments: list[int], graph: Graph,
-                producer_unit: dict[int, int]) -> tuple[list[int], int]:
+                producer_unit: dict[int, int], exact: bool = True) -> tuple[list[int], int]:
     """(class of each cone, number of segments tied to an earlier copy). Cones in one class
-    take the same strategy; a cone that repeats nothing is a class of its own."""
+    take the same strategy; a cone that repeats nothing is a class of its own. Not `exact`:
+    segments that differ only in their sizes are tied too (each class a union of the exact
+    tying's classes), for a first plan of a model whose layers are alike but not identical."""
     by_segment: dict[int, list[int]] = {}
     for gi, s in enumerate(segments):
         by_segment.setdefault(s, []).append(gi)
@@ -60,7 +69,8 @@ def tie_repeats(units, groups: Sequence[Cone], segments: list[int], graph: Graph
     for s in sorted(by_segment):
         gs = by_segment[s]
         local = {m: (k, i) for k, gi in enumerate(gs) for i, m in enumerate(groups[gi].members)}
-        signature = tuple(tuple(_unit_signature(units[m], graph, local, producer_unit) for m in groups[gi].members)
+        signature = tuple(tuple(_unit_signature(units[m], graph, local, producer_unit, exact)
+                                for m in groups[gi].members)
                           for gi in gs)
         original = first_copy.setdefault(signature, gs)
         if original is not gs:

@@ -57,6 +57,7 @@ class GPTConfig:
     n_layers: int
     d_ff: int
     batch: int
+    d_ff_step: int = 0  # layer i's FFN is d_ff + i * d_ff_step wide: no two layers alike when > 0
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads != 0:
@@ -87,7 +88,7 @@ def _ln_params(d: int) -> dict:
 
 def init_gpt(key: jax.Array, cfg: GPTConfig) -> dict:
     """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab
+    d, v = cfg.d_model, cfg.vocab
     std = 0.02
     resid_std = std / math.sqrt(2 * cfg.n_layers)
     k_wte, k_wpe, k_head, k_layers = jax.random.split(key, 4)
@@ -96,8 +97,9 @@ def init_gpt(key: jax.Array, cfg: GPTConfig) -> dict:
         return s * jax.random.normal(k, shape, jnp.float32)
 
     layers = []
-    for lk in jax.random.split(k_layers, cfg.n_layers):
+    for i, lk in enumerate(jax.random.split(k_layers, cfg.n_layers)):
         k_qkv, k_proj, k_fc1, k_fc2 = jax.random.split(lk, 4)
+        f = cfg.d_ff + i * cfg.d_ff_step
         layers.append(
             {
                 "ln1": _ln_params(d),

@@ -1,0 +1,107 @@
+"""O2 and O3: which ILP is solved for a plan, and how.
+
+O2 ties the cones of repeated segments (`repeats`) and solves the tied ILP whole when it is small
+enough, else window by window (`windows`), so its time grows with depth, not faster. O3 solves
+the whole graph's ILP, starting from O2's choice: it never returns a worse plan than O2's, and its
+time limit covers O2's solve and the build of its own model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import ilp, windows
+
+
+@dataclass(frozen=True)
+class Tying:
+    """The problem with groups of one class taking one strategy."""
+
+    index: tuple[int, ...]  # group → class
+    problem: ilp.Problem  # over classes
+    position: tuple[int, ...]  # class → the earliest segment of its groups (program order)
+
+    def classes(self, per_group: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+        """Per-group masks of forbidden strategies, per class (any group's forbids it)."""
+        out = [np.zeros(len(c), dtype=bool) for c in self.problem.costs]
+        for g, mask in enumerate(per_group):
+            out[self.index[g]] |= mask
+        return tuple(out)
+
+    def summed(self, per_group: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+        """Per-group values of the strategies, summed per class (as `ilp.tie` sums costs)."""
+        out = [np.zeros(len(c)) for c in self.problem.costs]
+        for g, values in enumerate(per_group):
+            out[self.index[g]] = out[self.index[g]] + values
+        return tuple(out)
+
+    def of_groups(self, group_choice: Sequence[int]) -> tuple[int, ...]:
+        """A choice of every group, as a choice of this tying's classes (groups of one class
+        agree: each class here lies inside one class of the tying the choice came from)."""
+        out = [0] * len(self.problem.costs)
+        for g, j in enumerate(group_choice):
+            out[self.index[g]] = j
+        return tuple(out)
+
+
+def tying(problem: ilp.Problem, class_of: list[int], segments: Sequence[int]) -> Tying:
+    tied, index = ilp.tie(problem, class_of)
+    position = [len(segments)] * len(tied.costs)
+    for g, c in enumerate(index):
+        position[c] = min(position[c], segments[g])
+    return Tying(tuple(index), tied, tuple(position))
+
+
+def solver_for(tied: Tying, backend: str, whole: bool) -> ilp.Model | windows.Windowed:
+    """One ILP for O3 and for a small problem (`windows.WHOLE_VARS`), else windows."""
+    if whole or windows.size(tied.problem) <= windows.WHOLE_VARS:
+        return ilp.Model(tied.problem, backend)
+    return windows.Windowed(tied.problem, list(tied.position), backend)
+
+
+class Levels:
+    """The solvers of one search, each starting from the last one's choice: for O2, layers
+    alike tied (`similar`) when the exact tying is too large for one ILP, then the exact tying;
+    for O3 the whole graph after that. Built once, solved once per memory-limit trial, with
+    strategies forbidden and memory priced (`planner._fit_memory`)."""
+
+    def __init__(self, similar: Callable[[], Tying], o2: Tying, o3: Tying | None, backend: str):
+        start = [similar()] if windows.size(o2.problem) > windows.WHOLE_VARS else []
+        self.stages = [(t, t is o3) for t in start + [o2] + ([o3] if o3 else [])]
+        self.backend = backend
+        self._solvers: dict[tuple[int, float], ilp.Model | windows.Windowed] = {}
+
+    def _solver(self, k: int, weight_s: float, held: Sequence[np.ndarray] | None):
+        if (k, weight_s) not in self._solvers:
+            tied, whole = self.stages[k]
+            if weight_s:
+                tied = dataclasses.replace(tied, problem=dataclasses.replace(tied.problem, costs=tuple(
+                    c + weight_s * h for c, h in zip(tied.problem.costs, tied.summed(held)))))
+            if weight_s and not any(w == weight_s for _, w in self._solvers):  # one weighted set at a time
+                self._solvers = {key: v for key, v in self._solvers.items() if not key[1]}
+            self._solvers[k, weight_s] = solver_for(tied, self.backend, whole)
+        return self._solvers[k, weight_s]
+
+    def solve(self, time_limit_s: float, forbidden: Sequence[np.ndarray], started: float,
+              weight_s: float = 0.0, held: Sequence[np.ndarray] | None = None) -> tuple[list[int], ilp.Solution, dict]:
+        """(each group's strategy, the last stage's solution, what the stages did). `started`:
+        when the time limit began (the search's start for the first solve: the build counts)."""
+        choice: list[int] | None = None
+        solution: ilp.Solution | None = None
+        info: dict = {"stages": []}
+        for k, (tied, _) in enumerate(self.stages):
+            left = time_limit_s - (time.perf_counter() - started)
+            if left <= 0 and solution is not None:  # out of time: the last stage's plan, as stopped at the limit
+                return choice, dataclasses.replace(solution, status="feasible"), info
+            solver = self._solver(k, weight_s, held)
+            left = time_limit_s - (time.perf_counter() - started)
+            solution = solver.solve(max(1e-3, left), tied.classes(forbidden),
+                                    incumbent=None if choice is None else tied.of_groups(choice))
+            choice = [solution.choice[c] for c in tied.index]
+            info["stages"].append((len(tied.problem.costs), solution.status, solution.objective_s, solution.solve_s))
+            info["windows"] = len(getattr(solver, "windows", ()))
+        return choice, solution, info
