@@ -14,12 +14,14 @@ from rhino_jax.search.specs import ShardingSpec
 
 @dataclass(frozen=True)
 class PlanCost:
-    """Predicted per-device time of one step (no compute/communication overlap) and memory."""
+    """Predicted per-device time of one step and memory: total = compute + communication, less
+    the communication hidden behind compute (`Cluster.overlap`; never more than the compute)."""
 
     compute_s: float
     comm_s: float
     total_s: float
     memory_bytes: int
+    hidden_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,9 @@ class Plan:
         lines = [
             f"rhino_jax plan  mesh [{mesh}]  cluster {self.cluster}  opt {self.opt_level}",
             f"predicted step  {c.total_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + "
-            f"communication {c.comm_s * 1e3:.3f} ms;  memory {c.memory_bytes / 2**20:.1f} MiB/device",
+            f"communication {c.comm_s * 1e3:.3f} ms"
+            + (f" - {c.hidden_s * 1e3:.3f} ms of it hidden behind compute" if c.hidden_s else "")
+            + f";  memory {c.memory_bytes / 2**20:.1f} MiB/device",
         ]
         if s:
             tied = f", {s['tied_segments']} repeats tied" if "tied_segments" in s else ""

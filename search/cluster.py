@@ -85,10 +85,21 @@ class Cluster:
     memory_per_device: int = 32 << 30
     host_to_device_bandwidth: float = 12e9  # bytes/s per device (PCIe), to feed each batch
     backend: str = "gpu"  # the XLA backend that compiles for it: how collectives are combined
+    # Compute/communication overlap: the share of the collectives off the compute chain (a
+    # parameter's all-gather, a gradient's reduction: `combining.combining_sides`) that run
+    # behind compute, as with XLA GPU's latency-hiding scheduler (--xla_gpu_enable_latency_
+    # hiding_scheduler=true, as NVIDIA's JAX images set it). 0: none (XLA's async collectives
+    # wait where they are used). Never more than the step's compute is hidden (`PlanCost`).
+    overlap: float = 0.0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"Cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"Cluster.overlap is a share of communication time, in [0, 1]; got {self.overlap!r}")
+        if self.overlap and self.backend != "gpu":
+            raise ValueError(f"Cluster.overlap={self.overlap} needs backend='gpu': the {self.backend} backend "
+                             "runs collectives in line with compute")
 
     def flops(self, dtype: str) -> float:
         return self.flops_per_s.get(dtype, self.flops_per_s.get("float32", 1e13))
@@ -138,6 +149,11 @@ class MeshTopology:
     latency: tuple[float, ...]
     launch: float = 0.0  # the cluster's collective_launch_s
     combiner: Combiner = field(default_factory=lambda: combiner_for("gpu"))
+    overlap: float = 0.0  # the cluster's overlap
+
+    def exposed(self, off_chain: bool) -> float:
+        """The share of a collective's time the step waits for: off the chain, what overlap leaves."""
+        return 1.0 - self.overlap if off_chain else 1.0
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -167,4 +183,4 @@ class MeshTopology:
             bws.append(cluster.intra_host_bandwidth if same_host else cluster.inter_host_bandwidth)
             lats.append(cluster.intra_host_latency if same_host else cluster.inter_host_latency)
         return MeshTopology(tuple(mesh.axis_names), tuple(devices.shape), tuple(bws), tuple(lats),
-                            cluster.collective_launch_s, combiner_for(cluster.backend))
+                            cluster.collective_launch_s, combiner_for(cluster.backend), cluster.overlap)

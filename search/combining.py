@@ -36,6 +36,7 @@ class Planned(Protocol):
     depends_on: int  # bit i set: depends on the i-th planned collective
     trip: int  # which trip of its loop's body it runs in (0 outside loops)
     trips: int  # its loop's trip count (1 outside loops): only the same loop's collectives combine
+    combinable: bool  # off the compute chain: XLA may combine it (and overlap it, `Cluster.overlap`)
 
 
 HEAD, TAIL, DERIVED = "head", "tail", "derived"
@@ -128,7 +129,7 @@ def families(topo: MeshTopology, trips: Sequence[int] = (1,)) -> Families:
                 for side, n in itertools.product((HEAD, TAIL, DERIVED), sorted(set(trips))):
                     if not combined_alone(kind, side):
                         index[kind, frozenset(axes), side, n] = len(fixed)
-                        fixed.append(n * Collective(kind, axes, 0).time(topo))
+                        fixed.append(n * Collective(kind, axes, 0).time(topo) * topo.exposed(True))
     return Families(index, tuple(fixed))
 
 
@@ -157,12 +158,23 @@ def combine(planned: Sequence[Planned], combiner: Combiner) -> list[list[int]]:
     return groups
 
 
+def _merged(planned: Sequence[Planned], group: list[int], combiner: Combiner) -> Collective:
+    """One combined op (as the backend compiles it), with its members' bytes."""
+    first = planned[group[0]]
+    return Collective(combiner.compiled_kind(first.kind), first.axes, sum(planned[i].bytes for i in group))
+
+
 def combined_collectives(planned: Sequence[Planned], combiner: Combiner) -> list[Collective]:
     """One collective per combined op (as the backend compiles it), with the members' bytes."""
-    return [Collective(combiner.compiled_kind(planned[g[0]].kind), planned[g[0]].axes,
-                       sum(planned[i].bytes for i in g)) for g in combine(planned, combiner)]
+    return [_merged(planned, g, combiner) for g in combine(planned, combiner)]
 
 
-def combined_time(planned: Sequence[Planned], topo: MeshTopology) -> float:
-    """Communication time of the planned collectives once XLA has combined them."""
-    return sum(c.time(topo) for c in combined_collectives(planned, topo.combiner))
+def combined_time(planned: Sequence[Planned], topo: MeshTopology) -> tuple[float, float]:
+    """Communication time of the planned collectives once XLA has combined them, and the part of
+    it off the compute chain (ops of collectives XLA may combine), which may overlap compute."""
+    total = off_chain = 0.0
+    for group in combine(planned, topo.combiner):
+        time = _merged(planned, group, topo.combiner).time(topo)
+        total += time
+        off_chain += time if planned[group[0]].combinable else 0.0
+    return total, off_chain

@@ -7,6 +7,7 @@ argument (constants, iotas and their broadcasts) are left to XLA, which builds t
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -189,13 +190,45 @@ def _result_spec(units, group: Cone, j: int, producer: int, v: int) -> ShardingS
     return s.results[units[producer].results.index(v)]
 
 
-def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str = "O2",
-           backend: str = "HIGHS", time_limit_s: float = 60.0,
-           memory_limit_bytes: int | None = None, strided: bool = True) -> Plan:
-    """O3: cones, then one ILP over the whole graph. O2: the same ILP with the cones of
-    repeated segments tied together (`repeats`), so it is solved once per distinct layer.
-    Under a memory limit, the largest parameters and optimizer states may not stay replicated
-    (`_fit_memory`). `strided`: offer non-maximum strides where reshapes call for them."""
+OVERLAP_ROUNDS = 3  # searches at most, with Cluster.overlap, to price what compute can hide
+
+
+def search(graph: Graph, topo: MeshTopology, cluster: Cluster, **options) -> Plan:
+    """The plan of `_search`. With compute/communication overlap (`Cluster.overlap`), the ILP
+    prices collectives off the compute chain at the share overlap leaves exposed, which holds
+    only while there is compute to hide them behind: when the plan has more to hide than it
+    computes, the search runs again with the overlap the plan can use (its compute over its
+    off-chain communication), and the best plan at its exact cost wins."""
+    plan = _search(graph, topo, cluster, **options)
+    tried, overlap = [plan], topo.overlap
+    while overlap and len(tried) < OVERLAP_ROUNDS:
+        usable = min(topo.overlap, plan.cost.compute_s / max(plan.search_stats["off_chain_comm_s"], 1e-30))
+        if usable >= overlap * 0.99:
+            break
+        overlap = usable
+        log.info("rhino_jax: overlap: %.3g s of compute hides %.3g s of communication; searching again with "
+                 "overlap %.3g", plan.cost.compute_s, plan.search_stats["off_chain_comm_s"], overlap)
+        plan = _search(graph, dataclasses.replace(topo, overlap=overlap), cluster, **options)
+        plan = dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, **_hidden(plan, topo.overlap)))
+        tried.append(plan)
+    return min(tried, key=lambda p: p.cost.total_s)
+
+
+def _hidden(plan: Plan, overlap: float) -> dict:
+    """A plan's hidden communication and total at the cluster's own overlap."""
+    c = plan.cost
+    hidden = min(overlap * plan.search_stats["off_chain_comm_s"], c.compute_s)
+    return dict(hidden_s=hidden, total_s=c.compute_s + c.comm_s - hidden)
+
+
+def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str = "O2",
+            backend: str = "HIGHS", time_limit_s: float = 60.0,
+            memory_limit_bytes: int | None = None, strided: bool = True) -> Plan:
+    """O3: cones, then one ILP over the whole graph, started from O2's plan. O2: the same ILP
+    with the cones of repeated segments tied together (`repeats`), solved whole when small,
+    else by windows (`levels`). Under a memory limit, the largest parameters and optimizer
+    states may not stay replicated (`_fit_memory`). `strided`: offer non-maximum strides where
+    reshapes call for them."""
     t0 = time.perf_counter()
     units, producer_unit, fallback, ties = _build_units(graph, topo, cluster, strided)
     _apply_pins(graph, units, producer_unit, topo)
@@ -253,7 +286,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str
                           f"{solution.gap:.1%}; the plan is feasible but may not be optimal (raise "
                           "solver_time_limit_s for a better one)", SolverTimeLimitWarning, stacklevel=4)
         st = dict(stats, **info, ilp_groups=len(solvers.stages[-1][0].problem.costs), ilp_vars=solution.num_vars,
-                  ilp_constraints=solution.num_constraints, solve_s=solution.solve_s,
+                  ilp_constraints=solution.num_constraints, solve_s=sum(st[3] for st in info["stages"]),
                   backend=solution.backend, status=solution.status, gap=solution.gap,
                   objective_s=solution.objective_s, relaxation_exact=solution.relaxation_exact,
                   not_replicated=tuple(units[groups[g].root].name for g in forced), memory_weight_s=weight_s)
@@ -597,7 +630,8 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
             needs |= add(c, u, prices.combined(c, side), needs, k // per_trip, trips)
         for r in u.results:
             after[r] = needs
-    comm = combined_time(planned, topo)
+    comm, off_chain = combined_time(planned, topo)
+    hidden = min(topo.overlap * off_chain, compute)  # behind compute, as XLA's scheduler overlaps
     arg_specs = tuple(specs[a.value] for a in graph.args)
     out_specs = []
     output_unit = {u.ref: i for i, u in enumerate(units) if u.kind == "output"}
@@ -612,7 +646,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
     memory = plan_memory(graph, specs, topo.sizes, read_specs)
     strided = [v for v, spec in specs.items() if spec.strides]
     examples = dict.fromkeys(f"{graph.values[v].shape} {specs[v]}" for v in strided)
-    stats = dict(stats, strided_values=len(strided), strided_examples=tuple(examples)[:3])
+    stats = dict(stats, strided_values=len(strided), strided_examples=tuple(examples)[:3], off_chain_comm_s=off_chain)
     return Plan(
         mesh_axes=dict(zip(topo.axis_names, topo.axis_sizes)),
         cluster=cluster.name,
@@ -627,7 +661,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
         value_specs=specs,
         read_specs=read_specs,
         read_paths=read_paths,
-        cost=PlanCost(compute, comm, compute + comm, memory),
+        cost=PlanCost(compute, comm, compute + comm - hidden, memory, hidden),
         collectives=tuple(planned),
         fallback_ops=tuple(fallback),
         search_stats=dict(ops=len(graph.nodes), **stats),

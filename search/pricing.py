@@ -43,7 +43,10 @@ class Prices:
 
     def _priced(self, collectives: Sequence[Collective], side: str | None, trips: int
                 ) -> tuple[float, frozenset[int]]:
-        time = sum(c.time(self.topo, self.combined(c, side)) for c in collectives)
+        time = 0.0
+        for c in collectives:
+            combined = self.combined(c, side)
+            time += c.time(self.topo, combined) * self.topo.exposed(combined)
         return time, self.families.of(collectives, self.topo.combiner, side, trips)
 
     def own(self, m: int, s: Strategy) -> float:

@@ -154,3 +154,25 @@ def test_without_combining_the_search_ran_from_data_parallelism(monkeypatch):
     plan = rj.parallelize(case.step, mesh=rj.device_mesh((8,), ("data",)), cluster=_cpu("m8-v100")).lower(
         *case.args).plan
     assert set(plan.collective_summary()) != {"all-reduce"}  # it gathered and exchanged activations
+
+
+def test_overlap_hides_off_chain_collectives_behind_compute_and_no_more():
+    """Cluster.overlap: the gradients' combined all-reduce runs behind compute (XLA GPU's
+    latency-hiding scheduler), at most as long as the step computes; the numbers stay the same."""
+    case = linen_gpt()
+    mesh = rj.device_mesh((8,), ("data",))
+    plain = rj.parallelize(case.step, mesh=mesh, cluster="8x-h100").lower(*case.args).plan
+    overlapped = dataclasses.replace(get_cluster("8x-h100"), overlap=1.0)
+    lowered = rj.parallelize(case.step, mesh=mesh, cluster=overlapped).lower(*case.args)
+    cost = lowered.plan.cost
+    assert plain.cost.hidden_s == 0 and 0 < cost.hidden_s <= cost.compute_s
+    assert cost.total_s == pytest.approx(cost.compute_s + cost.comm_s - cost.hidden_s)
+    assert cost.total_s < plain.cost.total_s
+    assert "hidden behind compute" in lowered.plan.report()
+    assert_same_numbers(jax.jit(case.step)(*case.args), lowered.compile()(*case.args), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("overlap,backend", [(1.5, "gpu"), (-0.1, "gpu"), (0.5, "cpu")])
+def test_overlap_out_of_range_or_on_the_cpu_backend_is_refused(overlap, backend):
+    with pytest.raises(ValueError, match="overlap"):
+        dataclasses.replace(get_cluster("8x-h100"), overlap=overlap, backend=backend)
