@@ -32,3 +32,7 @@ class NoFeasibleMeshError(MeshError):
 
 class MemoryLimitError(RhinoError, ValueError):
     """No plan fits `memory_limit_bytes`, even with every parameter and optimizer state sharded."""
+
+
+class StagingError(RhinoError, ValueError):
+    """No division of the graph into pipeline stages fits the request (stages, balance)."""

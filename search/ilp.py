@@ -253,8 +253,7 @@ class Model:
     its solve."""
 
     def __init__(self, problem: Problem, backend: str = "HIGHS"):
-        if not helper.ModelSolverHelper(backend).solver_is_supported():
-            raise SolverError(f"OR-Tools has no MIP backend {backend!r}; use 'HIGHS', 'SCIP' or 'CP-SAT'")
+        check_backend(backend)
         self.problem, self.backend = problem, backend
         sizes = [len(c) for c in problem.costs]
         x_at = np.concatenate([[0], np.cumsum(sizes)])  # group g's x: x_at[g] .. x_at[g+1]
@@ -314,8 +313,7 @@ class Model:
         lower = np.zeros(n_rows)
         lower[:len(sizes)] = 1.0
         upper = np.where(np.arange(n_rows) < first_at_least, lower, np.inf)
-        self._model = helper.ModelBuilderHelper()
-        self._model.fill_model_from_sparse_data(np.zeros(n_vars), np.ones(n_vars), objective, lower, upper, matrix)
+        self._model = sparse_model(objective, matrix, lower, upper, np.zeros(n_vars), np.ones(n_vars))
         self._integer = False
 
     def solve(self, time_limit_s: float = 60.0, forbidden: tuple[np.ndarray, ...] | None = None,
@@ -400,17 +398,38 @@ class Model:
             for i in range(int(self._x_at[-1])):
                 self._model.set_var_integrality(i, integer)
             self._integer = integer
-        run = helper.ModelSolverHelper(self.backend)
-        run.enable_output(False)
-        if self.backend == "HIGHS":
-            # HiGHS's presolve made the LP end at another of its optimal vertices from run to run
-            # under load (one model, same objective, another plan); without it the simplex takes
-            # one path, so a plan does not depend on the machine's load (and LPs of ours with a
-            # million variables solve faster without it). Its banner is off too.
-            run.set_solver_specific_parameters("output_flag=false" + ("" if integer else "\npresolve=off"))
-        run.set_time_limit_in_seconds(max(1e-3, time_limit_s))
-        status, interrupted = _solve_interruptibly(run, self._model)
-        return status, run, interrupted
+        return run(self._model, self.backend, time_limit_s, integer)
+
+
+def check_backend(backend: str) -> None:
+    if not helper.ModelSolverHelper(backend).solver_is_supported():
+        raise SolverError(f"OR-Tools has no MIP backend {backend!r}; use 'HIGHS', 'SCIP' or 'CP-SAT'")
+
+
+def sparse_model(objective: np.ndarray, matrix: scipy.sparse.csr_matrix, row_lower: np.ndarray,
+                 row_upper: np.ndarray, var_lower: np.ndarray, var_upper: np.ndarray) -> helper.ModelBuilderHelper:
+    """A linear program min objective·v, row_lower ≤ matrix v ≤ row_upper, var_lower ≤ v ≤ var_upper,
+    handed to OR-Tools' model builder whole (a coefficient at a time costs most of a solve)."""
+    model = helper.ModelBuilderHelper()
+    model.fill_model_from_sparse_data(np.asarray(var_lower, dtype=float), np.asarray(var_upper, dtype=float),
+                                      np.asarray(objective, dtype=float), np.asarray(row_lower, dtype=float),
+                                      np.asarray(row_upper, dtype=float), matrix)
+    return model
+
+
+def run(model: helper.ModelBuilderHelper, backend: str, time_limit_s: float, integer: bool):
+    """Solve `model` once: (status or None when abandoned, the solver, whether interrupted)."""
+    solver = helper.ModelSolverHelper(backend)
+    solver.enable_output(False)
+    if backend == "HIGHS":
+        # HiGHS's presolve made the LP end at another of its optimal vertices from run to run
+        # under load (one model, same objective, another plan); without it the simplex takes
+        # one path, so a plan does not depend on the machine's load (and LPs of ours with a
+        # million variables solve faster without it). Its banner is off too.
+        solver.set_solver_specific_parameters("output_flag=false" + ("" if integer else "\npresolve=off"))
+    solver.set_time_limit_in_seconds(max(1e-3, time_limit_s))
+    status, interrupted = _solve_interruptibly(solver, model)
+    return status, solver, interrupted
 
 
 def solve(problem: Problem, backend: str = "HIGHS", time_limit_s: float = 60.0) -> Solution:

@@ -1,0 +1,222 @@
+"""Pipeline stages (Rhino §5): which of d stages each node of a DAG runs in.
+
+The ILP: x[i, k] = 1 puts node i in stage k, and B_i = Σ_k k·x[i, k] is its stage. A consumer
+never runs in an earlier stage than its producer (B_j ≥ B_i on each edge), so stages follow the
+graph's topology, not a linear order: a skip connection may span several stages. F_e marks a
+cut edge by big-M, F_e ≤ B_j − B_i ≤ (d − 1)·F_e, and the objective is the bytes of the cut
+edges. Each stage computes within ε of a balanced share T = Σ c / d: (1 − ε)T ≤ Σ_i c_i·x[i, k]
+≤ (1 + ε)T.
+
+Bound tightening (§5.2): a node's ancestors run in its stage or before, its descendants in its
+stage or after. With at most (1 + ε)T per stage, stages 0..B_i hold A_i + c_i (A_i: the compute
+of i's ancestors) and stages B_i..d−1 hold c_i + D_i (D_i: of its descendants), so
+    ⌈(A_i + c_i) / ((1 + ε)T)⌉ − 1 ≤ B_i ≤ d − ⌈(c_i + D_i) / ((1 + ε)T)⌉.
+Rhino writes the tolerance in stages (B_i ≥ ⌊A_i/T − ε⌋); stated as the balance constraint's
+capacity, the bounds are implied by it: they never change the optimum, and they remove every x
+outside a node's window, most of them on a long graph.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse
+
+from rhino_jax.errors import SolverError, StagingError
+
+from ..hlo_passes.graph import Graph
+from . import ilp
+from .critical import backbone
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """What the stager sees: nodes with their compute, edges with the bytes they carry."""
+
+    compute: tuple[float, ...]  # per node (FLOPs or seconds: only ratios matter)
+    edges: tuple[tuple[int, int, float], ...]  # (producer, consumer, bytes)
+    names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Staging:
+    stage: tuple[int, ...]  # per node
+    cut_bytes: float
+    stage_compute: tuple[float, ...]  # per stage
+    status: str  # "optimal" | "feasible" (time limit)
+    solve_s: float
+    num_vars: int
+    num_constraints: int
+
+
+def _order(g: StageGraph) -> list[int]:
+    """A topological order of the nodes; a cycle is an error."""
+    n = len(g.compute)
+    preds_left = [0] * n
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for s, d, _ in g.edges:
+        if not (0 <= s < n and 0 <= d < n) or s == d:
+            raise StagingError(f"edge ({s}, {d}) does not join two distinct nodes of the {n}")
+        succs[s].append(d)
+        preds_left[d] += 1
+    ready = [i for i in range(n) if not preds_left[i]]
+    order = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for j in succs[i]:
+            preds_left[j] -= 1
+            if not preds_left[j]:
+                ready.append(j)
+    if len(order) < n:
+        raise StagingError("the stage graph has a cycle: stages need a DAG")
+    return order
+
+
+def reach_compute(g: StageGraph) -> tuple[np.ndarray, np.ndarray]:
+    """(A, D): per node, the compute of its ancestors and of its descendants (each counted once,
+    however many paths lead there)."""
+    n = len(g.compute)
+    order = _order(g)
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for s, d, _ in g.edges:
+        preds[d].append(s)
+    ancestors = np.zeros((n, n), dtype=bool)  # [i, j]: j is an ancestor of i
+    for i in order:
+        for p in preds[i]:
+            ancestors[i] |= ancestors[p]
+            ancestors[i, p] = True
+    c = np.asarray(g.compute, dtype=float)
+    return ancestors @ c, ancestors.T @ c
+
+
+def bounds(g: StageGraph, stages: int, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's earliest and latest stage implied by balance within ε (§5.2, see above)."""
+    c = np.asarray(g.compute, dtype=float)
+    cap = (1 + epsilon) * c.sum() / stages
+    before, after = reach_compute(g)
+    lo = np.ceil((before + c) / cap - 1e-9).astype(int) - 1
+    hi = stages - np.ceil((c + after) / cap - 1e-9).astype(int)
+    return np.maximum(lo, 0), np.minimum(hi, stages - 1)
+
+
+def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = True,
+          backend: str = "HIGHS", time_limit_s: float = 60.0) -> Staging:
+    """The division of g into `stages` stages balanced within `epsilon` that cuts the fewest bytes."""
+    start = time.perf_counter()
+    n, d = len(g.compute), stages
+    if d < 1 or d > n:
+        raise StagingError(f"{d} stages for a graph of {n} nodes: use between 1 and {n} stages")
+    if epsilon < 0:
+        raise StagingError(f"epsilon (the imbalance allowed between stages) must be >= 0, got {epsilon}")
+    c = np.asarray(g.compute, dtype=float)
+    share = c.sum() / d
+    if not share > 0:
+        raise StagingError("the stage graph computes nothing: there is nothing to balance")
+    _order(g)
+    lo, hi = bounds(g, d, epsilon) if tighten else (np.zeros(n, dtype=int), np.full(n, d - 1))
+    heaviest = int(np.argmax(c))
+    if c[heaviest] > (1 + epsilon) * share:
+        name = g.names[heaviest] if g.names else f"node {heaviest}"
+        raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share: {name} "
+                           f"alone computes {c[heaviest] / share:.2f} shares; raise epsilon or use fewer stages")
+    if (lo > hi).any():
+        raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share: the "
+                           "graph's dependencies leave some node no stage; raise epsilon or use fewer stages")
+
+    # Variables: x[i, k] for k in lo_i..hi_i, then F_e per edge.
+    width = hi - lo + 1
+    x_at = np.concatenate([[0], np.cumsum(width)])
+    f_at = int(x_at[-1])
+    n_vars = f_at + len(g.edges)
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    row_lo: list[float] = []
+    row_hi: list[float] = []
+
+    def stage_terms(i: int, sign: float):
+        """B_i's terms: Σ_k k·x[i, k]."""
+        ks = np.arange(lo[i], hi[i] + 1)
+        return x_at[i] + (ks - lo[i]), sign * ks.astype(float)
+
+    def add_row(terms: list[tuple[np.ndarray, np.ndarray]], low: float, high: float):
+        r = len(row_lo)
+        for cs, vs in terms:
+            rows.append(np.full(len(cs), r))
+            cols.append(np.asarray(cs))
+            vals.append(np.asarray(vs, dtype=float))
+        row_lo.append(low)
+        row_hi.append(high)
+
+    for i in range(n):  # one stage per node
+        add_row([(x_at[i] + np.arange(width[i]), np.ones(width[i]))], 1.0, 1.0)
+    for e, (s, t, _) in enumerate(g.edges):
+        diff = [stage_terms(t, 1.0), stage_terms(s, -1.0)]
+        add_row(diff + [(np.array([f_at + e]), np.array([-1.0]))], 0.0, np.inf)  # F ≤ B_t − B_s (so B_t ≥ B_s)
+        add_row(diff + [(np.array([f_at + e]), np.array([-(d - 1.0)]))], -np.inf, 0.0)  # B_t − B_s ≤ (d−1)F
+    for k in range(d):  # balance, in shares
+        members = [i for i in range(n) if lo[i] <= k <= hi[i]]
+        add_row([(np.array([x_at[i] + k - lo[i] for i in members], dtype=int),
+                  np.array([c[i] / share for i in members]))], 1.0 - epsilon, 1.0 + epsilon)
+    weight = np.array([b for _, _, b in g.edges], dtype=float)
+    objective = np.zeros(n_vars)
+    objective[f_at:] = weight / max(weight.max(initial=0.0), 1.0)
+    matrix = scipy.sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                                     shape=(len(row_lo), n_vars))
+    model = ilp.sparse_model(objective, matrix, np.array(row_lo), np.array(row_hi), np.zeros(n_vars), np.ones(n_vars))
+    for v in range(n_vars):
+        model.set_var_integrality(v, True)
+    ilp.check_backend(backend)
+    status, run, interrupted = ilp.run(model, backend, time_limit_s - (time.perf_counter() - start), integer=True)
+    if status == ilp.helper.SolveStatus.INFEASIBLE:
+        raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share; "
+                           "raise epsilon or use fewer stages")
+    if interrupted or status not in (ilp.helper.SolveStatus.OPTIMAL, ilp.helper.SolveStatus.FEASIBLE):
+        raise SolverError(f"the stage ILP found no division within its {time_limit_s:g} s time limit "
+                          f"({'interrupted' if interrupted else status.name}); raise the time limit or epsilon")
+    values = run.variable_values()
+    assignment = tuple(int(lo[i] + np.argmax(values[x_at[i]:x_at[i + 1]])) for i in range(n))
+    per_stage = np.zeros(d)
+    np.add.at(per_stage, list(assignment), c)
+    cut = float(sum(b for s, t, b in g.edges if assignment[s] != assignment[t]))
+    return Staging(assignment, cut, tuple(per_stage.tolist()),
+                   "optimal" if status == ilp.helper.SolveStatus.OPTIMAL else "feasible",
+                   time.perf_counter() - start, n_vars, len(row_lo))
+
+
+def forward_stage_graph(graph: Graph, loss: int) -> tuple[StageGraph, dict[int, int]]:
+    """The forward pass of a train step as a stage graph, and each forward op's node: the ops the
+    loss (value id) depends on, coarsened by the backbone's segments (each opened by a critical
+    node: a compute-heavy op on the critical path, `critical`). Compute is FLOPs; an edge carries
+    the bytes of the values one segment reads from another (a value read twice, once)."""
+    producer = {r: n.id for n in graph.nodes for r in n.results}
+    forward: set[int] = set()
+    stack = [producer[loss]] if loss in producer else []
+    while stack:
+        i = stack.pop()
+        if i in forward:
+            continue
+        forward.add(i)
+        stack.extend(producer[o] for o in graph.nodes[i].operands if o in producer)
+    if not forward:
+        raise StagingError("the loss depends on no op: there is no forward pass to divide into stages")
+    segment = backbone(graph).segment
+    node_of_segment: dict[int, int] = {}
+    for i in sorted(forward):
+        node_of_segment.setdefault(segment[i], len(node_of_segment))
+    node = {i: node_of_segment[segment[i]] for i in forward}
+    compute = [0.0] * len(node_of_segment)
+    names = [""] * len(node_of_segment)
+    for i in sorted(forward):
+        compute[node[i]] += graph.nodes[i].flops
+        names[node[i]] = names[node[i]] or graph.nodes[i].name
+    crossing: dict[tuple[int, int], dict[int, None]] = defaultdict(dict)
+    for i in forward:
+        for o in graph.nodes[i].operands:
+            if o in producer and producer[o] in forward and node[producer[o]] != node[i]:
+                crossing[node[producer[o]], node[i]][o] = None
+    edges = tuple((s, t, float(sum(graph.values[v].nbytes for v in vs))) for (s, t), vs in sorted(crossing.items()))
+    return StageGraph(tuple(compute), edges, tuple(names)), node
