@@ -36,3 +36,8 @@ class MemoryLimitError(RhinoError, ValueError):
 
 class StagingError(RhinoError, ValueError):
     """No division of the graph into pipeline stages fits the request (stages, balance)."""
+
+
+class ScheduleError(RhinoError, ValueError):
+    """A pipeline schedule that cannot run: a task missing or repeated, a backward before its
+    forward, or stages waiting on each other forever."""
