@@ -210,22 +210,21 @@ def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequen
 
     nodes: list[Node] = []
     pins: list[Pin] = []
-    loops: list[tuple[ir.Operation, int]] = []  # counted loops (op, entry node) the walk is inside
-    for site in mod.entry_sites(module):
+    loop_nodes: list[int] = []  # the entry node of each counted loop the walk is inside
+    for site, defined in mod.entry_values(module):
         op = site.op
         nid = len(nodes)
         operands = tuple(ids[v] for v in op.operands)
         constant = all(values[o].constant for o in operands)
         attrs = _op_attrs(op)
         if site.kind == "loop":
-            loops.append((op, nid))
-            results = tuple(new_value(a, nid, False, site.trips * site.loop_trips)
-                            for a in op.regions[1].blocks[0].arguments)
+            loop_nodes.append(nid)
+            results = tuple(new_value(a, nid, False, site.trips * site.loop_trips) for a in defined)
         elif site.kind == "loop_end":
-            loop, attrs["loop_entry"] = loops.pop()
-            results = tuple(new_value(r, nid, False, site.trips // site.loop_trips) for r in loop.results)
+            attrs["loop_entry"] = loop_nodes.pop()
+            results = tuple(new_value(r, nid, False, site.trips // site.loop_trips) for r in defined)
         else:
-            results = tuple(new_value(r, nid, constant, site.trips) for r in op.results)
+            results = tuple(new_value(r, nid, constant, site.trips) for r in defined)
         if site.loop_trips:
             attrs["loop_trips"] = site.loop_trips
         if site.reason:

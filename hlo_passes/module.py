@@ -154,6 +154,29 @@ def entry_sites(module: ir.Module) -> Iterator[Site]:
     yield from _sites(_block(entry_function(module)), 1)
 
 
+def entry_values(module: ir.Module) -> Iterator[tuple[Site, list[ir.Value]]]:
+    """Each site of `entry_sites` with the values it defines, in the Graph IR's order of value
+    ids (after @main's arguments): an op's results; for a counted loop's entry, its body's block
+    arguments (the carried values inside); for the body's return, the loop's results."""
+    open_loops: list[ir.Operation] = []
+    for site in entry_sites(module):
+        if site.kind == "loop":
+            open_loops.append(site.op)
+            yield site, list(site.op.regions[1].blocks[0].arguments)
+        elif site.kind == "loop_end":
+            yield site, list(open_loops.pop().results)
+        else:
+            yield site, list(site.op.results)
+
+
+def value_table(module: ir.Module) -> list[ir.Value]:
+    """The MLIR value of each Graph IR value id (`importer.import_module` numbers them so)."""
+    table = list(_block(entry_function(module)).arguments)
+    for _, defined in entry_values(module):
+        table.extend(defined)
+    return table
+
+
 def entry_return(module: ir.Module) -> ir.Operation:
     ops = list(_block(entry_function(module)).operations)
     return ops[-1].operation

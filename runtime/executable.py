@@ -11,6 +11,7 @@ import copy
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 from jax.sharding import NamedSharding
 
@@ -33,3 +34,14 @@ def compile_module(lowered: jax.stages.Lowered, module: ir.Module,
     mine = jax.stages.Lowered(computation, lowered.args_info, lowered.out_tree, lowered._no_kwargs,
                               lowered._in_types, lowered._out_types)
     return mine.compile()
+
+
+def compile_program(module: ir.Module, in_avals: Sequence[jax.ShapeDtypeStruct],
+                    out_avals: Sequence[jax.ShapeDtypeStruct], in_shardings: Sequence[NamedSharding],
+                    out_shardings: Sequence[NamedSharding]) -> jax.stages.Compiled:
+    """Compile a module of ours that no jax function lowers to (a part of a step,
+    `hlo_passes.split`): `compile_module` on the lowering of a stand-in with its signature.
+    The compiled program takes and returns flat tuples of arrays."""
+    stand_in = jax.jit(lambda *args: tuple(jnp.zeros(a.shape, a.dtype) for a in out_avals),
+                       in_shardings=tuple(in_shardings), out_shardings=tuple(out_shardings), keep_unused=True)
+    return compile_module(stand_in.lower(*in_avals), module, in_shardings, out_shardings)

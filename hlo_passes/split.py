@@ -1,0 +1,74 @@
+"""Programs made of part of a step's module: the values some ops make become arguments, the
+return names the values wanted, and what no longer reaches the return is erased. Pipeline stages
+and the compute-gradients / apply-gradients programs of micro-batching are such parts.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func
+
+from ..search.specs import ShardingSpec
+from . import module as mod
+from .graph import Graph
+from .rewrite import mesh_name
+
+_EFFECTS = {"stablehlo.outfeed", "stablehlo.infeed", "stablehlo.send", "stablehlo.recv"}
+
+
+def extract(module: ir.Module, graph: Graph, inputs: Sequence[int], outputs: Sequence[int]) -> ir.Module:
+    """A copy of the (inlined) module whose @main takes its own arguments followed by `inputs`
+    (values made inside it, which become arguments) and returns `outputs`; ops that no longer
+    reach the return are erased. Donation is dropped (the outputs are new)."""
+    new = mod.copy_module(module)
+    table = mod.value_table(new)
+    main = mod.entry_function(new)
+    block = main.regions[0].blocks[0]
+    mesh = mesh_name(new)
+    with new.context, ir.Location.unknown():
+        replaced = {}
+        for v in list(inputs) + list(outputs):
+            if graph.values[v].trips > 1:
+                raise ValueError(f"value {v} is made inside a loop's body; cut before or after the loop")
+        for v in inputs:
+            if graph.values[v].producer < 0:
+                raise ValueError(f"value {v} is an argument already; list made values only")
+            replaced[v] = block.add_argument(table[v].type, ir.Location.unknown())
+            table[v].replace_all_uses_with(replaced[v])
+        ret = mod.entry_return(new)
+        with ir.InsertionPoint(ret):
+            func.ReturnOp([replaced.get(v, table[v]) for v in outputs])
+        ret.erase()
+        _erase_dead(block)
+
+        def sharding(v: int) -> ir.DictAttr:
+            spec = ShardingSpec.replicated(len(graph.values[v].shape))
+            return ir.DictAttr.get({"sdy.sharding": ir.Attribute.parse(f"#sdy.sharding{spec.sdy(mesh)}")})
+
+        args = [a.value for a in graph.args] + list(inputs)
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get([sharding(v) for v in args])
+        main.attributes["res_attrs"] = ir.ArrayAttr.get([sharding(v) for v in outputs])
+        main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+            [a.type for a in block.arguments], [replaced.get(v, table[v]).type for v in outputs]))
+    return new
+
+
+def _erase_dead(block: ir.Block) -> None:
+    """Erase ops of the block (last first) whose results nothing uses and that have no effect."""
+    changed = True
+    while changed:
+        changed = False
+        for op in reversed(list(block.operations)):
+            op = op.operation
+            if op.name == "func.return" or _effectful(op):
+                continue
+            if all(not list(r.uses) for r in op.results):
+                op.erase()
+                changed = True
+
+
+def _effectful(op: ir.Operation) -> bool:
+    if op.name in _EFFECTS:
+        return True
+    return "has_side_effect" in op.attributes and ir.BoolAttr(op.attributes["has_side_effect"]).value
