@@ -18,7 +18,7 @@ import pathlib  # noqa: E402
 import jax  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
-from rhino_jax.errors import SolverError  # noqa: E402
+from rhino_jax.errors import SolverError, StagingError  # noqa: E402
 from rhino_jax.hlo_passes.importer import import_module  # noqa: E402
 from rhino_jax.hlo_passes.lowering import lower_on_mesh  # noqa: E402
 from rhino_jax.models import gpt  # noqa: E402
@@ -58,6 +58,8 @@ def main():
                                imbalance=max(r.stage_compute) / (sum(r.stage_compute) / stages) - 1)
                 except SolverError as e:
                     row.update(status="time limit", note=str(e)[:80])
+                except StagingError as e:  # e.g. the LM head alone outweighs a balanced share
+                    row.update(status="infeasible: " + str(e).split(": ", 1)[-1].split(";")[0])
                 rows.append(row)
                 print(row, flush=True)
     cols = ["layers", "nodes", "edges", "stages", "bounds", "vars", "constraints", "solve_s", "status", "cut_mib",
