@@ -140,7 +140,7 @@ class Plan:
         if s:
             tied = f", {s['tied_segments']} repeats tied" if "tied_segments" in s else ""
             how = (f"each window optimal given the rest, {s['windows']} windows" if s["status"] == "windowed"
-                   else f"gap {s['gap']:.2%}")
+                   else "no bound" if np.isnan(s["gap"]) else f"gap {s['gap']:.2%}")
             lines += [
                 f"coarsening      {s['ops']} ops, {s['critical_nodes']} critical nodes "
                 f"({s['critical_proportion']:.1%}), {s['subgraphs']} segments{tied}; {s['groups']} cones",

@@ -88,8 +88,10 @@ class Levels:
 
     def solve(self, time_limit_s: float, forbidden: Sequence[np.ndarray], started: float,
               weight_s: float = 0.0, held: Sequence[np.ndarray] | None = None) -> tuple[list[int], ilp.Solution, dict]:
-        """(each group's strategy, the last stage's solution, what the stages did). `started`:
-        when the time limit began (the search's start for the first solve: the build counts)."""
+        """(each group's strategy, the last stage's solution, what the stages did: "stages", one
+        (classes, status, objective_s, solve_s) per stage run, and "windows", how many windows
+        the last one solved). `started`: when the time limit began (the search's start for the
+        first solve: the build counts)."""
         choice: list[int] | None = None
         solution: ilp.Solution | None = None
         info: dict = {"stages": []}

@@ -278,13 +278,14 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: st
         log.info("rhino_jax: ILP %s in %.2f s%s: predicted %.4g ms", solution.status, solution.solve_s,
                  " (its LP relaxation was integral)" if solution.relaxation_exact else "",
                  solution.objective_s * 1e3)
+        gap = "no bound (solved by windows)" if np.isnan(solution.gap) else f"a gap of {solution.gap:.1%}"
         if solution.status == "interrupted":
             warnings.warn(f"strategy search interrupted after {solution.solve_s:.1f} s; the plan is the best "
-                          f"found so far (gap {solution.gap:.1%})", SolverInterruptedWarning, stacklevel=4)
+                          f"found so far ({gap})", SolverInterruptedWarning, stacklevel=4)
         if solution.status == "feasible":
-            warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with a gap of "
-                          f"{solution.gap:.1%}; the plan is feasible but may not be optimal (raise "
-                          "solver_time_limit_s for a better one)", SolverTimeLimitWarning, stacklevel=4)
+            warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with {gap}; the plan is "
+                          "feasible but may not be optimal (raise solver_time_limit_s for a better one)",
+                          SolverTimeLimitWarning, stacklevel=4)
         st = dict(stats, **info, ilp_groups=len(solvers.stages[-1][0].problem.costs), ilp_vars=solution.num_vars,
                   ilp_constraints=solution.num_constraints, solve_s=sum(st[3] for st in info["stages"]),
                   backend=solution.backend, status=solution.status, gap=solution.gap,
