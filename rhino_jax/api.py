@@ -26,6 +26,7 @@ from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 
 from .errors import MeshError
 from .mesh_search import plan_on, search_meshes
+from .micro_batched import MicroBatchedLowered
 from .options import Options
 from .plan import Plan
 
@@ -140,6 +141,11 @@ class Parallelized:
     def lower(self, *args) -> Lowered:
         key = _signature(args)
         if key in self._cache:
+            return self._cache[key]
+        if self.options.num_micro_batches > 1:
+            if self.mesh is None:
+                raise MeshError("num_micro_batches > 1 needs a mesh: pass mesh=rj.device_mesh(...)")
+            self._cache[key] = MicroBatchedLowered(self._fn, args, self.mesh, self.donate_argnums, self.options, key)
             return self._cache[key]
         if self.mesh is None:
             mesh, step, graph, plan = search_meshes(self._fn, args, self.donate_argnums, self.devices,

@@ -32,9 +32,12 @@ class Options:
         get_cluster(self.cluster)  # raises on an unknown preset
         if self.schedule not in ("1f1b", "gpipe", "eager-1f1b"):
             raise ValueError(f"schedule must be '1f1b', 'gpipe' or 'eager-1f1b', got {self.schedule!r}")
-        if self.pipeline != "off" or self.num_micro_batches != 1:
-            raise MeshError("pipelining (pipeline != 'off', num_micro_batches > 1) is not built yet; "
-                            "use pipeline='off' for a pure SPMD plan")
+        if self.pipeline != "off":
+            raise MeshError("pipelining (pipeline != 'off') is not built yet; use pipeline='off' for an SPMD plan "
+                            "(num_micro_batches > 1 works without it)")
+        if isinstance(self.num_micro_batches, bool) or not isinstance(self.num_micro_batches, int) \
+                or self.num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be an int >= 1, got {self.num_micro_batches!r}")
         if self.memory_limit_bytes is not None and (isinstance(self.memory_limit_bytes, bool) or not isinstance(
                 self.memory_limit_bytes, int) or self.memory_limit_bytes <= 0):
             raise ValueError(f"memory_limit_bytes must be a positive int (bytes per device) or None, "

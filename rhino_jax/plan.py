@@ -147,6 +147,11 @@ class Plan:
                 f"search          ILP over {s['ilp_groups']} groups: {s['ilp_vars']} vars, "
                 f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
                 f"({how}) in {s['solve_s']:.2f} s"]
+            if s.get("micro_batches"):
+                cg = s["compute_gradients"]
+                lines.append(f"micro-batching  {s['micro_batches']} micro-batches of compute-gradients (ILP over "
+                             f"{cg['ilp_groups']} groups, {cg['status']}), their sums added up, then apply-gradients "
+                             "(the search line above); cost and collectives count every micro-batch")
             if s.get("strided_values"):
                 lines.append(f"strided specs   {s['strided_values']} values held at a non-maximum stride "
                              "(split dims in the compiled program), e.g. " + ", ".join(s["strided_examples"]))

@@ -1,0 +1,105 @@
+"""num_micro_batches: the step as k micro-batches of compute-gradients, their sums added up, one
+apply-gradients; the numbers of the whole batch, whatever the loss."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import rhino_jax as rj
+from rhino_jax.errors import MeshError, StagingError
+from rhino_jax.hlo_passes import micro_batch
+from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.lowering import lower_on_mesh
+from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
+
+from benchmarks.third_party_models import linen_clip_adamw
+from helpers import assert_same_numbers
+
+MESHES = [((8,), ("data",)), ((2, 4), ("data", "model"))]
+
+
+@pytest.mark.parametrize("shape,names", MESHES)
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_gpt_with_adam_keeps_the_whole_batchs_numbers(shape, names, k):
+    step, args = gpt.make_gpt_train_step(gpt.GPT_TINY), gpt.gpt_example(gpt.GPT_TINY)
+    lowered = rj.parallelize(step, mesh=rj.device_mesh(shape, names), num_micro_batches=k).lower(*args)
+    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
+    compute, apply = lowered.programs["compute_gradients"], lowered.programs["apply_gradients"]
+    assert lowered.plan.cost.total_s == pytest.approx(k * compute.cost.total_s + apply.cost.total_s)
+    assert f"{k} micro-batches" in lowered.plan.report()
+
+
+def test_flax_with_global_norm_clipping_keeps_its_numbers():
+    case = linen_clip_adamw()  # optax.clip_by_global_norm + adamw: the norm is taken after the sums
+    step = rj.parallelize(case.step, mesh=rj.device_mesh((2, 4), ("data", "model")), num_micro_batches=2)
+    assert_same_numbers(jax.jit(case.step)(*case.args), step(*case.args), rtol=1e-3, atol=1e-4)
+
+
+def _masked_step(normalize: str):
+    """An MLP regression whose loss averages over the examples the mask keeps."""
+    def step(params, batch):
+        def loss_fn(p):
+            err = jnp.sum((jnp.tanh(batch["x"] @ p["w"]) - batch["y"]) ** 2, axis=-1) * batch["mask"]
+            total = {"count": jnp.sum(batch["mask"]), "sum": 1.0 * batch["mask"].shape[0], "none": 1.0}[normalize]
+            return jnp.sum(err) / total
+
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, params, g), loss
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32), "y": jnp.asarray(rng.normal(size=(16, 4)), jnp.float32),
+             "mask": jnp.asarray(rng.integers(0, 2, 16), jnp.float32)}
+    return step, (params, batch)
+
+
+@pytest.mark.parametrize("normalize", ["sum", "none"])
+def test_a_loss_summed_or_divided_by_a_constant_keeps_its_numbers(normalize):
+    step, args = _masked_step(normalize)
+    out = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=4)(*args)
+    assert_same_numbers(jax.jit(step)(*args), out)
+
+
+def test_a_count_taken_from_the_batch_is_refused():
+    # The gradient of each example divides by the whole batch's count of kept examples.
+    step, args = _masked_step("count")
+    with pytest.raises(StagingError, match="sum over the whole batch"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=2).lower(*args)
+
+
+def test_batch_statistics_are_refused():
+    def step(w, batch):
+        def loss_fn(w):
+            h = batch @ w
+            h = (h - h.mean(axis=0)) / (h.std(axis=0) + 1e-5)  # batch norm
+            return jnp.mean(h ** 2)
+
+        return w - 0.1 * jax.grad(loss_fn)(w)
+
+    args = (jnp.ones((4, 4)), jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32))
+    with pytest.raises(StagingError, match="batch statistics"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=2).lower(*args)
+
+
+def test_micro_batches_that_do_not_divide_the_batch_are_refused():
+    step, args = make_mlp_train_step(), mlp_example((8, 16, 8), 6)
+    with pytest.raises(MeshError, match="does not divide the batch dim"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=4).lower(*args)
+    with pytest.raises(ValueError, match="num_micro_batches must be an int"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=0)
+
+
+def test_the_boundary_is_one_sum_per_parameter_and_the_loss():
+    step, args = make_mlp_train_step(), mlp_example((8, 16, 8), 8, abstract=True)
+    mesh = rj.device_mesh((8,), ("data",))
+    whole = lower_on_mesh(step, args, mesh, ())
+    micro_args = (args[0], args[1], jax.tree.map(lambda x: jax.ShapeDtypeStruct((4,) + x.shape[1:], x.dtype), args[2]))
+    micro = lower_on_mesh(step, micro_args, mesh, ())
+    graphs = [import_module(s.module, s.arg_paths, s.arg_roles, s.output_paths) for s in (whole, micro)]
+    cut = micro_batch.boundary(*graphs)
+    params = [a for a in graphs[0].args if a.role == "parameter"]
+    assert sorted(graphs[0].values[v].shape for v in cut) == sorted(
+        [graphs[0].values[a.value].shape for a in params] + [()])
