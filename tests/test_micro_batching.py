@@ -1,11 +1,9 @@
 """num_micro_batches: the step as k micro-batches of compute-gradients, their sums added up, one
 apply-gradients; the numbers of the whole batch, whatever the loss."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import rhino_jax as rj
