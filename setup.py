@@ -1,1 +1,27 @@
-/root/.pyenv/libexec/pyenv-hooks: line 24: enable: cannot open shared object /root/.pyenv/libexec/pyenv-realpath.dylib: /root/.pyenv/libexec/pyenv-realpath.dylib: cannot open shared object file: No such file or directory
+"""rhino_jax: automatic SPMD parallelization of JAX training steps (Rhino)."""
+from setuptools import setup
+
+setup(
+    name="rhino_jax",
+    version="0.1.0",
+    description="Auto-parallelize a single-device JAX training step onto a device mesh",
+    python_requires=">=3.10",
+    packages=[
+        "rhino_jax",
+        "rhino_jax.models",
+        "rhino_jax.hlo_passes",
+        "rhino_jax.search",
+        "rhino_jax.runtime",
+    ],
+    package_dir={
+        "rhino_jax": "rhino_jax",
+        "rhino_jax.hlo_passes": "hlo_passes",
+        "rhino_jax.search": "search",
+        "rhino_jax.runtime": "runtime",
+    },
+    install_requires=["jax>=0.10.2,<0.11", "jaxlib>=0.10.2,<0.11", "numpy", "scipy", "ortools>=9.15", "networkx"],
+    # Test-only: the user code the tests parallelize (Flax linen/NNX, Optax, Equinox), versions that
+    # run on jax 0.10.
+    extras_require={"test": ["pytest", "flax>=0.12,<0.13", "optax>=0.2.8,<0.3", "equinox>=0.13,<0.14"],
+                    "bench": ["matplotlib"]},
+)
