@@ -57,21 +57,26 @@ def tying(problem: ilp.Problem, class_of: list[int], segments: Sequence[int]) ->
 
 
 def solver_for(tied: Tying, backend: str, whole: bool) -> ilp.Model | windows.Windowed:
-    """One ILP for O3 and for a small problem (`windows.WHOLE_VARS`), else windows."""
-    if whole or windows.size(tied.problem) <= windows.WHOLE_VARS:
-        return ilp.Model(tied.problem, backend)
-    return windows.Windowed(tied.problem, list(tied.position), backend)
+    return ilp.Model(tied.problem, backend) if whole else windows.Windowed(tied.problem, list(tied.position), backend)
 
 
 class Levels:
-    """The solvers of one search, each starting from the last one's choice: for O2, layers
-    alike tied (`similar`) when the exact tying is too large for one ILP, then the exact tying;
-    for O3 the whole graph after that. Built once, solved once per memory-limit trial, with
-    strategies forbidden and memory priced (`planner._fit_memory`)."""
+    """The solvers of one search, each starting from the last one's choice. O2: the exact tying
+    as one ILP when small enough (`windows.WHOLE_VARS`); when not, and layers alike tied make a
+    small one, that one first and then the exact tying by windows from its plan; when even that
+    is large, the exact tying as one ILP (windows from nothing find poor local optima: a move to
+    data parallelism needs every layer at once). O3: the whole graph as one ILP after O2's. Built
+    once, solved once per memory-limit trial, with strategies forbidden and memory priced
+    (`planner._fit_memory`)."""
 
     def __init__(self, similar: Callable[[], Tying], o2: Tying, o3: Tying | None, backend: str):
-        start = [similar()] if windows.size(o2.problem) > windows.WHOLE_VARS else []
-        self.stages = [(t, t is o3) for t in start + [o2] + ([o3] if o3 else [])]
+        self.stages: list[tuple[Tying, bool]] = [(o2, True)]  # (tying, solved as one ILP)
+        if windows.size(o2.problem) > windows.WHOLE_VARS:
+            alike = similar()
+            if windows.size(alike.problem) <= windows.WHOLE_VARS:
+                self.stages = [(alike, True), (o2, False)]
+        if o3 is not None:
+            self.stages.append((o3, True))
         self.backend = backend
         self._solvers: dict[tuple[int, float], ilp.Model | windows.Windowed] = {}
 
