@@ -17,6 +17,10 @@ def annotate(x: jax.Array, spec: PartitionSpec, name: str | None = None) -> jax.
     if mesh is None or mesh.empty:
         return x
     label = name or f"tensor of shape {tuple(x.shape)}"
+    if not isinstance(spec, (PartitionSpec, tuple, list)):
+        raise ShardingPinError(f"annotate({label}): spec must be a PartitionSpec, e.g. P('data', None) for a "
+                               f"rank-2 tensor split on its first dim; got {spec!r} (to leave the tensor to the "
+                               "search, do not annotate it)")
     spec = PartitionSpec(*spec)
     if len(spec) > x.ndim:
         raise ShardingPinError(f"annotate({label}): spec {spec} has {len(spec)} entries for a rank-{x.ndim} tensor")

@@ -32,8 +32,12 @@ from .plan import Plan
 
 
 def _signature(args) -> tuple:
-    leaves, tree = jax.tree.flatten(args)
-    return tree, tuple((tuple(np.shape(x)), str(jax.numpy.result_type(x))) for x in leaves)
+    leaves, tree = jax.tree.flatten_with_path(args)
+    for path, x in leaves:
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, int, float, complex, bool)):
+            raise TypeError(f"argument arg{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an array: a "
+                            "parallelized step takes arrays and numbers; close over other values (functools.partial)")
+    return jax.tree.structure(args), tuple((tuple(np.shape(x)), str(jax.numpy.result_type(x))) for _, x in leaves)
 
 
 class Compiled:

@@ -174,8 +174,13 @@ def _live(operands, graph: Graph, producer_unit: dict[int, int]) -> tuple[int, .
 
 
 def _apply_pins(graph: Graph, units: list[_Unit], producer_unit: dict[int, int], topo) -> None:
+    """Restrict the pinned values' producers to strategies that make the pinned layout. A value
+    computed from constants alone (a causal mask from iota) has no unit: XLA builds it where it is
+    used, and its pin, a constraint in the module, stays for XLA to keep."""
     for pin in graph.pins:
         _check_pin(pin, graph, topo)
+        if pin.value not in producer_unit:
+            continue
         u = units[producer_unit[pin.value]]
         pos = u.results.index(pin.value)
         kept = [s for s in u.strategies if _matches(s.results[pos], pin)]

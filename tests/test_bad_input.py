@@ -89,3 +89,34 @@ def test_bad_options_and_meshes_are_rejected():
     explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     with pytest.raises(rj.MeshError, match="Explicit"):
         rj.parallelize(lambda x: x, mesh=explicit)
+
+
+@pytest.mark.parametrize("spec", [None, "data"])
+def test_annotate_needs_a_partition_spec(spec):
+    mesh = rj.device_mesh((8,), ("data",))
+
+    def f(x):
+        return jnp.sum(rj.annotate(x * 2, spec, name="scaled"))
+
+    with pytest.raises(rj.ShardingPinError, match="spec must be a PartitionSpec"):
+        rj.parallelize(f, mesh=mesh).lower(jnp.ones((8, 4)))
+
+
+def test_a_pin_on_a_value_made_of_constants_is_kept_for_xla():
+    """A causal mask from iota depends on no argument: XLA builds it where used, under its pin."""
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+
+    def f(x):
+        mask = rj.annotate(jnp.tril(jnp.ones((8, 8), bool)), P("data", None), name="mask")
+        return jnp.sum(jnp.where(mask, x @ x.T, 0.0))
+
+    x = jnp.arange(64.0).reshape(8, 8) / 64
+    assert_same_numbers(jax.jit(f)(x), rj.parallelize(f, mesh=mesh)(x))
+
+
+def test_a_string_argument_is_named_in_a_type_error():
+    def f(x, activation):
+        return jnp.sum(getattr(jnp, activation)(x))
+
+    with pytest.raises(TypeError, match=r"arg\[1\] is a str, not an array"):
+        rj.parallelize(f, mesh=rj.device_mesh((8,), ("data",))).lower(jnp.ones((8, 4)), "tanh")
