@@ -125,8 +125,9 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
         return source
 
     with module.context:
-        main.attributes["arg_attrs"] = _with_sharding(main.attributes["arg_attrs"], arg_specs, name)
-        main.attributes["res_attrs"] = _with_sharding(main.attributes["res_attrs"], out_specs, name)
+        for key, specs in (("arg_attrs", arg_specs), ("res_attrs", out_specs)):
+            if specs:  # a step without arguments (or results) has no such attribute
+                main.attributes[key] = _with_sharding(main.attributes[key], specs, name)
         loops: list[ir.Operation] = []  # the counted loops (while ops) the walk is inside
         for node, site in zip(graph.nodes, list(mod.entry_sites(module))):
             op = site.op

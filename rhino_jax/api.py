@@ -198,6 +198,9 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
     maximum strides (each device holds one block per split dim), as most systems do."""
     options = Options(opt_level, memory_limit_bytes, cluster, num_micro_batches, pipeline, schedule,
                       solver, solver_time_limit_s, axis_names, search_workers, strided_specs)
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise MeshError(f"mesh must be a jax.sharding.Mesh, e.g. rj.device_mesh((2, 4), ('data', 'model')); "
+                        f"got {mesh!r}")
     if mesh is None:
         if devices is not None:
             devices = list(devices)

@@ -16,12 +16,16 @@ def device_mesh(shape: Sequence[int], axis_names: Sequence[str], devices: Sequen
     Inner (later) axes take consecutive devices, so on a multi-host cluster put the axes that
     should stay inside a host last."""
     shape = tuple(int(s) for s in shape)
+    if not shape or any(s < 1 for s in shape):
+        raise MeshError(f"mesh shape must be positive sizes, one per axis, e.g. (2, 4); got {shape}")
     axis_names = tuple(axis_names)
     if len(shape) != len(axis_names):
         raise MeshError(f"mesh shape {shape} has {len(shape)} axes but {len(axis_names)} names {axis_names}")
     if len(set(axis_names)) != len(axis_names):
         raise MeshError(f"mesh axis names must be distinct, got {axis_names}")
     devices = list(jax.devices() if devices is None else devices)
+    if len({d.id for d in devices}) != len(devices):
+        raise MeshError("devices repeat: a mesh needs distinct devices, e.g. jax.devices()[:8]")
     n = int(np.prod(shape))
     if n != len(devices):
         raise MeshError(f"mesh shape {shape} needs {n} devices but {len(devices)} are given; "

@@ -42,8 +42,9 @@ class Options:
                 self.memory_limit_bytes, int) or self.memory_limit_bytes <= 0):
             raise ValueError(f"memory_limit_bytes must be a positive int (bytes per device) or None, "
                              f"got {self.memory_limit_bytes!r}")
-        if self.solver_time_limit_s <= 0:
-            raise ValueError("solver_time_limit_s must be positive")
+        limit = self.solver_time_limit_s
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+            raise ValueError(f"solver_time_limit_s must be a positive number of seconds, got {limit!r}")
         if self.axis_names is not None:
             names = (self.axis_names,) if isinstance(self.axis_names, str) else tuple(self.axis_names)
             if not names or not all(isinstance(a, str) and a for a in names) or len(set(names)) != len(names):

@@ -256,8 +256,8 @@ class Model:
         check_backend(backend)
         self.problem, self.backend = problem, backend
         sizes = [len(c) for c in problem.costs]
-        x_at = np.concatenate([[0], np.cumsum(sizes)])  # group g's x: x_at[g] .. x_at[g+1]
-        y_at = x_at[-1] + np.concatenate([[0], np.cumsum([e.matrix.size for e in problem.edges])]).astype(int)
+        x_at = np.concatenate([[0], np.cumsum(sizes, dtype=int)]).astype(int)  # group g's x: x_at[g] .. x_at[g+1]
+        y_at = x_at[-1] + np.concatenate([[0], np.cumsum([e.matrix.size for e in problem.edges], dtype=int)]).astype(int)
         self._x_at = x_at
         rows: list[np.ndarray] = []  # (row, column, coefficient) triples, a block at a time
         cols: list[np.ndarray] = []
@@ -327,6 +327,8 @@ class Model:
         the LP took (branch-and-bound starts by solving it again). `incumbent`: a known choice
         (O3 starts from O2's), returned unless a better one is found."""
         start = time.perf_counter()
+        if not self.problem.costs:  # nothing to decide (a step of constants alone)
+            return Solution((), 0.0, 0.0, "optimal", 0.0, self.backend, 0, 0, relaxation_exact=True)
         problem = self.problem if forbidden is None else forbid(self.problem, forbidden)
         for g, c in enumerate(problem.costs):
             if np.isinf(c).all():

@@ -120,3 +120,23 @@ def test_a_string_argument_is_named_in_a_type_error():
 
     with pytest.raises(TypeError, match=r"arg\[1\] is a str, not an array"):
         rj.parallelize(f, mesh=rj.device_mesh((8,), ("data",))).lower(jnp.ones((8, 4)), "tanh")
+
+
+def test_steps_without_arguments_or_results_run():
+    mesh = rj.device_mesh((8,), ("data",))
+    assert_same_numbers(jnp.ones(3) * 2, rj.parallelize(lambda: jnp.ones(3) * 2, mesh=mesh)())
+    assert rj.parallelize(lambda x: None, mesh=mesh)(jnp.ones(8)) is None
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: rj.parallelize(lambda x: x, mesh="data"), "mesh must be a jax.sharding.Mesh"),
+    (lambda: rj.parallelize(lambda x: x, mesh=(2, 4)), "mesh must be a jax.sharding.Mesh"),
+    (lambda: rj.device_mesh((-2, -4), ("a", "b")), "positive sizes"),
+    (lambda: rj.device_mesh((2,), ("a",), devices=[jax.devices()[0]] * 2), "devices repeat"),
+    (lambda: rj.parallelize(lambda x: x, mesh=rj.device_mesh((8,), ("d",)), solver_time_limit_s=float("nan")),
+     "solver_time_limit_s must be a positive number"),
+    (lambda: rj.parallelize(lambda x: x, mesh=rj.device_mesh((8,), ("d",)), solver_time_limit_s="60"),
+     "solver_time_limit_s must be a positive number")])
+def test_bad_meshes_and_limits_say_what_to_pass(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
