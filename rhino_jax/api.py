@@ -60,6 +60,14 @@ class Compiled:
     def as_text(self) -> str:
         return self._executable.as_text()
 
+    def memory_analysis(self):
+        """XLA's memory analysis of the compiled program, as `jax.stages.Compiled` gives it."""
+        return self._executable.memory_analysis()
+
+    def cost_analysis(self):
+        """XLA's cost analysis (FLOPs, bytes accessed) of the compiled program, as jax gives it."""
+        return self._executable.cost_analysis()
+
     @functools.cached_property
     def collectives(self) -> CollectiveStats:
         return collective_stats(self.as_text())

@@ -130,3 +130,12 @@ def test_two_plans_of_one_function_compile_to_their_own_programs():
         got = jax.tree.leaves(compiled.input_shardings)
         want = jax.tree.leaves(lowered.plan.input_shardings)
         assert all(g.is_equivalent_to(w, len(w.spec) + 1) for g, w in zip(got, want))
+
+
+def test_compiled_answers_like_jax_stages_compiled():
+    step, args = make_mlp_train_step(), mlp_example((8, 16, 8), 16)
+    compiled = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",))).lower(*args).compile()
+    reference = jax.jit(step).lower(*args).compile()
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
+    assert compiled.cost_analysis()["flops"] > 0
+    assert set(compiled.cost_analysis()) == set(reference.cost_analysis())
