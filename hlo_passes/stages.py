@@ -1,0 +1,92 @@
+"""Pipeline stage programs: the compute-gradients program of one micro-batch cut into a forward
+and a backward program per stage (Rhino §5-6; the stager decides the forward ops' stages).
+
+The forward ops are the ancestors of the loss's sum (`micro_batch`); the stager places them. A
+backward op goes where the forward values it reads were made (the latest such stage: the
+backward of a layer reads that layer's activations, and maybe an earlier layer's output), but
+never after a backward op it reads (gradients flow from the last stage to the first); one that
+reads no forward value follows the backward ops it reads. Each program takes the step's
+arguments and the values it reads from other programs, and returns the values other programs
+(and the step's sums) read from it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from jax._src.lib.mlir import ir
+
+from rhino_jax.errors import StagingError
+
+from .graph import Graph
+from .split import extract
+
+
+@dataclass(frozen=True)
+class Program:
+    kind: str  # "F" | "B"
+    stage: int
+    module: ir.Module
+    inputs: tuple[int, ...]  # values made by other programs that it reads (after the step's arguments)
+    outputs: tuple[int, ...]  # values it makes that other programs read, or that the step returns
+
+
+def ancestors(graph: Graph, value: int) -> set[int]:
+    """The nodes `value` depends on."""
+    producer = {r: n.id for n in graph.nodes for r in n.results}
+    found: set[int] = set()
+    stack = [producer[value]] if value in producer else []
+    while stack:
+        i = stack.pop()
+        if i not in found:
+            found.add(i)
+            stack.extend(producer[o] for o in graph.nodes[i].operands if o in producer)
+    return found
+
+
+def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int]) -> dict[int, tuple[str, int]]:
+    """Each node's (pass, stage): forward nodes (ancestors of `loss`) as `forward_stage` puts
+    them, the others by the rule in the module's docstring."""
+    forward = ancestors(graph, loss)
+    missing = forward - set(forward_stage)
+    if missing:
+        raise StagingError(f"{len(missing)} forward ops have no stage")
+    producer = {r: n.id for n in graph.nodes for r in n.results}
+    last = max(forward_stage.values(), default=0)
+    out: dict[int, tuple[str, int]] = {}
+    for n in graph.nodes:
+        if n.trips > 1 or "loop_trips" in n.attrs:
+            raise StagingError("pipeline stages cannot cut through a loop yet: unroll the layers "
+                               f"({n.name or n.op} is in a loop's body)")
+        if n.id in forward:
+            out[n.id] = ("F", forward_stage[n.id])
+            continue
+        read = [producer[o] for o in n.operands if o in producer]
+        made_forward = [forward_stage[p] for p in read if p in forward]
+        behind = [out[p][1] for p in read if p not in forward]
+        stage = max(made_forward) if made_forward else (min(behind) if behind else last)
+        if behind:
+            stage = min(stage, min(behind))
+        out[n.id] = ("B", stage)
+    return out
+
+
+def programs(module: ir.Module, graph: Graph, place: Mapping[int, tuple[str, int]]) -> list[Program]:
+    """The forward and backward program of each stage, in the order one micro-batch runs them
+    (F0 .. Fp-1, then Bp-1 .. B0); a stage without ops of a pass has no program for it."""
+    producer = {r: n.id for n in graph.nodes for r in n.results}
+    returned = set(graph.outputs)
+    keys = sorted(set(place.values()), key=lambda k: (k[0] == "B", k[1] if k[0] == "F" else -k[1]))
+    made: dict[tuple[str, int], list[int]] = {k: [] for k in keys}
+    for n in graph.nodes:
+        made[place[n.id]].extend(n.results)
+    result = []
+    for key in keys:
+        mine = set(made[key])
+        reads = {o for n in graph.nodes if place[n.id] == key for o in n.operands
+                 if o in producer and o not in mine and not graph.values[o].constant}
+        read_elsewhere = {o for n in graph.nodes if place[n.id] != key for o in n.operands if o in mine}
+        outputs = sorted((read_elsewhere | (returned & mine)) - {v for v in mine if graph.values[v].constant})
+        inputs = sorted(reads)
+        result.append(Program(key[0], key[1], extract(module, graph, inputs, outputs), tuple(inputs), tuple(outputs)))
+    return result

@@ -1,0 +1,60 @@
+"""Pipeline stage programs: compute-gradients of one micro-batch cut into a forward and a backward
+program per stage; run in a micro-batch's order they give compute-gradients' sums."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import rhino_jax as rj
+from rhino_jax.hlo_passes import micro_batch, stages
+from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.lowering import lower_on_mesh
+from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
+from rhino_jax.runtime.executable import compile_program
+from rhino_jax.search import stager
+
+MODELS = {"mlp": lambda: (make_mlp_train_step(), mlp_example((16, 32, 32, 32, 16), 8)),
+          "gpt": lambda: (gpt.make_gpt_train_step(dataclasses.replace(gpt.GPT_TINY, n_layers=4)),
+                          gpt.gpt_example(dataclasses.replace(gpt.GPT_TINY, n_layers=4)))}
+
+
+@pytest.mark.parametrize("model,n_stages", [("mlp", 2), ("gpt", 2), ("gpt", 3)])
+def test_stage_programs_run_in_order_give_the_micro_batchs_sums(model, n_stages):
+    step, args = MODELS[model]()
+    mesh = rj.device_mesh((8,), ("data",))
+    k = 2
+    whole = lower_on_mesh(step, args, mesh, ())
+    leaves, tree = jax.tree.flatten(args)
+    micro = [x[: x.shape[0] // k] if r == "batch" else x for x, r in zip(leaves, whole.arg_roles)]
+    one = lower_on_mesh(step, jax.tree.unflatten(tree, micro), mesh, ())
+    graphs = [import_module(s.module, s.arg_paths, s.arg_roles, s.output_paths) for s in (whole, one)]
+    parts = micro_batch.split(whole.module, graphs[0], one.module, graphs[1])
+    cg = import_module(parts.compute, whole.arg_paths, whole.arg_roles, [f"sum[{i}]" for i in range(len(parts.boundary))])
+    loss = next(v for v in cg.outputs if cg.values[v].shape == ())
+    g, node_of = stager.forward_stage_graph(cg, loss)
+    staging = stager.stage(g, n_stages, epsilon=0.5)
+    place = stages.assign(cg, loss, {i: staging.stage[node_of[i]] for i in node_of})
+    progs = stages.programs(parts.compute, cg, place)
+    assert [(p.kind, p.stage) for p in progs] == [("F", s) for s in range(n_stages)] + [
+        ("B", s) for s in reversed(range(n_stages))]
+    made_by = {v: p for p in progs for v in p.outputs}
+    for p in progs:  # forward flows up the stages, backward down, and no forward reads a backward
+        for v in p.inputs:
+            q = made_by[v]
+            assert (q.kind, p.kind) != ("B", "F")
+            assert q.stage < p.stage if (q.kind, p.kind) == ("F", "F") else True
+            assert q.stage > p.stage if (q.kind, p.kind) == ("B", "B") else True
+    replicated = NamedSharding(mesh, P())
+    aval = lambda v: jax.ShapeDtypeStruct(cg.values[v].shape, cg.values[v].dtype)  # noqa: E731
+    ins = [aval(a.value) for a in cg.args]
+    store = {}
+    for p in progs:
+        run = compile_program(p.module, ins + [aval(v) for v in p.inputs], [aval(v) for v in p.outputs],
+                              [replicated] * (len(ins) + len(p.inputs)), [replicated] * len(p.outputs))
+        store.update(zip(p.outputs, run(*micro, *[store[v] for v in p.inputs])))
+    whole_cg = compile_program(parts.compute, ins, [aval(v) for v in cg.outputs], [replicated] * len(ins),
+                               [replicated] * len(cg.outputs))
+    for v, want in zip(cg.outputs, whole_cg(*micro)):
+        np.testing.assert_allclose(np.asarray(store[v]), np.asarray(want), rtol=1e-4, atol=1e-5)
