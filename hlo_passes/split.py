@@ -54,6 +54,20 @@ def extract(module: ir.Module, graph: Graph, inputs: Sequence[int], outputs: Seq
     return new
 
 
+def on_mesh(module: ir.Module, axes: dict[str, int]) -> ir.Module:
+    """A copy of the module whose mesh has these axis sizes (a stage's program on its sub-mesh,
+    cut along the first axis): shardings name axes, so only the mesh's declaration changes."""
+    new = mod.copy_module(module)
+    with new.context:
+        for op in new.body.operations:
+            if op.operation.name == "sdy.mesh":
+                listed = ", ".join(f'"{a}"={n}' for a, n in axes.items())
+                op.operation.attributes["mesh"] = ir.Attribute.parse(f"#sdy.mesh<[{listed}]>")
+                info = ", ".join(f'{{name = "{a}", size = {n} : i64}}' for a, n in axes.items())
+                op.operation.attributes["stablehlo.mesh"] = ir.Attribute.parse(f"{{axes = [{info}]}}")
+    return new
+
+
 def _erase_dead(block: ir.Block) -> None:
     """Erase ops of the block (last first) whose results nothing uses and that have no effect."""
     changed = True

@@ -27,6 +27,7 @@ from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 from .errors import MeshError
 from .mesh_search import plan_on, search_meshes
 from .micro_batched import MicroBatchedLowered
+from .pipelined import PipelinedLowered
 from .options import Options
 from .plan import Plan
 
@@ -154,10 +155,12 @@ class Parallelized:
         key = _signature(args)
         if key in self._cache:
             return self._cache[key]
-        if self.options.num_micro_batches > 1:
+        pipelined = self.options.pipeline not in ("off", 1)
+        if self.options.num_micro_batches > 1 or pipelined:
             if self.mesh is None:
-                raise MeshError("num_micro_batches > 1 needs a mesh: pass mesh=rj.device_mesh(...)")
-            self._cache[key] = MicroBatchedLowered(self._fn, args, self.mesh, self.donate_argnums, self.options, key)
+                raise MeshError("num_micro_batches > 1 and pipeline need a mesh: pass mesh=rj.device_mesh(...)")
+            kind = PipelinedLowered if pipelined else MicroBatchedLowered
+            self._cache[key] = kind(self._fn, args, self.mesh, self.donate_argnums, self.options, key)
             return self._cache[key]
         if self.mesh is None:
             mesh, step, graph, plan = search_meshes(self._fn, args, self.donate_argnums, self.devices,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -21,7 +22,7 @@ from rhino_jax.hlo_passes import micro_batch
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
 from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
-from rhino_jax.hlo_passes.lowering import lower_on_mesh
+from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_program
 from rhino_jax.search.cluster import MeshTopology, get_cluster
@@ -54,24 +55,39 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
 
 
+@dataclass(frozen=True)
+class SplitStep:
+    """A step lowered for the whole batch and for one micro-batch, and cut at its sums."""
+
+    whole: LoweredStep
+    parts: micro_batch.MicroSplit
+    compute_graph: Graph  # compute-gradients' graph: the step's arguments → the sums
+    apply_graph: Graph  # apply-gradients': the step's arguments and the sums → the outputs
+
+
+def split_step(fn, args, mesh: Mesh, k: int) -> SplitStep:
+    whole = lower_on_mesh(fn, args, mesh, ())
+    flat_micro = micro_batch_args(jax.tree.map(_abstract, args), whole.arg_roles, k, whole.arg_paths)[0]  # shapes
+    micro = lower_on_mesh(fn, jax.tree.unflatten(jax.tree.structure(args), flat_micro), mesh, ())
+    graph = import_module(whole.module, whole.arg_paths, whole.arg_roles, whole.output_paths)
+    micro_graph = import_module(micro.module, micro.arg_paths, micro.arg_roles, micro.output_paths)
+    parts = micro_batch.split(whole.module, graph, micro.module, micro_graph)
+    names = [f"sum[{i}]" for i in range(len(parts.boundary))]
+    return SplitStep(whole, parts, import_module(parts.compute, whole.arg_paths, whole.arg_roles, names),
+                     import_module(parts.apply, whole.arg_paths + names,
+                                   whole.arg_roles + ["other"] * len(names), whole.output_paths))
+
+
 class MicroBatchedLowered:
     """A step lowered for k micro-batches: `plan` sums up both programs; `programs` holds each."""
 
     def __init__(self, fn, args, mesh: Mesh, donate_argnums: tuple[int, ...], options: Options, signature):
         k = options.num_micro_batches
-        whole = lower_on_mesh(fn, args, mesh, ())
-        flat_micro = micro_batch_args(jax.tree.map(_abstract, args), whole.arg_roles, k, whole.arg_paths)[0]  # shapes
-        micro = lower_on_mesh(fn, jax.tree.unflatten(jax.tree.structure(args), flat_micro), mesh, ())
-        graph = import_module(whole.module, whole.arg_paths, whole.arg_roles, whole.output_paths)
-        micro_graph = import_module(micro.module, micro.arg_paths, micro.arg_roles, micro.output_paths)
-        parts = micro_batch.split(whole.module, graph, micro.module, micro_graph)
-        names = [f"sum[{i}]" for i in range(len(parts.boundary))]
+        step = split_step(fn, args, mesh, k)
+        whole, parts, compute_graph, apply_graph = step.whole, step.parts, step.compute_graph, step.apply_graph
         cluster = get_cluster(options.cluster)
         topo = MeshTopology.from_mesh(mesh, cluster)
-        compute_graph = import_module(parts.compute, whole.arg_paths, whole.arg_roles, names)
         compute_plan = plan_on(compute_graph, topo, cluster, options)
-        apply_graph = import_module(parts.apply, whole.arg_paths + names, whole.arg_roles + ["other"] * len(names),
-                                    whole.output_paths)
         apply_graph = dataclasses.replace(apply_graph, pins=apply_graph.pins + _same_layouts(
             apply_graph, compute_graph, compute_plan))
         apply_plan = plan_on(apply_graph, topo, cluster, options)

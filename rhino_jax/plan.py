@@ -147,7 +147,13 @@ class Plan:
                 f"search          ILP over {s['ilp_groups']} groups: {s['ilp_vars']} vars, "
                 f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
                 f"({how}) in {s['solve_s']:.2f} s"]
-            if s.get("micro_batches"):
+            if s.get("pipeline"):
+                times = ", ".join(f"{f * 1e3:.3f}+{b * 1e3:.3f}" for f, b in s["stage_times"])
+                lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}, {s['micro_batches']} "
+                             f"micro-batches; forward+backward ms per micro-batch: {times}; "
+                             f"{s['stage_cut_bytes'] / 2**20:.2f} MiB cut), then apply-gradients (the search "
+                             "line above); transfers between stages not priced yet")
+            elif s.get("micro_batches"):
                 cg = s["compute_gradients"]
                 lines.append(f"micro-batching  {s['micro_batches']} micro-batches of compute-gradients (ILP over "
                              f"{cg['ilp_groups']} groups, {cg['status']}), their sums added up, then apply-gradients "

@@ -1,0 +1,185 @@
+"""`pipeline=p`: compute-gradients cut into p stages on p sub-meshes, run micro-batch by micro-batch
+in a static schedule (Rhino §5-6), then one apply-gradients on the whole mesh.
+
+The step is split at its sums as for micro-batching (`micro_batched.split_step`); the stager
+places the forward ops of compute-gradients (balanced FLOPs, least bytes cut), the backward ops
+follow (`hlo_passes.stages`), and each stage's forward and backward program is planned by the
+SPMD search on its sub-mesh (the mesh cut along its first axis). The executor walks the task
+graph of the schedule (`runtime.task_graph`) and dispatches each program with its inputs put
+on its sub-mesh (jax's asynchronous dispatch overlaps the stages); the sums of each micro-batch
+are added on the stage that makes them, and apply-gradients takes them on the whole mesh.
+Not yet: transfers priced in the plan (the schedule's time counts compute and collectives
+only), a stager choice by the controller (`pipeline="auto"`), loops inside a stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from rhino_jax.hlo_passes import stages as stage_programs
+from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.split import on_mesh
+from rhino_jax.runtime import schedules, task_graph
+from rhino_jax.search import stager
+from rhino_jax.search.cluster import MeshTopology, get_cluster
+
+from .errors import MeshError
+from .mesh_search import plan_on
+from .micro_batched import _compile, micro_batch_args, split_step
+from .options import Options
+from .plan import Plan, PlanCost
+
+EPSILON = 0.25  # the stages' compute may differ from a balanced share by this much
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: its devices, and its forward and backward programs' plans."""
+
+    stage: int
+    devices: tuple[int, ...]
+    forward: Plan
+    backward: Plan
+
+    @property
+    def forward_s(self) -> float:
+        return self.forward.cost.total_s
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward.cost.total_s
+
+
+def sub_meshes(mesh: Mesh, p: int) -> list[Mesh]:
+    """The mesh cut into p meshes along its first axis."""
+    n = mesh.devices.shape[0]
+    if p < 2 or n % p:
+        raise MeshError(f"pipeline={p} stages need the mesh's first axis ({mesh.axis_names[0]}={n}) to split into "
+                        f"{p} equal parts; use a mesh like rj.device_mesh(({p}, ...), ...)")
+    size = n // p
+    return [Mesh(mesh.devices[i * size:(i + 1) * size], mesh.axis_names, axis_types=mesh.axis_types) for i in range(p)]
+
+
+class PipelinedLowered:
+    """A step lowered for p stages and k micro-batches: `plan` sums it up, `stages` holds each stage."""
+
+    def __init__(self, fn, args, mesh: Mesh, donate_argnums: tuple[int, ...], options: Options, signature):
+        p, k = options.pipeline, options.num_micro_batches
+        meshes = sub_meshes(mesh, p)
+        step = split_step(fn, args, mesh, k)
+        cg = step.compute_graph
+        loss = _loss_sum(cg)
+        coarse, node_of = stager.forward_stage_graph(cg, loss)
+        staging = stager.stage(coarse, p, EPSILON, backend=options.solver, time_limit_s=options.solver_time_limit_s)
+        place = stage_programs.assign(cg, loss, {i: staging.stage[node_of[i]] for i in node_of})
+        programs = stage_programs.programs(step.parts.compute, cg, place)
+        cluster = get_cluster(options.cluster)
+        whole = step.whole
+        plans: dict[tuple[str, int], tuple[stage_programs.Program, object, Plan]] = {}
+        for prog in programs:
+            prog = dataclasses.replace(prog, module=on_mesh(prog.module, dict(zip(mesh.axis_names,
+                                                                                 meshes[prog.stage].devices.shape))))
+            graph = import_module(prog.module, whole.arg_paths + [f"in[{v}]" for v in prog.inputs],
+                                  whole.arg_roles + ["other"] * len(prog.inputs), [f"out[{v}]" for v in prog.outputs])
+            sub = meshes[prog.stage]
+            plans[prog.kind, prog.stage] = (prog, graph, plan_on(graph, MeshTopology.from_mesh(sub, cluster), cluster,
+                                                                  options))
+        apply_plan = plan_on(step.apply_graph, MeshTopology.from_mesh(mesh, cluster), cluster, options)
+        self.mesh, self.meshes, self.k, self._signature = mesh, meshes, k, signature
+        self.schedule = schedules.make(options.schedule, p, k)
+        self._step, self._programs, self._apply_plan = step, plans, apply_plan
+        self._trees = (jax.tree.structure(args), whole.lowered.out_tree)
+        self.stages = tuple(StagePlan(s, tuple(int(d.id) for d in meshes[s].devices.flat), plans["F", s][2],
+                                      plans["B", s][2]) for s in range(p))
+        self.plan = self._summary(staging)
+        self._compiled: PipelinedCompiled | None = None
+
+    def _summary(self, staging: stager.Staging) -> Plan:
+        """apply-gradients' plan, for the step's arguments and outputs, with the pipeline's cost:
+        the schedule's time for its stages' programs, then apply-gradients."""
+        a = self._apply_plan
+        fwd, bwd = [s.forward_s for s in self.stages], [s.backward_s for s in self.stages]
+        pipeline_s = self.schedule.makespan(fwd, bwd)
+        cost = PlanCost(a.cost.compute_s, a.cost.comm_s, pipeline_s + a.cost.total_s,
+                        max([a.cost.memory_bytes] + [s.forward.cost.memory_bytes + s.backward.cost.memory_bytes
+                                                     for s in self.stages]))
+        n = len(self._step.compute_graph.args)
+        named = lambda ss: [NamedSharding(self.mesh, s.to_partition_spec()) for s in ss]  # noqa: E731
+        stats = dict(a.search_stats, pipeline=len(self.stages), schedule=self.schedule.name, micro_batches=self.k,
+                     stage_cut_bytes=staging.cut_bytes, stage_flops=staging.stage_compute,
+                     stage_times=tuple((f, b) for f, b in zip(fwd, bwd)))
+        stats.pop("compute_gradients", None)
+        return dataclasses.replace(
+            a, arg_paths=a.arg_paths[:n], arg_roles=a.arg_roles[:n], arg_shapes=a.arg_shapes[:n],
+            arg_dtypes=a.arg_dtypes[:n], arg_specs=a.arg_specs[:n], cost=cost, search_stats=stats,
+            input_shardings=jax.tree.unflatten(self._trees[0], named(a.arg_specs[:n])),
+            output_shardings=jax.tree.unflatten(self._trees[1], named(a.output_specs)))
+
+    def compile(self) -> "PipelinedCompiled":
+        if self._compiled is None:
+            self._compiled = PipelinedCompiled(self)
+        return self._compiled
+
+
+def _loss_sum(cg) -> int:
+    """The sum the loss is made of: of compute-gradients' scalar sums, the one the most ops lead to
+    (the loss depends on the whole forward pass; a counter or a metric on less)."""
+    scalars = [v for v in cg.outputs if cg.values[v].shape == ()]
+    if not scalars:
+        raise MeshError("pipelining needs a scalar loss among the step's outputs")
+    return max(scalars, key=lambda v: len(stage_programs.ancestors(cg, v)))
+
+
+class PipelinedCompiled:
+    """The stage programs and apply-gradients compiled; call it like the step."""
+
+    def __init__(self, lowered: PipelinedLowered):
+        self._lowered, self.plan = lowered, lowered.plan
+        self._run = {}
+        for key, (prog, graph, plan) in lowered._programs.items():
+            sub = lowered.meshes[prog.stage]
+            ins = [NamedSharding(sub, s.to_partition_spec()) for s in plan.arg_specs]
+            self._run[key] = (prog, _compile(prog.module, graph, plan, sub), ins)
+        apply = lowered._apply_plan
+        self._apply = _compile(lowered._step.parts.apply, lowered._step.apply_graph, apply, lowered.mesh)
+        self._apply_in = [NamedSharding(lowered.mesh, s.to_partition_spec()) for s in apply.arg_specs]
+        self._add = jax.jit(lambda a, b: a + b)
+
+    def __call__(self, *args):
+        low = self._lowered
+        tree, out_tree = low._trees
+        if jax.tree.structure(args) != tree:
+            raise TypeError(f"function compiled for arguments of structure {tree}, called with {jax.tree.structure(args)}")
+        roles = low.plan.arg_roles
+        micro = micro_batch_args(args, roles, low.k, low.plan.arg_paths)
+        sums_of = set(low._step.compute_graph.outputs)
+        made: dict[tuple[int, int], jax.Array] = {}  # (micro-batch, value) → array
+        sums: dict[int, jax.Array] = {}
+        for task in task_graph.build(low.schedule).order():
+            if task.kind not in ("forward", "backward"):
+                continue
+            prog, run, shardings = self._run["F" if task.kind == "forward" else "B", task.stage]
+            ins = micro[task.micro_batch] + [made[task.micro_batch, v] for v in prog.inputs]
+            outs = run(*jax.device_put(ins, shardings))
+            for v, out in zip(prog.outputs, outs):
+                made[task.micro_batch, v] = out
+                if v in sums_of:
+                    sums[v] = out if v not in sums else self._add(sums[v], out)
+        whole = jax.tree.leaves(args)
+        totals = [sums[v] for v in low._step.compute_graph.outputs]
+        out = self._apply(*jax.device_put(whole + totals, self._apply_in))
+        return jax.tree.unflatten(out_tree, list(out))
+
+    def report(self) -> str:
+        low = self._lowered
+        lines = [self.plan.report(), "", f"pipeline: {len(low.stages)} stages, schedule {low.schedule.name}, "
+                 f"{low.k} micro-batches"]
+        for s in low.stages:
+            lines.append(f"  stage {s.stage}: devices {list(s.devices)}, forward {s.forward_s * 1e3:.3f} ms, "
+                         f"backward {s.backward_s * 1e3:.3f} ms per micro-batch, memory "
+                         f"{(s.forward.cost.memory_bytes + s.backward.cost.memory_bytes) / 2**20:.1f} MiB")
+        return "\n".join(lines)
+

@@ -1,0 +1,54 @@
+"""pipeline=p: stages on sub-meshes run by a static schedule; the numbers of one device."""
+import dataclasses
+
+import jax
+import pytest
+
+import rhino_jax as rj
+from rhino_jax.errors import MeshError, StagingError
+from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
+
+from helpers import assert_same_numbers
+
+GPT4 = dataclasses.replace(gpt.GPT_TINY, n_layers=4)
+
+
+def _case(model):
+    if model == "mlp":
+        return make_mlp_train_step(), mlp_example((16, 32, 32, 32, 16), 8)
+    return gpt.make_gpt_train_step(GPT4), gpt.gpt_example(GPT4)
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("shape,names", [((8,), ("data",)), ((2, 4), ("data", "model"))])
+def test_two_stages_keep_the_numbers_of_one_device(model, shape, names):
+    step, args = _case(model)
+    lowered = rj.parallelize(step, mesh=rj.device_mesh(shape, names), pipeline=2, num_micro_batches=4).lower(*args)
+    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
+    first, second = lowered.stages
+    assert set(first.devices).isdisjoint(second.devices) and len(first.devices) + len(second.devices) == 8
+    assert "2 stages" in lowered.plan.report()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "eager-1f1b"])
+def test_four_stages_of_two_devices_under_every_schedule(schedule):
+    step, args = _case("gpt")
+    lowered = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=4, num_micro_batches=2,
+                             schedule=schedule).lower(*args)
+    assert [len(s.devices) for s in lowered.stages] == [2, 2, 2, 2]
+    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
+
+
+def test_bad_pipelines_say_what_to_change():
+    step, args = _case("gpt")
+    with pytest.raises(MeshError, match="split into 3 equal parts"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=3, num_micro_batches=2).lower(*args)
+    with pytest.raises(ValueError, match="needs num_micro_batches >= 2"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=2)
+    with pytest.raises(MeshError, match="not built yet"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline="auto")
+    with pytest.raises(ValueError, match="pipeline must be"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=0)
+    mlp, mlp_args = make_mlp_train_step(), mlp_example((16, 16), 8)  # one layer cannot fill 8 stages
+    with pytest.raises(StagingError, match="stages"):
+        rj.parallelize(mlp, mesh=rj.device_mesh((8,), ("data",)), pipeline=8, num_micro_batches=2).lower(*mlp_args)
