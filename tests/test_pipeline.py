@@ -2,12 +2,15 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import rhino_jax as rj
 from rhino_jax.errors import MeshError, StagingError
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 
+from benchmarks.third_party_models import linen_clip_adamw
 from helpers import assert_same_numbers
 
 GPT4 = dataclasses.replace(gpt.GPT_TINY, n_layers=4)
@@ -52,3 +55,34 @@ def test_bad_pipelines_say_what_to_change():
     mlp, mlp_args = make_mlp_train_step(), mlp_example((16, 16), 8)  # one layer cannot fill 8 stages
     with pytest.raises(StagingError, match="stages"):
         rj.parallelize(mlp, mesh=rj.device_mesh((8,), ("data",)), pipeline=8, num_micro_batches=2).lower(*mlp_args)
+
+
+def test_flax_with_global_norm_clipping_keeps_its_numbers():
+    case = linen_clip_adamw()
+    step = rj.parallelize(case.step, mesh=rj.device_mesh((2, 4), ("data", "model")), pipeline=2, num_micro_batches=2)
+    assert_same_numbers(jax.jit(case.step)(*case.args), step(*case.args), rtol=1e-3, atol=1e-4)
+
+
+def _unet_step(params, batch):
+    """Down 16 → 32 → 32 → 32, up with skips from the down path: stages must follow the skips."""
+    def loss_fn(p):
+        h0 = jnp.tanh(batch["x"] @ p["d0"])
+        h1 = jnp.tanh(h0 @ p["d1"])
+        h2 = jnp.tanh(h1 @ p["d2"])
+        u1 = jnp.tanh(h2 @ p["u2"]) + h1
+        u0 = jnp.tanh(u1 @ p["u1"]) + h0
+        return jnp.mean((u0 @ p["out"] - batch["y"]) ** 2)
+
+    loss, g = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss
+
+
+def test_a_unet_with_skip_connections_keeps_its_numbers():
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]), jnp.float32)  # noqa: E731
+    params = {"d0": w(16, 32), "d1": w(32, 32), "d2": w(32, 32), "u2": w(32, 32), "u1": w(32, 32), "out": w(32, 8)}
+    batch = {"x": w(16, 16), "y": w(16, 8)}
+    lowered = rj.parallelize(_unet_step, mesh=rj.device_mesh((8,), ("data",)), pipeline=2,
+                             num_micro_batches=2).lower(params, batch)
+    assert lowered.plan.search_stats["stage_cut_bytes"] > 0
+    assert_same_numbers(jax.jit(_unet_step)(params, batch), lowered.compile()(params, batch))
