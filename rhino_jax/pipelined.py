@@ -4,12 +4,13 @@ in a static schedule (Rhino §5-6), then one apply-gradients on the whole mesh.
 The step is split at its sums as for micro-batching (`micro_batched.split_step`); the stager
 places the forward ops of compute-gradients (balanced FLOPs, least bytes cut), the backward ops
 follow (`hlo_passes.stages`), and each stage's forward and backward program is planned by the
-SPMD search on its sub-mesh (the mesh cut along its first axis). The executor walks the task
-graph of the schedule (`runtime.task_graph`) and dispatches each program with its inputs put
-on its sub-mesh (jax's asynchronous dispatch overlaps the stages); the sums of each micro-batch
-are added on the stage that makes them, and apply-gradients takes them on the whole mesh.
-Not yet: transfers priced in the plan (the schedule's time counts compute and collectives
-only), a stager choice by the controller (`pipeline="auto"`), loops inside a stage.
+SPMD search on its sub-mesh (the mesh cut along its first axis). Every tensor one stage hands
+another moves by cross-mesh resharding (`runtime.resharding`, seeds/004), planned once and
+priced: a micro-batch's transfers across the busiest boundary are the schedule's transfer time.
+The executor walks the task graph of the schedule (`runtime.task_graph`) and dispatches each
+program with its inputs put on its sub-mesh (jax's asynchronous dispatch overlaps the stages);
+the sums of each micro-batch are added on the stage that makes them, and apply-gradients takes
+them on the whole mesh. Not yet: the controller (`pipeline="auto"`), loops inside a stage.
 """
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ import dataclasses
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from rhino_jax.hlo_passes import stages as stage_programs
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
-from rhino_jax.runtime import schedules, task_graph
+from rhino_jax.runtime import resharding, schedules, task_graph
 from rhino_jax.search import stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster
 
@@ -89,6 +91,7 @@ class PipelinedLowered:
                                                                   options))
         apply_plan = plan_on(step.apply_graph, MeshTopology.from_mesh(mesh, cluster), cluster, options)
         self.mesh, self.meshes, self.k, self._signature = mesh, meshes, k, signature
+        self.transfers = _transfers(plans, meshes, cg, cluster)
         self.schedule = schedules.make(options.schedule, p, k)
         self._step, self._programs, self._apply_plan = step, plans, apply_plan
         self._trees = (jax.tree.structure(args), whole.lowered.out_tree)
@@ -102,7 +105,11 @@ class PipelinedLowered:
         the schedule's time for its stages' programs, then apply-gradients."""
         a = self._apply_plan
         fwd, bwd = [s.forward_s for s in self.stages], [s.backward_s for s in self.stages]
-        pipeline_s = self.schedule.makespan(fwd, bwd)
+        per_boundary: dict[tuple[int, int], float] = {}
+        for (src, dst, _), move in self.transfers.items():
+            per_boundary[src, dst] = per_boundary.get((src, dst), 0.0) + move.makespan_s
+        transfer_s = max(per_boundary.values(), default=0.0)  # a micro-batch's tensors across one boundary
+        pipeline_s = self.schedule.makespan(fwd, bwd, transfer_s)
         cost = PlanCost(a.cost.compute_s, a.cost.comm_s, pipeline_s + a.cost.total_s,
                         max([a.cost.memory_bytes] + [s.forward.cost.memory_bytes + s.backward.cost.memory_bytes
                                                      for s in self.stages]))
@@ -110,7 +117,7 @@ class PipelinedLowered:
         named = lambda ss: [NamedSharding(self.mesh, s.to_partition_spec()) for s in ss]  # noqa: E731
         stats = dict(a.search_stats, pipeline=len(self.stages), schedule=self.schedule.name, micro_batches=self.k,
                      stage_cut_bytes=staging.cut_bytes, stage_flops=staging.stage_compute,
-                     stage_times=tuple((f, b) for f, b in zip(fwd, bwd)))
+                     stage_times=tuple((f, b) for f, b in zip(fwd, bwd)), transfer_s=transfer_s)
         stats.pop("compute_gradients", None)
         return dataclasses.replace(
             a, arg_paths=a.arg_paths[:n], arg_roles=a.arg_roles[:n], arg_shapes=a.arg_shapes[:n],
@@ -122,6 +129,29 @@ class PipelinedLowered:
         if self._compiled is None:
             self._compiled = PipelinedCompiled(self)
         return self._compiled
+
+
+def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, int], resharding.ReshardPlan]:
+    """(source stage, destination stage, value) → its cross-mesh resharding (seeds/004), for every
+    tensor one stage's program hands another's: from the producer's output layout on its mesh to
+    the consumer's argument layout on its mesh, load-balanced under the host-level model."""
+    made = {v: (prog, plan) for prog, _, plan in plans.values() for v in prog.outputs}
+    hosts = resharding.Hosts(lambda d: d.id // cluster.devices_per_host, cluster.inter_host_bandwidth,
+                             cluster.intra_host_bandwidth)
+    found = {}
+    for prog, graph, plan in plans.values():
+        n_args = len(graph.args) - len(prog.inputs)
+        for k, v in enumerate(prog.inputs):
+            src_prog, src_plan = made[v]
+            if src_prog.stage == prog.stage:
+                continue
+            shape = cg.values[v].shape
+            src = NamedSharding(meshes[src_prog.stage], src_plan.output_specs[src_prog.outputs.index(v)].to_partition_spec())
+            dst = NamedSharding(meshes[prog.stage], plan.arg_specs[n_args + k].to_partition_spec())
+            tasks = resharding.unit_tasks(resharding.sharding_map(src, shape), resharding.sharding_map(dst, shape),
+                                          np.dtype(cg.values[v].dtype).itemsize)
+            found[src_prog.stage, prog.stage, v] = resharding.plan(tasks, hosts)
+    return found
 
 
 def _loss_sum(cg) -> int:
@@ -147,6 +177,7 @@ class PipelinedCompiled:
         self._apply = _compile(lowered._step.parts.apply, lowered._step.apply_graph, apply, lowered.mesh)
         self._apply_in = [NamedSharding(lowered.mesh, s.to_partition_spec()) for s in apply.arg_specs]
         self._add = jax.jit(lambda a, b: a + b)
+        self._stage_of = {v: prog.stage for prog, _, _ in lowered._programs.values() for v in prog.outputs}
 
     def __call__(self, *args):
         low = self._lowered
@@ -162,8 +193,14 @@ class PipelinedCompiled:
             if task.kind not in ("forward", "backward"):
                 continue
             prog, run, shardings = self._run["F" if task.kind == "forward" else "B", task.stage]
-            ins = micro[task.micro_batch] + [made[task.micro_batch, v] for v in prog.inputs]
-            outs = run(*jax.device_put(ins, shardings))
+            n = len(micro[task.micro_batch])
+            ins = jax.device_put(micro[task.micro_batch], shardings[:n])
+            for k, v in enumerate(prog.inputs):  # across meshes by cross-mesh resharding, else device_put
+                x = made[task.micro_batch, v]
+                key = (self._stage_of[v], task.stage, v)
+                ins.append(resharding.reshard(x, shardings[n + k], low.transfers[key]) if key in low.transfers
+                           else jax.device_put(x, shardings[n + k]))
+            outs = run(*ins)
             for v, out in zip(prog.outputs, outs):
                 made[task.micro_batch, v] = out
                 if v in sums_of:

@@ -151,8 +151,8 @@ class Plan:
                 times = ", ".join(f"{f * 1e3:.3f}+{b * 1e3:.3f}" for f, b in s["stage_times"])
                 lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}, {s['micro_batches']} "
                              f"micro-batches; forward+backward ms per micro-batch: {times}; "
-                             f"{s['stage_cut_bytes'] / 2**20:.2f} MiB cut), then apply-gradients (the search "
-                             "line above); transfers between stages not priced yet")
+                             f"{s['stage_cut_bytes'] / 2**20:.2f} MiB cut, {s['transfer_s'] * 1e3:.3f} ms to move a "
+                             "micro-batch's tensors across a boundary), then apply-gradients (the search line above)")
             elif s.get("micro_batches"):
                 cg = s["compute_gradients"]
                 lines.append(f"micro-batching  {s['micro_batches']} micro-batches of compute-gradients (ILP over "
