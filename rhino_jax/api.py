@@ -26,6 +26,7 @@ from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 
 from .errors import MeshError
 from .mesh_search import plan_on, search_meshes
+from .controller import choose
 from .micro_batched import MicroBatchedLowered
 from .pipelined import PipelinedLowered
 from .options import Options
@@ -153,33 +154,36 @@ class Parallelized:
 
     def lower(self, *args) -> Lowered:
         key = _signature(args)
-        if key in self._cache:
-            return self._cache[key]
-        pipelined = self.options.pipeline not in ("off", 1)
-        if self.options.num_micro_batches > 1 or pipelined:
+        if key not in self._cache:
+            if self.options.pipeline == "auto":
+                self._cache[key] = choose(self, args, key)
+            else:
+                self._cache[key] = self.lower_with(self.options, args, key)
+        return self._cache[key]
+
+    def lower_with(self, options: Options, args, key):
+        """The step lowered and planned under `options` (one candidate of `pipeline="auto"`)."""
+        pipelined = options.pipeline not in ("off", 1)
+        if options.num_micro_batches > 1 or pipelined:
             if self.mesh is None:
                 raise MeshError("num_micro_batches > 1 and pipeline need a mesh: pass mesh=rj.device_mesh(...)")
             kind = PipelinedLowered if pipelined else MicroBatchedLowered
-            self._cache[key] = kind(self._fn, args, self.mesh, self.donate_argnums, self.options, key)
-            return self._cache[key]
+            return kind(self._fn, args, self.mesh, self.donate_argnums, options, key)
         if self.mesh is None:
-            mesh, step, graph, plan = search_meshes(self._fn, args, self.donate_argnums, self.devices,
-                                                    self.options)
+            mesh, step, graph, plan = search_meshes(self._fn, args, self.donate_argnums, self.devices, options)
         else:
             mesh = self.mesh
             step = lower_on_mesh(self._fn, args, mesh, self.donate_argnums)
             graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
-            cluster = get_cluster(self.options.cluster)
+            cluster = get_cluster(options.cluster)
             topo = MeshTopology.from_mesh(mesh, cluster)
-            plan = plan_on(graph, topo, cluster, self.options)
+            plan = plan_on(graph, topo, cluster, options)
         tree = jax.tree.structure(args)
         out_tree = step.lowered.out_tree
         named = lambda specs: [NamedSharding(mesh, s.to_partition_spec()) for s in specs]  # noqa: E731
         plan = dataclasses.replace(plan, input_shardings=jax.tree.unflatten(tree, named(plan.arg_specs)),
                                    output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)))
-        lowered = Lowered(plan, graph, mesh, step, key)
-        self._cache[key] = lowered
-        return lowered
+        return Lowered(plan, graph, mesh, step, key)
 
     def __call__(self, *args, **kwargs):
         if kwargs:

@@ -32,13 +32,10 @@ class Options:
         get_cluster(self.cluster)  # raises on an unknown preset
         if self.schedule not in ("1f1b", "gpipe", "eager-1f1b"):
             raise ValueError(f"schedule must be '1f1b', 'gpipe' or 'eager-1f1b', got {self.schedule!r}")
-        if self.pipeline == "auto":
-            raise MeshError("pipeline='auto' (choosing between SPMD and pipelined plans) is not built yet; pass "
-                            "pipeline=k for k stages, or pipeline='off'")
-        if self.pipeline != "off" and (isinstance(self.pipeline, bool) or not isinstance(self.pipeline, int)
-                                       or self.pipeline < 1):
-            raise ValueError(f"pipeline must be 'off' or a number of stages >= 1, got {self.pipeline!r}")
-        if self.pipeline not in ("off", 1) and self.num_micro_batches < 2:
+        if self.pipeline not in ("off", "auto") and (isinstance(self.pipeline, bool) or not isinstance(
+                self.pipeline, int) or self.pipeline < 1):
+            raise ValueError(f"pipeline must be 'off', 'auto' or a number of stages >= 1, got {self.pipeline!r}")
+        if self.pipeline not in ("off", "auto", 1) and self.num_micro_batches < 2:
             raise ValueError(f"pipeline={self.pipeline} needs num_micro_batches >= 2: with one micro-batch the "
                              "stages run one after another; pass e.g. num_micro_batches=4")
         if isinstance(self.num_micro_batches, bool) or not isinstance(self.num_micro_batches, int) \

@@ -147,6 +147,10 @@ class Plan:
                 f"search          ILP over {s['ilp_groups']} groups: {s['ilp_vars']} vars, "
                 f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
                 f"({how}) in {s['solve_s']:.2f} s"]
+            if s.get("pipeline_candidates"):
+                lines.append("pipeline='auto' (predicted step, best first): " + "; ".join(
+                    f"{label} {seconds * 1e3:.4g} ms" if seconds is not None else f"{label} infeasible ({why})"
+                    for label, seconds, why in s["pipeline_candidates"]))
             if s.get("pipeline"):
                 times = ", ".join(f"{f * 1e3:.3f}+{b * 1e3:.3f}" for f, b in s["stage_times"])
                 lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}, {s['micro_batches']} "

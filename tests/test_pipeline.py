@@ -48,8 +48,6 @@ def test_bad_pipelines_say_what_to_change():
         rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=3, num_micro_batches=2).lower(*args)
     with pytest.raises(ValueError, match="needs num_micro_batches >= 2"):
         rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=2)
-    with pytest.raises(MeshError, match="not built yet"):
-        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline="auto")
     with pytest.raises(ValueError, match="pipeline must be"):
         rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=0)
     mlp, mlp_args = make_mlp_train_step(), mlp_example((16, 16), 8)  # one layer cannot fill 8 stages
@@ -86,3 +84,17 @@ def test_a_unet_with_skip_connections_keeps_its_numbers():
                              num_micro_batches=2).lower(params, batch)
     assert lowered.plan.search_stats["stage_cut_bytes"] > 0
     assert_same_numbers(jax.jit(_unet_step)(params, batch), lowered.compile()(params, batch))
+
+
+def test_auto_compares_spmd_and_pipelines_and_runs_the_fastest():
+    step, args = _case("gpt")
+    lowered = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline="auto",
+                             num_micro_batches=2).lower(*args)
+    table = lowered.plan.search_stats["pipeline_candidates"]
+    assert [label for label, _, _ in table][1:] != [] and {label.split(",")[0] for label, _, _ in table} == {
+        "SPMD only", "2 stages", "4 stages", "8 stages"}
+    best = table[0][1]
+    assert all(seconds is None or best <= seconds for _, seconds, _ in table)
+    assert lowered.plan.cost.total_s == best
+    assert "pipeline='auto'" in lowered.plan.report()
+    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
