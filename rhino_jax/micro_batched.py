@@ -43,6 +43,18 @@ def micro_batch_args(args, roles: Sequence[str], k: int, paths: Sequence[str]) -
     return [[_piece(x, i, k) if role == "batch" else x for x, role in zip(leaves, roles)] for i in range(k)]
 
 
+def micro_batches_of(lowered, args) -> list[list]:
+    """The flat arguments of each micro-batch of a call, after checking the call's pytree."""
+    tree = lowered._trees[0]
+    if jax.tree.structure(args) != tree:
+        raise TypeError(f"function compiled for arguments of structure {tree}, called with {jax.tree.structure(args)}")
+    return micro_batch_args(args, lowered.plan.arg_roles, lowered.k, lowered.plan.arg_paths)
+
+
+def named(mesh: Mesh, specs) -> list[NamedSharding]:
+    return [NamedSharding(mesh, s.to_partition_spec()) for s in specs]
+
+
 def _piece(x, i: int, k: int):
     """The i-th of k pieces of x along its first dim (of its shape alone, for an abstract x)."""
     b = np.shape(x)[0] // k
@@ -126,14 +138,13 @@ def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mes
                     max(c.memory_bytes + sums, a.memory_bytes), k * c.hidden_s + a.hidden_s)
     n = len(compute_graph.args)
     specs = tuple(compute.arg_specs[i] if r == "batch" else apply.arg_specs[i] for i, r in enumerate(apply.arg_roles[:n]))
-    named = lambda ss: [NamedSharding(mesh, s.to_partition_spec()) for s in ss]  # noqa: E731
     stats = dict(apply.search_stats, micro_batches=k, compute_gradients=compute.search_stats,
                  status=apply.search_stats.get("status"))
     return dataclasses.replace(
         apply, arg_paths=apply.arg_paths[:n], arg_roles=apply.arg_roles[:n], arg_shapes=apply.arg_shapes[:n],
         arg_dtypes=apply.arg_dtypes[:n], arg_specs=specs, cost=cost, collectives=compute.collectives * k + apply.collectives,
-        search_stats=stats, input_shardings=jax.tree.unflatten(trees[0], named(specs)),
-        output_shardings=jax.tree.unflatten(trees[1], named(apply.output_specs)))
+        search_stats=stats, input_shardings=jax.tree.unflatten(trees[0], named(mesh, specs)),
+        output_shardings=jax.tree.unflatten(trees[1], named(mesh, apply.output_specs)))
 
 
 class MicroBatchedCompiled:
@@ -146,25 +157,21 @@ class MicroBatchedCompiled:
         compute_graph, apply_graph = lowered._graphs
         self._compute = _compile(lowered._parts.compute, compute_graph, compute_plan, mesh)
         self._apply = _compile(lowered._parts.apply, apply_graph, apply_plan, mesh)
-        sums = [NamedSharding(mesh, s.to_partition_spec()) for s in compute_plan.output_specs]
-        self._add = jax.jit(lambda a, b: [x + y for x, y in zip(a, b)], out_shardings=sums, donate_argnums=0)
-        self._compute_in = [NamedSharding(mesh, s.to_partition_spec()) for s in compute_plan.arg_specs]
-        self._apply_in = [NamedSharding(mesh, s.to_partition_spec()) for s in apply_plan.arg_specs]
+        self._add = jax.jit(lambda a, b: [x + y for x, y in zip(a, b)], out_shardings=named(mesh, compute_plan.output_specs),
+                            donate_argnums=0)
+        self._compute_in = named(mesh, compute_plan.arg_specs)
+        self._apply_in = named(mesh, apply_plan.arg_specs)
 
     def __call__(self, *args):
         low = self._lowered
-        tree, out_tree = low._trees
-        if jax.tree.structure(args) != tree:
-            raise TypeError(f"function compiled for arguments of structure {tree}, called with {jax.tree.structure(args)}")
-        roles = low.plan.arg_roles
         total = None
-        for flat in micro_batch_args(args, roles, low.k, low.plan.arg_paths):
+        for flat in micro_batches_of(low, args):
             part = self._compute(*jax.device_put(flat, self._compute_in))
             total = list(part) if total is None else self._add(total, list(part))
         whole = jax.tree.leaves(args)
         n = len(whole)
         out = self._apply(*jax.device_put(whole, self._apply_in[:n]), *total)
-        return jax.tree.unflatten(out_tree, list(out))
+        return jax.tree.unflatten(low._trees[1], list(out))
 
     def report(self) -> str:
         return "\n\n".join([self.plan.report()] + [f"{name}:\n{plan.report()}"
@@ -176,7 +183,6 @@ def _compile(module, graph: Graph, plan: Plan, mesh: Mesh) -> jax.stages.Compile
     rewritten = rewrite_pass.rewrite(copy_module(module), graph, plan.value_specs, plan.read_specs, plan.read_paths,
                                      plan.arg_specs, plan.output_specs, plan.mesh_axes)
     aval = lambda v: jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype)  # noqa: E731
-    named = lambda specs: [NamedSharding(mesh, s.to_partition_spec()) for s in specs]  # noqa: E731
     return compile_program(rewritten, [aval(a.value) for a in graph.args], [aval(v) for v in graph.outputs],
-                           named(plan.arg_specs), named(plan.output_specs))
+                           named(mesh, plan.arg_specs), named(mesh, plan.output_specs))
 

@@ -30,7 +30,7 @@ from rhino_jax.search.cluster import MeshTopology, get_cluster
 
 from .errors import MeshError
 from .mesh_search import plan_on
-from .micro_batched import _compile, micro_batch_args, split_step
+from .micro_batched import _compile, micro_batches_of, named, split_step
 from .options import Options
 from .plan import Plan, PlanCost
 
@@ -114,7 +114,6 @@ class PipelinedLowered:
                         max([a.cost.memory_bytes] + [s.forward.cost.memory_bytes + s.backward.cost.memory_bytes
                                                      for s in self.stages]))
         n = len(self._step.compute_graph.args)
-        named = lambda ss: [NamedSharding(self.mesh, s.to_partition_spec()) for s in ss]  # noqa: E731
         stats = dict(a.search_stats, pipeline=len(self.stages), schedule=self.schedule.name, micro_batches=self.k,
                      stage_cut_bytes=staging.cut_bytes, stage_flops=staging.stage_compute,
                      stage_times=tuple((f, b) for f, b in zip(fwd, bwd)), transfer_s=transfer_s)
@@ -122,8 +121,8 @@ class PipelinedLowered:
         return dataclasses.replace(
             a, arg_paths=a.arg_paths[:n], arg_roles=a.arg_roles[:n], arg_shapes=a.arg_shapes[:n],
             arg_dtypes=a.arg_dtypes[:n], arg_specs=a.arg_specs[:n], cost=cost, search_stats=stats,
-            input_shardings=jax.tree.unflatten(self._trees[0], named(a.arg_specs[:n])),
-            output_shardings=jax.tree.unflatten(self._trees[1], named(a.output_specs)))
+            input_shardings=jax.tree.unflatten(self._trees[0], named(self.mesh, a.arg_specs[:n])),
+            output_shardings=jax.tree.unflatten(self._trees[1], named(self.mesh, a.output_specs)))
 
     def compile(self) -> "PipelinedCompiled":
         if self._compiled is None:
@@ -171,21 +170,16 @@ class PipelinedCompiled:
         self._run = {}
         for key, (prog, graph, plan) in lowered._programs.items():
             sub = lowered.meshes[prog.stage]
-            ins = [NamedSharding(sub, s.to_partition_spec()) for s in plan.arg_specs]
-            self._run[key] = (prog, _compile(prog.module, graph, plan, sub), ins)
+            self._run[key] = (prog, _compile(prog.module, graph, plan, sub), named(sub, plan.arg_specs))
         apply = lowered._apply_plan
         self._apply = _compile(lowered._step.parts.apply, lowered._step.apply_graph, apply, lowered.mesh)
-        self._apply_in = [NamedSharding(lowered.mesh, s.to_partition_spec()) for s in apply.arg_specs]
+        self._apply_in = named(lowered.mesh, apply.arg_specs)
         self._add = jax.jit(lambda a, b: a + b)
         self._stage_of = {v: prog.stage for prog, _, _ in lowered._programs.values() for v in prog.outputs}
 
     def __call__(self, *args):
         low = self._lowered
-        tree, out_tree = low._trees
-        if jax.tree.structure(args) != tree:
-            raise TypeError(f"function compiled for arguments of structure {tree}, called with {jax.tree.structure(args)}")
-        roles = low.plan.arg_roles
-        micro = micro_batch_args(args, roles, low.k, low.plan.arg_paths)
+        micro = micro_batches_of(low, args)
         sums_of = set(low._step.compute_graph.outputs)
         made: dict[tuple[int, int], jax.Array] = {}  # (micro-batch, value) → array
         sums: dict[int, jax.Array] = {}
@@ -208,7 +202,7 @@ class PipelinedCompiled:
         whole = jax.tree.leaves(args)
         totals = [sums[v] for v in low._step.compute_graph.outputs]
         out = self._apply(*jax.device_put(whole + totals, self._apply_in))
-        return jax.tree.unflatten(out_tree, list(out))
+        return jax.tree.unflatten(low._trees[1], list(out))
 
     def report(self) -> str:
         low = self._lowered
