@@ -11,6 +11,7 @@ outputs fed back to the next step keep those layouts too.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,7 +78,10 @@ class SplitStep:
     apply_graph: Graph  # apply-gradients': the step's arguments and the sums → the outputs
 
 
-def split_step(fn, args, mesh: Mesh, k: int) -> SplitStep:
+def split_step(fn, args, mesh: Mesh, k: int, donate_argnums: tuple[int, ...] = ()) -> SplitStep:
+    if donate_argnums:
+        warnings.warn(f"donate_argnums={donate_argnums} is not used with micro-batches or pipeline stages yet: "
+                      "the updated state comes back in new buffers (more memory, same numbers)", stacklevel=4)
     whole = lower_on_mesh(fn, args, mesh, ())
     flat_micro = micro_batch_args(jax.tree.map(_abstract, args), whole.arg_roles, k, whole.arg_paths)[0]  # shapes
     micro = lower_on_mesh(fn, jax.tree.unflatten(jax.tree.structure(args), flat_micro), mesh, ())
@@ -95,7 +99,7 @@ class MicroBatchedLowered:
 
     def __init__(self, fn, args, mesh: Mesh, donate_argnums: tuple[int, ...], options: Options, signature):
         k = options.num_micro_batches
-        step = split_step(fn, args, mesh, k)
+        step = split_step(fn, args, mesh, k, donate_argnums)
         whole, parts, compute_graph, apply_graph = step.whole, step.parts, step.compute_graph, step.apply_graph
         cluster = get_cluster(options.cluster)
         topo = MeshTopology.from_mesh(mesh, cluster)

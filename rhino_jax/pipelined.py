@@ -71,7 +71,7 @@ class PipelinedLowered:
     def __init__(self, fn, args, mesh: Mesh, donate_argnums: tuple[int, ...], options: Options, signature):
         p, k = options.pipeline, options.num_micro_batches
         meshes = sub_meshes(mesh, p)
-        step = split_step(fn, args, mesh, k)
+        step = split_step(fn, args, mesh, k, donate_argnums)
         cg = step.compute_graph
         loss = _loss_sum(cg)
         coarse, node_of = stager.forward_stage_graph(cg, loss)

@@ -101,3 +101,10 @@ def test_the_boundary_is_one_sum_per_parameter_and_the_loss():
     params = [a for a in graphs[0].args if a.role == "parameter"]
     assert sorted(graphs[0].values[v].shape for v in cut) == sorted(
         [graphs[0].values[a.value].shape for a in params] + [()])
+
+
+def test_donation_is_not_used_yet_and_says_so():
+    step, args = gpt.make_gpt_train_step(gpt.GPT_TINY), gpt.gpt_example(gpt.GPT_TINY, abstract=True)
+    with pytest.warns(UserWarning, match="donate_argnums=.* is not used with micro-batches"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=2,
+                       donate_argnums=(0, 1)).lower(*args)
