@@ -179,10 +179,15 @@ def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int
                              "cannot price it (see hlo_stats._group_size for the forms understood)")
         span = num_devices if permute else n
         intra = span <= cluster.devices_per_host
+        # A group beyond a host is taken as whole hosts of consecutive devices (the groups of an
+        # outer mesh axis, strided, are read by group size alone: a known limit of this reading);
+        # a permute's pairs across hosts are one per device, all sharing the host's network.
+        hosts = min(2, -(-span // cluster.devices_per_host)) if permute else -(-span // cluster.devices_per_host)
         topo = MeshTopology(("group",), (n,),
                             (cluster.intra_host_bandwidth if intra else cluster.inter_host_bandwidth,),
                             (cluster.intra_host_latency if intra else cluster.inter_host_latency,),
-                            cluster.collective_launch_s)
+                            cluster.collective_launch_s, hosts_spanned=(hosts,),
+                            host_devices=min(num_devices, cluster.devices_per_host))
         # The program is compiled: each op is priced as it stands (family 1, no combining left to
         # predict), once per execution (loop trips, `CompiledCollective.executions`).
         out[c.kind] += c.executions * Collective(c.kind, ("group",), c.bytes).time(topo)

@@ -2,12 +2,14 @@
 
 The α-β model needs, per mesh axis, the bandwidth and latency of the slowest link its groups
 cross: an axis whose groups stay inside one host uses the intra-host link (NVLink), otherwise the
-inter-host network. `MeshTopology` works that out from the devices' host placement.
+inter-host network, whose bandwidth a host's concurrent groups share. `MeshTopology` works that
+out from the devices' host placement.
 """
 from __future__ import annotations
 
 import os
 import re
+import dataclasses
 from dataclasses import dataclass, field
 
 import jax
@@ -75,7 +77,10 @@ class Cluster:
     devices_per_host: int
     intra_host_bandwidth: float  # bytes/s one device can push to peers in its host (one direction)
     intra_host_latency: float  # s per collective step
-    inter_host_bandwidth: float  # bytes/s per device across hosts
+    # bytes/s one host's network (all its NICs) moves to other hosts. The groups of a collective
+    # that cross hosts share it: on a (2 hosts, 8) mesh, the 8 groups of the outer axis each get
+    # 1/8 (`MeshTopology.link`), a ring over all 16 devices gets all of it.
+    inter_host_bandwidth: float
     inter_host_latency: float
     # Fixed cost of one collective whatever its size (kernel launch, group synchronisation):
     # it is what makes one all-reduce cheaper than a reduce-scatter plus an all-gather.
@@ -91,6 +96,9 @@ class Cluster:
     # hiding_scheduler=true, as NVIDIA's JAX images set it). 0: none (XLA's async collectives
     # wait where they are used). Never more than the step's compute is hidden (`PlanCost`).
     overlap: float = 0.0
+    # How many hosts the preset describes (None: as many as the devices used need). A mesh with
+    # more devices than hosts * devices_per_host does not fit it (`MeshTopology.from_mesh`).
+    hosts: int | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -105,7 +113,7 @@ class Cluster:
         return self.flops_per_s.get(dtype, self.flops_per_s.get("float32", 1e13))
 
 
-# Rhino §7.1 platform M8: 8×V100-SXM2-32GB with NVLink2 per host, 100 Gb/s RoCE between hosts,
+# Rhino §7.1 platform M8: 8×V100-SXM2-32GB with NVLink2 per host, one 100 Gb/s RoCE NIC per host,
 # FP32 training. NVLink2 ring bandwidth ~130 GB/s per GPU; 15.7 TFLOP/s FP32 peak, ~80% reachable.
 M8_V100 = Cluster(
     name="m8-v100", devices_per_host=8,
@@ -116,16 +124,25 @@ M8_V100 = Cluster(
 )
 
 # One DGX/HGX H100 host: NVLink4 (450 GB/s per direction per GPU, ~370 GB/s achieved in rings),
-# 8×400 Gb/s InfiniBand (50 GB/s per GPU) to other hosts. TF32 for float32 matmuls.
+# 8×400 Gb/s InfiniBand, one NIC per GPU (50 GB/s each, ~45 GB/s achieved: 360 GB/s per host) to
+# other hosts. TF32 for float32 matmuls.
 H100_8X = Cluster(
     name="8x-h100", devices_per_host=8,
     intra_host_bandwidth=370e9, intra_host_latency=0.7e-6,
-    inter_host_bandwidth=45e9, inter_host_latency=10e-6, collective_launch_s=6e-6,
+    inter_host_bandwidth=8 * 45e9, inter_host_latency=10e-6, collective_launch_s=6e-6,
     flops_per_s={"float32": 400e12, "bfloat16": 750e12, "float16": 750e12},
     memory_bandwidth=3.0e12, memory_per_device=80 << 30, host_to_device_bandwidth=50e9,  # PCIe 5 x16
 )
 
-PRESETS = {c.name: c for c in (M8_V100, H100_8X)}
+
+
+def _hosts(cluster: Cluster, n: int) -> Cluster:
+    return dataclasses.replace(cluster, name=f"{cluster.name}-{n}hosts", hosts=n)
+
+
+# Rhino §7.2 runs GPT and MoE on 2 M8 hosts (16 GPUs); 4 hosts and the H100 twins are the same
+# machines, more of them.
+PRESETS = {c.name: c for c in (M8_V100, H100_8X, *(_hosts(c, n) for c in (M8_V100, H100_8X) for n in (2, 4)))}
 
 
 def get_cluster(cluster: "Cluster | str | None") -> Cluster:
@@ -145,11 +162,16 @@ class MeshTopology:
 
     axis_names: tuple[str, ...]
     axis_sizes: tuple[int, ...]
-    bandwidth: tuple[float, ...]
+    bandwidth: tuple[float, ...]  # per axis: its link's bytes/s (across hosts: a host's, shared)
     latency: tuple[float, ...]
     launch: float = 0.0  # the cluster's collective_launch_s
     combiner: Combiner = field(default_factory=lambda: combiner_for("gpu"))
     overlap: float = 0.0  # the cluster's overlap
+    # Per axis, how many hosts one group along it touches (1: inside a host; empty: all 1), and
+    # how many of the mesh's devices one host holds: together they say how many groups share a
+    # host's network when a collective crosses hosts.
+    hosts_spanned: tuple[int, ...] = ()
+    host_devices: int = 0
 
     def exposed(self, off_chain: bool) -> float:
         """The share of a collective's time the step waits for: off the chain, what overlap leaves."""
@@ -164,10 +186,18 @@ class MeshTopology:
         return int(np.prod(self.axis_sizes))
 
     def link(self, axes: tuple[str, ...]) -> tuple[int, float, float]:
-        """(group size, bandwidth, latency) of a collective over these axes: slowest link wins."""
+        """(group size, bandwidth, latency) of a collective over these axes: the slowest link
+        wins, and a host's network is shared by the groups that cross it at once (a host holding
+        8 of the mesh's devices and 1 member of each group runs 8 groups through its NICs)."""
         idx = [self.axis_names.index(a) for a in axes]
         n = int(np.prod([self.axis_sizes[i] for i in idx]))
-        return n, min(self.bandwidth[i] for i in idx), max(self.latency[i] for i in idx)
+        bw = min(self.bandwidth[i] for i in idx)
+        spanned = int(np.prod([self.hosts_spanned[i] for i in idx])) if self.hosts_spanned else 1
+        if spanned > 1 and self.host_devices:
+            groups_per_host = max(1.0, self.host_devices * spanned / n)
+            bw = min(min(self.bandwidth[i] for i in idx if self.hosts_spanned[i] > 1) / groups_per_host,
+                     min((self.bandwidth[i] for i in idx if self.hosts_spanned[i] == 1), default=np.inf))
+        return n, bw, max(self.latency[i] for i in idx)
 
     @staticmethod
     def from_mesh(mesh: Mesh, cluster: Cluster) -> "MeshTopology":
@@ -177,10 +207,18 @@ class MeshTopology:
         else:
             order = {d.id: i for i, d in enumerate(jax.devices())}
             host = np.vectorize(lambda d: order[d.id] // cluster.devices_per_host)(devices)
-        bws, lats = [], []
+        hosts = len(np.unique(host))
+        if cluster.hosts is not None and hosts > cluster.hosts:
+            raise ValueError(f"the mesh's {devices.size} devices lie on {hosts} hosts of "
+                             f"{cluster.devices_per_host}, but cluster {cluster.name!r} has {cluster.hosts}: "
+                             "use a preset with more hosts or a smaller mesh")
+        bws, lats, spanned = [], [], []
         for ax in range(devices.ndim):
-            same_host = bool(np.all(host == np.take(host, [0], axis=ax)))
+            lines = np.moveaxis(host, ax, -1).reshape(-1, devices.shape[ax])  # the groups along `ax`
+            spanned.append(max(len(set(line.tolist())) for line in lines))
+            same_host = spanned[-1] == 1
             bws.append(cluster.intra_host_bandwidth if same_host else cluster.inter_host_bandwidth)
             lats.append(cluster.intra_host_latency if same_host else cluster.inter_host_latency)
         return MeshTopology(tuple(mesh.axis_names), tuple(devices.shape), tuple(bws), tuple(lats),
-                            cluster.collective_launch_s, combiner_for(cluster.backend), cluster.overlap)
+                            cluster.collective_launch_s, combiner_for(cluster.backend), cluster.overlap,
+                            tuple(spanned), int(devices.size // hosts))

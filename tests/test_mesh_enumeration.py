@@ -1,4 +1,5 @@
 """parallelize(mesh=None): enumerate mesh shapes over the devices, plan on each, keep the best."""
+import dataclasses
 import json
 
 import jax
@@ -51,6 +52,28 @@ def test_inner_axes_stay_inside_a_host():
             topo = MeshTopology.from_mesh(rj.device_mesh(shape, names), cluster)
             assert all(bw == cluster.intra_host_bandwidth for bw in topo.bandwidth[1:]), (shape, topo)
 
+
+
+def test_groups_crossing_hosts_share_the_host_network():
+    # 2 hosts of 4: the 4 groups of the outer axis each send through a host's network at once.
+    cluster = _cluster(4)
+    nic = cluster.inter_host_bandwidth
+    topo = MeshTopology.from_mesh(rj.device_mesh((2, 4), ("data", "model")), cluster)
+    assert topo.hosts_spanned == (2, 1) and topo.host_devices == 4
+    assert topo.link(("data",)) == (2, nic / 4, cluster.inter_host_latency)
+    assert topo.link(("model",)) == (4, cluster.intra_host_bandwidth, cluster.intra_host_latency)
+    assert topo.link(("data", "model"))[:2] == (8, nic)  # one ring over both hosts has it all
+    # (4, 2): 2 members of each outer group per host, so 2 groups per host
+    assert MeshTopology.from_mesh(rj.device_mesh((4, 2), ("data", "model")), cluster).link(("data",))[1] == nic / 2
+
+
+def test_a_mesh_beyond_the_presets_hosts_is_refused():
+    from rhino_jax.search.cluster import PRESETS, get_cluster
+    assert get_cluster("m8-v100-2hosts").hosts == 2 and "8x-h100-4hosts" in PRESETS
+    small = dataclasses.replace(_cluster(2), hosts=2)
+    with pytest.raises(ValueError, match="lie on 4 hosts of 2, but cluster .* has 2"):
+        MeshTopology.from_mesh(rj.device_mesh((8,), ("data",)), small)
+    MeshTopology.from_mesh(rj.device_mesh((4,), ("data",), devices=jax.devices()[:4]), small)  # 2 hosts fit
 
 def test_mesh_none_gives_the_same_numbers_as_jit():
     step = make_mlp_train_step()
