@@ -2,12 +2,13 @@
 and a backward program per stage (Rhino §5-6; the stager decides the forward ops' stages).
 
 The forward ops are the ancestors of the loss's sum (`micro_batch`); the stager places them. A
-backward op goes where the forward values it reads were made (the latest such stage: the
-backward of a layer reads that layer's activations, and maybe an earlier layer's output), but
-never after a backward op it reads (gradients flow from the last stage to the first); one that
-reads no forward value follows the backward ops it reads. Each program takes the step's
-arguments and the values it reads from other programs, and returns the values other programs
-(and the step's sums) read from it.
+backward op never runs after a backward op it reads (gradients flow from the last stage to the
+first), and among the stages left it goes where most of the bytes it reads were made (ties: to
+its forward values' stage). So the backward of a layer follows its forward op (it reads that
+layer's activations), and the weight gradient of an LM head stays by the [B, S, V] logits'
+gradient instead of pulling it to the stage of the head's (much smaller) input. Each program
+takes the step's arguments and the values it reads from other programs, and returns the values
+other programs (and the step's sums) read from it.
 """
 from __future__ import annotations
 
@@ -61,13 +62,19 @@ def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int]) -> dict[in
         if n.id in forward:
             out[n.id] = ("F", forward_stage[n.id])
             continue
-        read = [producer[o] for o in n.operands if o in producer]
-        made_forward = [forward_stage[p] for p in read if p in forward]
-        behind = [out[p][1] for p in read if p not in forward]
-        stage = max(made_forward) if made_forward else (min(behind) if behind else last)
-        if behind:
-            stage = min(stage, min(behind))
-        out[n.id] = ("B", stage)
+        made = [(o, forward_stage[producer[o]] if producer[o] in forward else out[producer[o]][1])
+                for o in n.operands if o in producer]
+        latest = min((out[producer[o]][1] for o in n.operands if o in producer and producer[o] not in forward),
+                     default=last)
+        here: dict[int, list[int]] = {}  # stage → [bytes read from it, of which forward values]
+        for o, stage in made:
+            if stage <= latest:
+                counts = here.setdefault(stage, [0, 0])
+                counts[0] += graph.values[o].nbytes
+                counts[1] += graph.values[o].nbytes if producer[o] in forward else 0
+        # ties go to the forward op's stage (a layer's backward reads its activations and the
+        # gradient of its output alike), then to the later stage
+        out[n.id] = ("B", max(here, key=lambda s: (*here[s], s)) if here else latest)
     return out
 
 

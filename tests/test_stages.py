@@ -20,11 +20,9 @@ MODELS = {"mlp": lambda: (make_mlp_train_step(), mlp_example((16, 32, 32, 32, 16
                           gpt.gpt_example(dataclasses.replace(gpt.GPT_TINY, n_layers=4)))}
 
 
-@pytest.mark.parametrize("model,n_stages", [("mlp", 2), ("gpt", 2), ("gpt", 3)])
-def test_stage_programs_run_in_order_give_the_micro_batchs_sums(model, n_stages):
-    step, args = MODELS[model]()
-    mesh = rj.device_mesh((8,), ("data",))
-    k = 2
+def _stage_programs(step, args, n_stages, mesh, k=2):
+    """compute-gradients of one of k micro-batches cut into n_stages: (its graph, its module,
+    the programs, the micro-batch's arguments)."""
     whole = lower_on_mesh(step, args, mesh, ())
     leaves, tree = jax.tree.flatten(args)
     micro = [x[: x.shape[0] // k] if r == "batch" else x for x, r in zip(leaves, whole.arg_roles)]
@@ -36,7 +34,14 @@ def test_stage_programs_run_in_order_give_the_micro_batchs_sums(model, n_stages)
     g, node_of = stager.forward_stage_graph(cg, loss)
     staging = stager.stage(g, n_stages, epsilon=0.5)
     place = stages.assign(cg, loss, {i: staging.stage[node_of[i]] for i in node_of})
-    progs = stages.programs(parts.compute, cg, place)
+    return cg, parts.compute, stages.programs(parts.compute, cg, place), micro
+
+
+@pytest.mark.parametrize("model,n_stages", [("mlp", 2), ("gpt", 2), ("gpt", 3)])
+def test_stage_programs_run_in_order_give_the_micro_batchs_sums(model, n_stages):
+    step, args = MODELS[model]()
+    mesh = rj.device_mesh((8,), ("data",))
+    cg, compute, progs, micro = _stage_programs(step, args, n_stages, mesh)
     assert [(p.kind, p.stage) for p in progs] == [("F", s) for s in range(n_stages)] + [
         ("B", s) for s in reversed(range(n_stages))]
     made_by = {v: p for p in progs for v in p.outputs}
@@ -54,7 +59,36 @@ def test_stage_programs_run_in_order_give_the_micro_batchs_sums(model, n_stages)
         run = compile_program(p.module, ins + [aval(v) for v in p.inputs], [aval(v) for v in p.outputs],
                               [replicated] * (len(ins) + len(p.inputs)), [replicated] * len(p.outputs))
         store.update(zip(p.outputs, run(*micro, *[store[v] for v in p.inputs])))
-    whole_cg = compile_program(parts.compute, ins, [aval(v) for v in cg.outputs], [replicated] * len(ins),
+    whole_cg = compile_program(compute, ins, [aval(v) for v in cg.outputs], [replicated] * len(ins),
                                [replicated] * len(cg.outputs))
     for v, want in zip(cg.outputs, whole_cg(*micro)):
         np.testing.assert_allclose(np.asarray(store[v]), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_a_heads_weight_gradient_stays_by_the_logits_gradient():
+    """A wide output head is a stage of its own; the gradient of its weight reads the head's
+    input (small, made on the stage before) and the logits' gradient (large, made on the head's
+    stage): it is computed where the large one is, so no [B, V] tensor crosses a stage."""
+    batch, d, vocab, layers = 8, 256, 2048, 4
+
+    def step(params, batch):
+        def loss(p):
+            x, labels = batch["x"], batch["labels"]
+            h = x
+            for w in p["layers"]:
+                h = jax.nn.relu(h @ w)
+            logits = h @ p["head"]
+            return -jax.numpy.mean(jax.numpy.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+        value, grads = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), value
+
+    key = jax.random.key(0)
+    params = {"layers": [jax.random.normal(key, (d, d)) / 16 for _ in range(layers)],
+              "head": jax.random.normal(key, (d, vocab))}
+    args = (params, {"x": jax.random.normal(key, (batch, d)), "labels": jax.numpy.arange(batch) * 7 % vocab})
+    cg, _, progs, _ = _stage_programs(step, args, 2, rj.device_mesh((8,), ("data",)))
+    stage_of = {v: p.stage for p in progs for v in p.outputs}
+    crossing = {v for p in progs for v in p.inputs if stage_of[v] != p.stage}
+    logits_bytes = batch // 2 * vocab * 4
+    assert crossing and max(cg.values[v].nbytes for v in crossing) < logits_bytes, \
+        [(cg.values[v].shape, stage_of[v], p.kind, p.stage) for p in progs for v in p.inputs]
