@@ -5,14 +5,19 @@ candidate is a hybrid whose stages are planned by the search).
 Candidates: SPMD over the whole mesh (with the user's micro-batches), and p stages for every p
 of 2, 4, 8, ... that splits the mesh's first axis, each with the user's micro-batches or 2p when
 they are fewer than 2 (a pipeline needs several in flight; micro-batching keeps the numbers).
-The least predicted step wins; the report lists every candidate, an infeasible one with why.
+The least predicted step among those that fit the devices' memory wins; the report lists every
+candidate, an infeasible one with why.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
+from dataclasses import dataclass
 
-from .errors import MeshError, RhinoError
+from rhino_jax.search.cluster import get_cluster
+
+from .errors import MemoryLimitError, MeshError, RhinoError
 
 log = logging.getLogger("rhino_jax")
 
@@ -34,26 +39,59 @@ def _label(options) -> str:
     return f"{stages}, {options.num_micro_batches} micro-batch{'es' if options.num_micro_batches > 1 else ''}"
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One plan `pipeline="auto"` weighed: its predicted step and memory, or why it has none."""
+
+    label: str
+    step_s: float | None  # None: no plan
+    memory_bytes: int | None
+    why: str = ""  # why it has no plan, or does not fit
+
+
 def choose(parallelized, args, key):
-    """The candidate with the least predicted step; `plan.search_stats["pipeline_candidates"]`
-    holds (label, predicted seconds or None, reason) for each, the chosen one first."""
+    """The candidate with the least predicted step among those that fit the devices' memory
+    (`memory_limit_bytes`, else the cluster's `memory_per_device`); `plan.search_stats[
+    "pipeline_candidates"]` lists each (`Candidate`), the chosen one first. When none fits, a
+    given `memory_limit_bytes` is an error; the preset's capacity only a warning (the estimate
+    is not XLA's), and the least predicted step is taken."""
     if parallelized.mesh is None:
         raise MeshError("pipeline='auto' needs a mesh: pass mesh=rj.device_mesh(...)")
-    tried = []
-    for options in candidates(parallelized.options, parallelized.mesh.devices.shape[0]):
+    options = parallelized.options
+    limit = options.memory_limit_bytes or get_cluster(options.cluster).memory_per_device
+    tried: list[tuple[Candidate, object]] = []
+    errors: list[RhinoError] = []
+    for cand in candidates(options, parallelized.mesh.devices.shape[0]):
         try:
-            lowered = parallelized.lower_with(options, args, key)
+            lowered = parallelized.lower_with(cand, args, key)
         except RhinoError as e:
-            tried.append((_label(options), None, str(e).splitlines()[0][:160], None))
+            errors.append(e)
+            tried.append((Candidate(_label(cand), None, None, str(e).splitlines()[0][:160]), None))
             continue
-        tried.append((_label(options), lowered.plan.cost.total_s, "", lowered))
-        log.info("rhino_jax: pipeline='auto': %s predicted %.4g ms", _label(options), lowered.plan.cost.total_s * 1e3)
-    feasible = [t for t in tried if t[3] is not None]
-    if not feasible:
-        raise RhinoError("pipeline='auto': no candidate has a plan: " + "; ".join(f"{t[0]}: {t[2]}" for t in tried))
-    best = min(feasible, key=lambda t: t[1])
-    table = tuple((label, seconds, why) for label, seconds, why, _ in [best] + [t for t in tried if t is not best])
-    chosen = best[3]
+        cost = lowered.plan.cost
+        over = cost.memory_bytes > limit
+        why = f"needs {cost.memory_bytes / 2**30:.1f} GiB/device > {limit / 2**30:.1f} GiB" if over else ""
+        tried.append((Candidate(_label(cand), cost.total_s, cost.memory_bytes, why), lowered))
+        log.info("rhino_jax: pipeline='auto': %s predicted %.4g ms, %.1f GiB/device", _label(cand),
+                 cost.total_s * 1e3, cost.memory_bytes / 2**30)
+    planned = [t for t in tried if t[1] is not None]
+    if not planned:
+        kind = MemoryLimitError if all(isinstance(e, MemoryLimitError) for e in errors) else RhinoError
+        raise kind("pipeline='auto': no candidate has a plan: " + "; ".join(f"{c.label}: {c.why}" for c, _ in tried))
+    fitting = [t for t in planned if not t[0].why]
+    if not fitting:
+        listing = "; ".join(f"{c.label}: {c.memory_bytes / 2**30:.1f} GiB" for c, _ in planned)
+        if options.memory_limit_bytes:
+            raise MemoryLimitError(f"pipeline='auto': no candidate fits memory_limit_bytes="
+                                   f"{options.memory_limit_bytes} ({listing}); raise the limit, use a larger mesh "
+                                   "or more micro-batches")
+        warnings.warn(f"pipeline='auto': no candidate fits the {limit / 2**30:.1f} GiB of the cluster's devices by "
+                      f"the estimate ({listing}); taking the fastest. Set memory_limit_bytes to make this an error.",
+                      stacklevel=3)
+        fitting = planned
+    best = min(fitting, key=lambda t: t[0].step_s)
+    chosen = best[1]
+    table = tuple(c for c, _ in [best] + [t for t in tried if t is not best])
     chosen.plan = dataclasses.replace(chosen.plan, search_stats=dict(chosen.plan.search_stats,
                                                                      pipeline_candidates=table))
     return chosen

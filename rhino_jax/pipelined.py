@@ -15,7 +15,7 @@ them on the whole mesh. Not yet: the controller (`pipeline="auto"`), loops insid
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import re
 
 import jax
 import numpy as np
@@ -27,32 +27,15 @@ from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph
 from rhino_jax.search import stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster
+from rhino_jax.search.memory import local_bytes
 
 from .errors import MeshError
 from .mesh_search import plan_on
 from .micro_batched import _compile, micro_batches_of, named, split_step
 from .options import Options
-from .plan import Plan, PlanCost
+from .plan import Plan, PlanCost, StagePlan
 
 EPSILON = 0.25  # the stages' compute may differ from a balanced share by this much
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """One pipeline stage: its devices, and its forward and backward programs' plans."""
-
-    stage: int
-    devices: tuple[int, ...]
-    forward: Plan
-    backward: Plan
-
-    @property
-    def forward_s(self) -> float:
-        return self.forward.cost.total_s
-
-    @property
-    def backward_s(self) -> float:
-        return self.backward.cost.total_s
 
 
 def sub_meshes(mesh: Mesh, p: int) -> list[Mesh]:
@@ -95,8 +78,12 @@ class PipelinedLowered:
         self.schedule = schedules.make(options.schedule, p, k)
         self._step, self._programs, self._apply_plan = step, plans, apply_plan
         self._trees = (jax.tree.structure(args), whole.lowered.out_tree)
-        self.stages = tuple(StagePlan(s, tuple(int(d.id) for d in meshes[s].devices.flat), plans["F", s][2],
-                                      plans["B", s][2]) for s in range(p))
+        in_flight = self.schedule.in_flight()
+        self.stages = tuple(
+            StagePlan(s, dict(zip(mesh.axis_names, meshes[s].devices.shape)), tuple(int(d.id) for d in meshes[s].devices.flat),
+                      _layers(cg, [i for i, (kind, at) in place.items() if kind == "F" and at == s]),
+                      plans["F", s][2], plans["B", s][2], in_flight[s], _held_bytes(plans, s, meshes[s]))
+            for s in range(p))
         self.plan = self._summary(staging)
         self._compiled: PipelinedCompiled | None = None
 
@@ -111,16 +98,14 @@ class PipelinedLowered:
         transfer_s = max(per_boundary.values(), default=0.0)  # a micro-batch's tensors across one boundary
         pipeline_s = self.schedule.makespan(fwd, bwd, transfer_s)
         cost = PlanCost(a.cost.compute_s, a.cost.comm_s, pipeline_s + a.cost.total_s,
-                        max([a.cost.memory_bytes] + [s.forward.cost.memory_bytes + s.backward.cost.memory_bytes
-                                                     for s in self.stages]))
+                        max([a.cost.memory_bytes] + [s.memory_bytes for s in self.stages]), a.cost.hidden_s)
         n = len(self._step.compute_graph.args)
         stats = dict(a.search_stats, pipeline=len(self.stages), schedule=self.schedule.name, micro_batches=self.k,
-                     stage_cut_bytes=staging.cut_bytes, stage_flops=staging.stage_compute,
-                     stage_times=tuple((f, b) for f, b in zip(fwd, bwd)), transfer_s=transfer_s)
+                     stage_cut_bytes=staging.cut_bytes, stage_flops=staging.stage_compute, transfer_s=transfer_s)
         stats.pop("compute_gradients", None)
         return dataclasses.replace(
             a, arg_paths=a.arg_paths[:n], arg_roles=a.arg_roles[:n], arg_shapes=a.arg_shapes[:n],
-            arg_dtypes=a.arg_dtypes[:n], arg_specs=a.arg_specs[:n], cost=cost, search_stats=stats,
+            arg_dtypes=a.arg_dtypes[:n], arg_specs=a.arg_specs[:n], cost=cost, search_stats=stats, stages=self.stages,
             input_shardings=jax.tree.unflatten(self._trees[0], named(self.mesh, a.arg_specs[:n])),
             output_shardings=jax.tree.unflatten(self._trees[1], named(self.mesh, a.output_specs)))
 
@@ -151,6 +136,46 @@ def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, i
                                           np.dtype(cg.values[v].dtype).itemsize)
             found[src_prog.stage, prog.stage, v] = resharding.plan(tasks, hosts)
     return found
+
+
+def _held_bytes(plans, s: int, mesh: Mesh) -> int:
+    """Per device, the values stage s's forward program hands its own backward program: what the
+    stage keeps of each micro-batch in flight."""
+    fwd, graph, plan = plans["F", s]
+    kept = set(plans["B", s][0].inputs)
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    return sum(local_bytes(graph, out, spec, sizes)
+               for v, out, spec in zip(fwd.outputs, graph.outputs, plan.output_specs) if v in kept)
+
+
+_WRAPPER = re.compile(r"^(?:\w+\()+(.*?)\)+$")  # jvp(layer3), transpose(jvp(layer3)) → layer3
+
+
+def _layers(graph, ops: list[int]) -> tuple[str, ...]:
+    """The named scopes `ops` come from, in program order, runs of numbered names folded
+    ("layer0-layer15"). The scope level is the first one at which the graph's ops differ (a
+    Flax model's top module, common to every op, is skipped)."""
+    paths = {n.id: [_WRAPPER.sub(r"\1", part) for part in n.name.split("/")[:-1]] for n in graph.nodes}
+    depth = 0
+    while len({p[depth] for p in paths.values() if len(p) > depth}) == 1:
+        depth += 1
+    names: list[str] = []
+    for i in sorted(ops):
+        if len(paths[i]) > depth and paths[i][depth] not in names:
+            names.append(paths[i][depth])
+    return _fold(names)
+
+
+def _fold(names: list[str]) -> tuple[str, ...]:
+    """["embed", "layer0", "layer1", "layer2"] → ("embed", "layer0-layer2")."""
+    out: list[list[str]] = []
+    for name in names:
+        m, last = re.fullmatch(r"(.*?)(\d+)", name), re.fullmatch(r"(.*?)(\d+)", out[-1][-1]) if out else None
+        if m and last and m[1] == last[1] and int(m[2]) == int(last[2]) + 1:
+            out[-1].append(name)
+        else:
+            out.append([name])
+    return tuple(run[0] if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in out)
 
 
 def _loss_sum(cg) -> int:
@@ -205,12 +230,5 @@ class PipelinedCompiled:
         return jax.tree.unflatten(low._trees[1], list(out))
 
     def report(self) -> str:
-        low = self._lowered
-        lines = [self.plan.report(), "", f"pipeline: {len(low.stages)} stages, schedule {low.schedule.name}, "
-                 f"{low.k} micro-batches"]
-        for s in low.stages:
-            lines.append(f"  stage {s.stage}: devices {list(s.devices)}, forward {s.forward_s * 1e3:.3f} ms, "
-                         f"backward {s.backward_s * 1e3:.3f} ms per micro-batch, memory "
-                         f"{(s.forward.cost.memory_bytes + s.backward.cost.memory_bytes) / 2**20:.1f} MiB")
-        return "\n".join(lines)
+        return self.plan.report()
 

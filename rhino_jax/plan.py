@@ -62,6 +62,36 @@ class MeshCandidate:
 
 
 @dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage (Rhino §5): its sub-mesh, the layers its forward ops come from, and the
+    plans of its forward and backward programs (one micro-batch each)."""
+
+    stage: int
+    mesh_axes: dict[str, int]
+    devices: tuple[int, ...]
+    layers: tuple[str, ...]  # named scopes of its forward ops, in program order ("layer0-layer15")
+    forward: "Plan"
+    backward: "Plan"
+    in_flight: int  # most micro-batches whose activations it holds at once (the schedule's)
+    held_bytes: int  # per device, one micro-batch's values its forward keeps for its backward
+
+    @property
+    def forward_s(self) -> float:
+        return self.forward.cost.total_s
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward.cost.total_s
+
+    @property
+    def memory_bytes(self) -> int:
+        """Peak per device: the larger program's peak, plus what the other micro-batches in flight
+        hold meanwhile."""
+        peak = max(self.forward.cost.memory_bytes, self.backward.cost.memory_bytes)
+        return peak + max(self.in_flight - 1, 0) * self.held_bytes
+
+
+@dataclass(frozen=True)
 class Plan:
     mesh_axes: dict[str, int]
     cluster: str
@@ -87,6 +117,8 @@ class Plan:
     # With `parallelize(mesh=None)`: every mesh shape searched, best predicted first (the chosen
     # one is marked), infeasible ones last with their reason. Empty for a given mesh.
     mesh_candidates: tuple[MeshCandidate, ...] = ()
+    # With `pipeline`: each stage (the programs' plans); the plan itself is apply-gradients'.
+    stages: tuple[StagePlan, ...] = ()
     # Set by `parallelize` when the plan belongs to a call: the user's pytrees and mesh.
     input_shardings: object = field(default=None, compare=False, repr=False)
     output_shardings: object = field(default=None, compare=False, repr=False)
@@ -121,19 +153,27 @@ class Plan:
 
     def to_json(self) -> str:
         """The plan as JSON, less the per-value maps (keyed by tuples of specs) and the shardings."""
-        internal = ("value_specs", "read_specs", "read_paths", "input_shardings", "output_shardings")
+        return json.dumps(self._summary(), default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__")
+                          else str(o), indent=1)
+
+    def _summary(self) -> dict:
+        """The fields `to_json` writes; a stage's programs' plans summed up the same way."""
+        internal = ("value_specs", "read_specs", "read_paths", "input_shardings", "output_shardings", "stages")
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in internal}
-        return json.dumps(d, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o),
-                          indent=1)
+        d["stages"] = [dict({f.name: getattr(st, f.name) for f in fields(st)}, forward=st.forward._summary(),
+                            backward=st.backward._summary()) for st in self.stages]
+        return d
 
     def report(self, max_tensors: int = 12) -> str:
-        mesh = " × ".join(f"{a}={n}" for a, n in self.mesh_axes.items())
+        mesh = _axes(self.mesh_axes)
         c = self.cost
         s = self.search_stats
         lines = [
-            f"rhino_jax plan  mesh [{mesh}]  cluster {self.cluster}  opt {self.opt_level}",
-            f"predicted step  {c.total_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + "
-            f"communication {c.comm_s * 1e3:.3f} ms"
+            f"rhino_jax plan  mesh {mesh}  cluster {self.cluster}  opt {self.opt_level}",
+            f"predicted step  {c.total_s * 1e3:.3f} ms = "
+            + (f"pipeline {(c.total_s - c.compute_s - c.comm_s + c.hidden_s) * 1e3:.3f} ms + apply-gradients "
+               if self.stages else "")
+            + f"compute {c.compute_s * 1e3:.3f} ms + communication {c.comm_s * 1e3:.3f} ms"
             + (f" - {c.hidden_s * 1e3:.3f} ms of it hidden behind compute" if c.hidden_s else "")
             + f";  memory {c.memory_bytes / 2**20:.1f} MiB/device",
         ]
@@ -148,15 +188,19 @@ class Plan:
                 f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
                 f"({how}) in {s['solve_s']:.2f} s"]
             if s.get("pipeline_candidates"):
-                lines.append("pipeline='auto' (predicted step, best first): " + "; ".join(
-                    f"{label} {seconds * 1e3:.4g} ms" if seconds is not None else f"{label} infeasible ({why})"
-                    for label, seconds, why in s["pipeline_candidates"]))
+                lines.append("pipeline='auto' (chosen first): " + "; ".join(
+                    (f"{c.label} {c.step_s * 1e3:.4g} ms, {c.memory_bytes / 2**30:.3g} GiB/device"
+                     if c.step_s is not None else c.label) + (f" (infeasible: {c.why})" if c.why else "")
+                    for c in s["pipeline_candidates"]))
             if s.get("pipeline"):
-                times = ", ".join(f"{f * 1e3:.3f}+{b * 1e3:.3f}" for f, b in s["stage_times"])
                 lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}, {s['micro_batches']} "
-                             f"micro-batches; forward+backward ms per micro-batch: {times}; "
-                             f"{s['stage_cut_bytes'] / 2**20:.2f} MiB cut, {s['transfer_s'] * 1e3:.3f} ms to move a "
-                             "micro-batch's tensors across a boundary), then apply-gradients (the search line above)")
+                             f"micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut, {s['transfer_s'] * 1e3:.3f} ms "
+                             "to move a micro-batch's tensors across a boundary), then apply-gradients (the search "
+                             "line above)")
+                lines += [f"    stage {st.stage}  {_axes(st.mesh_axes)} devices {_runs(st.devices)}: forward "
+                          f"{st.forward_s * 1e3:.3f} + backward {st.backward_s * 1e3:.3f} ms per micro-batch, "
+                          f"{st.in_flight} in flight, {st.memory_bytes / 2**20:.1f} MiB/device; "
+                          f"{', '.join(st.layers) or 'no named layers'}" for st in self.stages]
             elif s.get("micro_batches"):
                 cg = s["compute_gradients"]
                 lines.append(f"micro-batching  {s['micro_batches']} micro-batches of compute-gradients (ILP over "
@@ -195,3 +239,18 @@ class Plan:
             if len(self.fallback_ops) > 10:
                 lines.append(f"  ... and {len(self.fallback_ops) - 10} more")
         return "\n".join(lines)
+
+
+def _axes(mesh_axes: dict[str, int]) -> str:
+    return "[" + " × ".join(f"{a}={n}" for a, n in mesh_axes.items()) + "]"
+
+
+def _runs(ids: tuple[int, ...]) -> str:
+    """Device ids with consecutive runs folded: (0, 1, 2, 3, 8) → "0-3,8"."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

@@ -1,5 +1,6 @@
 """pipeline=p: stages on sub-meshes run by a static schedule; the numbers of one device."""
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +8,12 @@ import numpy as np
 import pytest
 
 import rhino_jax as rj
-from rhino_jax.errors import MeshError, StagingError
+from rhino_jax.errors import MemoryLimitError, MeshError, StagingError
+from rhino_jax import controller
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
+from rhino_jax.options import Options
+from rhino_jax.plan import Plan, PlanCost
+from rhino_jax.search.cluster import get_cluster
 
 from benchmarks.third_party_models import linen_clip_adamw
 from helpers import assert_same_numbers
@@ -91,10 +96,60 @@ def test_auto_compares_spmd_and_pipelines_and_runs_the_fastest():
     lowered = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline="auto",
                              num_micro_batches=2).lower(*args)
     table = lowered.plan.search_stats["pipeline_candidates"]
-    assert [label for label, _, _ in table][1:] != [] and {label.split(",")[0] for label, _, _ in table} == {
-        "SPMD only", "2 stages", "4 stages", "8 stages"}
-    best = table[0][1]
-    assert all(seconds is None or best <= seconds for _, seconds, _ in table)
+    assert {c.label.split(",")[0] for c in table} == {"SPMD only", "2 stages", "4 stages", "8 stages"}
+    best = table[0].step_s
+    assert all(c.step_s is None or best <= c.step_s for c in table)
     assert lowered.plan.cost.total_s == best
     assert "pipeline='auto'" in lowered.plan.report()
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
+
+
+def test_auto_takes_the_fastest_plan_that_fits_the_memory_limit():
+    """The controller's choice on given candidates (each candidate's real search is tested above)."""
+    costs = {"off": (3.0, 10 << 30), 2: (1.0, 40 << 30), 4: (2.0, 20 << 30)}  # step s, bytes/device
+
+    class Fake:
+        mesh = rj.device_mesh((4,), ("data",), devices=jax.devices()[:4])
+        options = Options(memory_limit_bytes=32 << 30)
+
+        def lower_with(self, options, args, key):
+            step_s, memory = costs[options.pipeline]
+            return SimpleNamespace(plan=Plan(**_EMPTY, cost=PlanCost(step_s, 0.0, step_s, memory)))
+
+    chosen = controller.choose(Fake(), (), None)
+    table = chosen.plan.search_stats["pipeline_candidates"]
+    assert table[0].label.startswith("4 stages") and chosen.plan.cost.total_s == 2.0
+    assert [c.why.startswith("needs 40.0 GiB/device") for c in table] == [False, False, True]
+    Fake.options = Options(memory_limit_bytes=8 << 30)
+    with pytest.raises(MemoryLimitError, match="no candidate fits memory_limit_bytes"):
+        controller.choose(Fake(), (), None)
+    Fake.options = Options(cluster=dataclasses.replace(get_cluster(None), memory_per_device=8 << 30))
+    with pytest.warns(UserWarning, match="no candidate fits the 8.0 GiB"):
+        assert controller.choose(Fake(), (), None).plan.cost.total_s == 1.0
+
+
+_EMPTY = dict(mesh_axes={}, cluster="", opt_level="O2", arg_paths=(), arg_roles=(), arg_shapes=(), arg_dtypes=(),
+              arg_specs=(), output_paths=(), output_specs=(), value_specs={})
+
+
+def test_auto_under_a_memory_limit_no_candidate_meets_says_so():
+    step, args = _case("gpt")
+    with pytest.raises(MemoryLimitError, match="memory_limit_bytes"):
+        rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")), pipeline="auto",
+                       memory_limit_bytes=1024).lower(*args)
+
+
+def test_each_stage_reports_its_layers_sub_mesh_and_memory():
+    step, args = _case("gpt")
+    lowered = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")), pipeline=2,
+                             num_micro_batches=4).lower(*args)
+    first, last = lowered.plan.stages
+    assert first.layers[0] == "embed" and last.layers[-1] == "head"
+    assert first.mesh_axes == last.mesh_axes == {"data": 1, "model": 4}
+    assert (first.in_flight, last.in_flight) == (2, 1)  # 1F1B: stage s holds p - s micro-batches
+    assert first.held_bytes > 0
+    assert first.memory_bytes == max(first.forward.cost.memory_bytes,
+                                     first.backward.cost.memory_bytes) + first.held_bytes
+    assert lowered.plan.cost.memory_bytes >= max(first.memory_bytes, last.memory_bytes)
+    report = lowered.plan.report()
+    assert "stage 0  [data=1 × model=4] devices 0-3" in report and "embed, layer0" in report
