@@ -54,6 +54,25 @@ def extract(module: ir.Module, graph: Graph, inputs: Sequence[int], outputs: Seq
     return new
 
 
+def drop_unused_arguments(module: ir.Module, count: int) -> tuple[int, ...]:
+    """Erase, in place, those of @main's first `count` arguments that no op reads (a pipeline
+    stage reads its own layers' parameters only; the others must not be fed to it, nor counted
+    in its memory). Returns the indices of the arguments kept, in order."""
+    main = mod.entry_function(module)
+    block = main.regions[0].blocks[0]
+    unused = {i for i in range(count) if not list(block.arguments[i].uses)}
+    attrs = list(main.attributes["arg_attrs"])
+    results = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value).results
+    with module.context:
+        for i in sorted(unused, reverse=True):
+            block.erase_argument(i)
+            del attrs[i]
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+        main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+            [a.type for a in block.arguments], list(results)))
+    return tuple(i for i in range(count) if i not in unused)
+
+
 def on_mesh(module: ir.Module, axes: dict[str, int]) -> ir.Module:
     """A copy of the module whose mesh has these axis sizes (a stage's program on its sub-mesh,
     cut along the first axis): shardings name axes, so only the mesh's declaration changes."""

@@ -7,7 +7,7 @@ first), and among the stages left it goes where most of the bytes it reads were 
 its forward values' stage). So the backward of a layer follows its forward op (it reads that
 layer's activations), and the weight gradient of an LM head stays by the [B, S, V] logits'
 gradient instead of pulling it to the stage of the head's (much smaller) input. Each program
-takes the step's arguments and the values it reads from other programs, and returns the values
+takes the step's arguments it reads and the values it reads from other programs, and returns the values
 other programs (and the step's sums) read from it.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jax._src.lib.mlir import ir
 from rhino_jax.errors import StagingError
 
 from .graph import Graph
-from .split import extract
+from .split import drop_unused_arguments, extract
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class Program:
     kind: str  # "F" | "B"
     stage: int
     module: ir.Module
-    inputs: tuple[int, ...]  # values made by other programs that it reads (after the step's arguments)
+    args: tuple[int, ...]  # the step's arguments it reads (indices), its first arguments
+    inputs: tuple[int, ...]  # values made by other programs that it reads (after `args`)
     outputs: tuple[int, ...]  # values it makes that other programs read, or that the step returns
 
 
@@ -95,5 +96,7 @@ def programs(module: ir.Module, graph: Graph, place: Mapping[int, tuple[str, int
         read_elsewhere = {o for n in graph.nodes if place[n.id] != key for o in n.operands if o in mine}
         outputs = sorted((read_elsewhere | (returned & mine)) - {v for v in mine if graph.values[v].constant})
         inputs = sorted(reads)
-        result.append(Program(key[0], key[1], extract(module, graph, inputs, outputs), tuple(inputs), tuple(outputs)))
+        program = extract(module, graph, inputs, outputs)
+        args = drop_unused_arguments(program, len(graph.args))
+        result.append(Program(key[0], key[1], program, args, tuple(inputs), tuple(outputs)))
     return result

@@ -67,8 +67,9 @@ class PipelinedLowered:
         for prog in programs:
             prog = dataclasses.replace(prog, module=on_mesh(prog.module, dict(zip(mesh.axis_names,
                                                                                  meshes[prog.stage].devices.shape))))
-            graph = import_module(prog.module, whole.arg_paths + [f"in[{v}]" for v in prog.inputs],
-                                  whole.arg_roles + ["other"] * len(prog.inputs), [f"out[{v}]" for v in prog.outputs])
+            graph = import_module(prog.module, [whole.arg_paths[i] for i in prog.args] + [f"in[{v}]" for v in prog.inputs],
+                                  [whole.arg_roles[i] for i in prog.args] + ["other"] * len(prog.inputs),
+                                  [f"out[{v}]" for v in prog.outputs])
             sub = meshes[prog.stage]
             plans[prog.kind, prog.stage] = (prog, graph, plan_on(graph, MeshTopology.from_mesh(sub, cluster), cluster,
                                                                   options))
@@ -212,8 +213,8 @@ class PipelinedCompiled:
             if task.kind not in ("forward", "backward"):
                 continue
             prog, run, shardings = self._run["F" if task.kind == "forward" else "B", task.stage]
-            n = len(micro[task.micro_batch])
-            ins = jax.device_put(micro[task.micro_batch], shardings[:n])
+            n = len(prog.args)
+            ins = jax.device_put([micro[task.micro_batch][i] for i in prog.args], shardings[:n])
             for k, v in enumerate(prog.inputs):  # across meshes by cross-mesh resharding, else device_put
                 x = made[task.micro_batch, v]
                 key = (self._stage_of[v], task.stage, v)

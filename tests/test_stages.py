@@ -55,10 +55,12 @@ def test_stage_programs_run_in_order_give_the_micro_batchs_sums(model, n_stages)
     aval = lambda v: jax.ShapeDtypeStruct(cg.values[v].shape, cg.values[v].dtype)  # noqa: E731
     ins = [aval(a.value) for a in cg.args]
     store = {}
-    for p in progs:
-        run = compile_program(p.module, ins + [aval(v) for v in p.inputs], [aval(v) for v in p.outputs],
-                              [replicated] * (len(ins) + len(p.inputs)), [replicated] * len(p.outputs))
-        store.update(zip(p.outputs, run(*micro, *[store[v] for v in p.inputs])))
+    for p in progs:  # each takes only the arguments it reads: a stage's parameters, not the others'
+        assert 0 < len(p.args) < len(cg.args)
+        run = compile_program(p.module, [ins[i] for i in p.args] + [aval(v) for v in p.inputs],
+                              [aval(v) for v in p.outputs], [replicated] * (len(p.args) + len(p.inputs)),
+                              [replicated] * len(p.outputs))
+        store.update(zip(p.outputs, run(*[micro[i] for i in p.args], *[store[v] for v in p.inputs])))
     whole_cg = compile_program(compute, ins, [aval(v) for v in cg.outputs], [replicated] * len(ins),
                                [replicated] * len(cg.outputs))
     for v, want in zip(cg.outputs, whole_cg(*micro)):
