@@ -29,7 +29,7 @@ from rhino_jax.search import stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster
 from rhino_jax.search.memory import local_bytes
 
-from .errors import MeshError
+from .errors import MemoryLimitError, MeshError
 from .mesh_search import plan_on
 from .micro_batched import _compile, micro_batches_of, named, split_step
 from .options import Options
@@ -64,27 +64,44 @@ class PipelinedLowered:
         cluster = get_cluster(options.cluster)
         whole = step.whole
         plans: dict[tuple[str, int], tuple[stage_programs.Program, object, Plan]] = {}
+        topology = {s: MeshTopology.from_mesh(sub, cluster) for s, sub in enumerate(meshes)}
         for prog in programs:
             prog = dataclasses.replace(prog, module=on_mesh(prog.module, dict(zip(mesh.axis_names,
                                                                                  meshes[prog.stage].devices.shape))))
             graph = import_module(prog.module, [whole.arg_paths[i] for i in prog.args] + [f"in[{v}]" for v in prog.inputs],
                                   [whole.arg_roles[i] for i in prog.args] + ["other"] * len(prog.inputs),
                                   [f"out[{v}]" for v in prog.outputs])
-            sub = meshes[prog.stage]
-            plans[prog.kind, prog.stage] = (prog, graph, plan_on(graph, MeshTopology.from_mesh(sub, cluster), cluster,
-                                                                  options))
+            plans[prog.kind, prog.stage] = (prog, graph, plan_on(graph, topology[prog.stage], cluster, options))
+        self.schedule = schedules.make(options.schedule, p, k)
+        in_flight = self.schedule.in_flight()
+        sums = set(cg.outputs)
+
+        def stage_plan(s: int) -> StagePlan:
+            return StagePlan(s, dict(zip(mesh.axis_names, meshes[s].devices.shape)),
+                             tuple(int(d.id) for d in meshes[s].devices.flat),
+                             _layers(cg, [i for i, (kind, at) in place.items() if kind == "F" and at == s]),
+                             plans["F", s][2], plans["B", s][2], in_flight[s], _held_bytes(plans, s, meshes[s]),
+                             _summed_bytes(plans, s, meshes[s], sums))
+
+        stages = [stage_plan(s) for s in range(p)]
+        limit = options.memory_limit_bytes
+        for s, st in enumerate(stages):  # what the programs do not see (other micro-batches, the sums) off their limit
+            extra = st.memory_bytes - max(st.forward.cost.memory_bytes, st.backward.cost.memory_bytes)
+            if limit and st.memory_bytes > limit and extra < limit:
+                tighter = dataclasses.replace(options, memory_limit_bytes=limit - extra)
+                for kind in ("F", "B"):
+                    prog, graph, _ = plans[kind, s]
+                    try:
+                        plans[kind, s] = (prog, graph, plan_on(graph, topology[s], cluster, tighter))
+                    except MemoryLimitError:
+                        pass  # keeps the first plan; pipeline='auto' reports the stage over the limit
+                stages[s] = stage_plan(s)
         apply_plan = plan_on(step.apply_graph, MeshTopology.from_mesh(mesh, cluster), cluster, options)
         self.mesh, self.meshes, self.k, self._signature = mesh, meshes, k, signature
         self.transfers = _transfers(plans, meshes, cg, cluster)
-        self.schedule = schedules.make(options.schedule, p, k)
         self._step, self._programs, self._apply_plan = step, plans, apply_plan
         self._trees = (jax.tree.structure(args), whole.lowered.out_tree)
-        in_flight = self.schedule.in_flight()
-        self.stages = tuple(
-            StagePlan(s, dict(zip(mesh.axis_names, meshes[s].devices.shape)), tuple(int(d.id) for d in meshes[s].devices.flat),
-                      _layers(cg, [i for i, (kind, at) in place.items() if kind == "F" and at == s]),
-                      plans["F", s][2], plans["B", s][2], in_flight[s], _held_bytes(plans, s, meshes[s]))
-            for s in range(p))
+        self.stages = tuple(stages)
         self.plan = self._summary(staging)
         self._compiled: PipelinedCompiled | None = None
 
@@ -142,11 +159,19 @@ def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, i
 def _held_bytes(plans, s: int, mesh: Mesh) -> int:
     """Per device, the values stage s's forward program hands its own backward program: what the
     stage keeps of each micro-batch in flight."""
-    fwd, graph, plan = plans["F", s]
-    kept = set(plans["B", s][0].inputs)
+    return _output_bytes(plans["F", s], mesh, set(plans["B", s][0].inputs))
+
+
+def _summed_bytes(plans, s: int, mesh: Mesh, sums: set[int]) -> int:
+    """Per device, the running sums (gradients, loss) stage s adds its micro-batches' into."""
+    return sum(_output_bytes(plans[kind, s], mesh, sums) for kind in ("F", "B"))
+
+
+def _output_bytes(planned, mesh: Mesh, wanted: set[int]) -> int:
+    program, graph, plan = planned
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     return sum(local_bytes(graph, out, spec, sizes)
-               for v, out, spec in zip(fwd.outputs, graph.outputs, plan.output_specs) if v in kept)
+               for v, out, spec in zip(program.outputs, graph.outputs, plan.output_specs) if v in wanted)
 
 
 _WRAPPER = re.compile(r"^(?:\w+\()+(.*?)\)+$")  # jvp(layer3), transpose(jvp(layer3)) → layer3

@@ -74,6 +74,7 @@ class StagePlan:
     backward: "Plan"
     in_flight: int  # most micro-batches whose activations it holds at once (the schedule's)
     held_bytes: int  # per device, one micro-batch's values its forward keeps for its backward
+    summed_bytes: int  # per device, the running sums its micro-batches' gradients are added into
 
     @property
     def forward_s(self) -> float:
@@ -86,9 +87,9 @@ class StagePlan:
     @property
     def memory_bytes(self) -> int:
         """Peak per device: the larger program's peak, plus what the other micro-batches in flight
-        hold meanwhile."""
+        hold meanwhile and the running sums."""
         peak = max(self.forward.cost.memory_bytes, self.backward.cost.memory_bytes)
-        return peak + max(self.in_flight - 1, 0) * self.held_bytes
+        return peak + max(self.in_flight - 1, 0) * self.held_bytes + self.summed_bytes
 
 
 @dataclass(frozen=True)

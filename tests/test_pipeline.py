@@ -147,9 +147,21 @@ def test_each_stage_reports_its_layers_sub_mesh_and_memory():
     assert first.layers[0] == "embed" and last.layers[-1] == "head"
     assert first.mesh_axes == last.mesh_axes == {"data": 1, "model": 4}
     assert (first.in_flight, last.in_flight) == (2, 1)  # 1F1B: stage s holds p - s micro-batches
-    assert first.held_bytes > 0
+    assert first.held_bytes > 0 and first.summed_bytes > 0
     assert first.memory_bytes == max(first.forward.cost.memory_bytes,
-                                     first.backward.cost.memory_bytes) + first.held_bytes
+                                     first.backward.cost.memory_bytes) + first.held_bytes + first.summed_bytes
     assert lowered.plan.cost.memory_bytes >= max(first.memory_bytes, last.memory_bytes)
     report = lowered.plan.report()
     assert "stage 0  [data=1 × model=4] devices 0-3" in report and "embed, layer0" in report
+
+
+def test_a_stage_over_the_memory_limit_is_planned_again_to_fit():
+    """A stage's programs are planned for one micro-batch; the other micro-batches in flight and
+    the running sums come on top, so a stage over the limit is planned again under what is left."""
+    step, args = _case("gpt")
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    free = rj.parallelize(step, mesh=mesh, pipeline=2, num_micro_batches=4).lower(*args).stages
+    limit = max(st.memory_bytes for st in free) - 1
+    fitted = rj.parallelize(step, mesh=mesh, pipeline=2, num_micro_batches=4, memory_limit_bytes=limit).lower(*args)
+    assert all(st.memory_bytes <= limit for st in fitted.stages)
+    assert_same_numbers(jax.jit(step)(*args), fitted.compile()(*args))
