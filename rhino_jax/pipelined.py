@@ -99,6 +99,7 @@ class PipelinedLowered:
         apply_plan = plan_on(step.apply_graph, MeshTopology.from_mesh(mesh, cluster), cluster, options)
         self.mesh, self.meshes, self.k, self._signature = mesh, meshes, k, signature
         self.transfers = _transfers(plans, meshes, cg, cluster)
+        self.moves_s = _step_moves(plans, meshes, mesh, apply_plan, step, cluster)
         self._step, self._programs, self._apply_plan = step, plans, apply_plan
         self._trees = (jax.tree.structure(args), whole.lowered.out_tree)
         self.stages = tuple(stages)
@@ -114,12 +115,13 @@ class PipelinedLowered:
         for (src, dst, _), move in self.transfers.items():
             per_boundary[src, dst] = per_boundary.get((src, dst), 0.0) + move.makespan_s
         transfer_s = max(per_boundary.values(), default=0.0)  # a micro-batch's tensors across one boundary
-        pipeline_s = self.schedule.makespan(fwd, bwd, transfer_s)
+        pipeline_s = self.schedule.makespan(fwd, bwd, transfer_s) + sum(self.moves_s)
         cost = PlanCost(a.cost.compute_s, a.cost.comm_s, pipeline_s + a.cost.total_s,
                         max([a.cost.memory_bytes] + [s.memory_bytes for s in self.stages]), a.cost.hidden_s)
         n = len(self._step.compute_graph.args)
         stats = dict(a.search_stats, pipeline=len(self.stages), schedule=self.schedule.name, micro_batches=self.k,
-                     stage_cut_bytes=staging.cut_bytes, stage_flops=staging.stage_compute, transfer_s=transfer_s)
+                     stage_cut_bytes=staging.cut_bytes, stage_flops=staging.stage_compute, transfer_s=transfer_s,
+                     arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1])
         stats.pop("compute_gradients", None)
         return dataclasses.replace(
             a, arg_paths=a.arg_paths[:n], arg_roles=a.arg_roles[:n], arg_shapes=a.arg_shapes[:n],
@@ -138,8 +140,7 @@ def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, i
     tensor one stage's program hands another's: from the producer's output layout on its mesh to
     the consumer's argument layout on its mesh, load-balanced under the host-level model."""
     made = {v: (prog, plan) for prog, _, plan in plans.values() for v in prog.outputs}
-    hosts = resharding.Hosts(lambda d: d.id // cluster.devices_per_host, cluster.inter_host_bandwidth,
-                             cluster.intra_host_bandwidth)
+    hosts = _hosts(cluster)
     found = {}
     for prog, graph, plan in plans.values():
         n_args = len(graph.args) - len(prog.inputs)
@@ -154,6 +155,45 @@ def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, i
                                           np.dtype(cg.values[v].dtype).itemsize)
             found[src_prog.stage, prog.stage, v] = resharding.plan(tasks, hosts)
     return found
+
+
+def _hosts(cluster) -> resharding.Hosts:
+    return resharding.Hosts(lambda d: d.id // cluster.devices_per_host, cluster.inter_host_bandwidth,
+                            cluster.intra_host_bandwidth)
+
+
+def _step_moves(plans, meshes: list[Mesh], mesh: Mesh, apply_plan: Plan, step, cluster) -> tuple[float, float]:
+    """Seconds per step to bring each stage the step's arguments it reads, from the layouts the
+    step takes them in (apply-gradients' arguments, on the whole mesh) to its programs', and to
+    bring the stages' sums to apply-gradients. Priced as cross-mesh resharding under the
+    host-level model, all of a direction's tensors in one plan (they share the hosts' links); a
+    batch argument's micro-batches together move the whole of it."""
+    hosts, cg = _hosts(cluster), step.compute_graph
+    n, sums = len(cg.args), {v: j for j, v in enumerate(cg.outputs)}
+    moves: tuple[dict, dict] = ({}, {})  # in, out; keyed so that a tensor moves once per layout
+
+    def add(direction: dict, key, src: NamedSharding, dst: NamedSharding, shape, dtype) -> None:
+        if key not in direction:
+            direction[key] = resharding.unit_tasks(resharding.sharding_map(src, shape),
+                                                   resharding.sharding_map(dst, shape), np.dtype(dtype).itemsize)
+
+    for prog, _, plan in plans.values():
+        sub = meshes[prog.stage]
+        for pos, i in enumerate(prog.args):
+            dst = NamedSharding(sub, plan.arg_specs[pos].to_partition_spec())
+            add(moves[0], (i, dst), NamedSharding(mesh, apply_plan.arg_specs[i].to_partition_spec()), dst,
+                apply_plan.arg_shapes[i], apply_plan.arg_dtypes[i])
+        for v, spec in zip(prog.outputs, plan.output_specs):
+            if v in sums:
+                add(moves[1], v, NamedSharding(sub, spec.to_partition_spec()),
+                    NamedSharding(mesh, apply_plan.arg_specs[n + sums[v]].to_partition_spec()),
+                    cg.values[v].shape, cg.values[v].dtype)
+
+    def seconds(direction: dict) -> float:
+        tasks = resharding.host_level([t for ts in direction.values() for t in ts], hosts)
+        return resharding.plan(tasks, hosts).makespan_s if tasks else 0.0
+
+    return seconds(moves[0]), seconds(moves[1])
 
 
 def _held_bytes(plans, s: int, mesh: Mesh) -> int:
@@ -234,12 +274,22 @@ class PipelinedCompiled:
         sums_of = set(low._step.compute_graph.outputs)
         made: dict[tuple[int, int], jax.Array] = {}  # (micro-batch, value) → array
         sums: dict[int, jax.Array] = {}
+        placed: dict = {}  # (argument, sharding) → the argument on a stage: once per call, not per micro-batch
+        batch = {i for i, role in enumerate(low.plan.arg_roles) if role == "batch"}
+
+        def put(i: int, mb: int, sharding: NamedSharding) -> jax.Array:
+            if i in batch:
+                return jax.device_put(micro[mb][i], sharding)
+            if (i, sharding) not in placed:
+                placed[i, sharding] = jax.device_put(micro[mb][i], sharding)
+            return placed[i, sharding]
+
         for task in task_graph.build(low.schedule).order():
             if task.kind not in ("forward", "backward"):
                 continue
             prog, run, shardings = self._run["F" if task.kind == "forward" else "B", task.stage]
             n = len(prog.args)
-            ins = jax.device_put([micro[task.micro_batch][i] for i in prog.args], shardings[:n])
+            ins = [put(i, task.micro_batch, sharding) for i, sharding in zip(prog.args, shardings)]
             for k, v in enumerate(prog.inputs):  # across meshes by cross-mesh resharding, else device_put
                 x = made[task.micro_batch, v]
                 key = (self._stage_of[v], task.stage, v)

@@ -196,8 +196,9 @@ class Plan:
             if s.get("pipeline"):
                 lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}, {s['micro_batches']} "
                              f"micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut, {s['transfer_s'] * 1e3:.3f} ms "
-                             "to move a micro-batch's tensors across a boundary), then apply-gradients (the search "
-                             "line above)")
+                             f"to move a micro-batch's tensors across a boundary; {s['arguments_in_s'] * 1e3:.3f} ms to "
+                             f"bring the stages their arguments, {s['sums_out_s'] * 1e3:.3f} ms to bring apply-gradients "
+                             "the sums), then apply-gradients (the search line above)")
                 lines += [f"    stage {st.stage}  {_axes(st.mesh_axes)} devices {_runs(st.devices)}: forward "
                           f"{st.forward_s * 1e3:.3f} + backward {st.backward_s * 1e3:.3f} ms per micro-batch, "
                           f"{st.in_flight} in flight, {st.memory_bytes / 2**20:.1f} MiB/device; "

@@ -98,6 +98,24 @@ def unit_tasks(src: Mapping, dst: Mapping, itemsize: int) -> tuple[UnitTask, ...
     return tuple(tasks)
 
 
+def host_level(tasks: Sequence[UnitTask], hosts: Hosts) -> tuple[UnitTask, ...]:
+    """The tasks as the host-level model sees them, for pricing many tensors' moves at once: a
+    receiver that holds the piece already drops out, and tasks between the same sending and
+    receiving hosts merge into one (a device per host stands for it)."""
+    merged: dict[tuple[frozenset, frozenset], list] = {}
+    for t in tasks:
+        receivers = [r for r in t.receivers if r not in t.senders]
+        if not receivers:
+            continue
+        by_host = lambda devices: {hosts.host_of(d): d for d in reversed(devices)}  # noqa: E731
+        senders, takers = by_host(t.senders), by_host(receivers)
+        key = (frozenset(senders), frozenset(takers))
+        if key not in merged:
+            merged[key] = [tuple(senders.values()), tuple(takers.values()), 0]
+        merged[key][2] += t.nbytes
+    return tuple(UnitTask((), senders, takers, nbytes) for senders, takers, nbytes in merged.values())
+
+
 def _schedule(tasks: Sequence[UnitTask], sender_hosts: Sequence[int], order: Sequence[int], hosts: Hosts):
     """Each task, in `order`, as early as its sender host and its receiver hosts are free."""
     free: dict[int, float] = {}

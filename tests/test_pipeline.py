@@ -165,3 +165,22 @@ def test_a_stage_over_the_memory_limit_is_planned_again_to_fit():
     fitted = rj.parallelize(step, mesh=mesh, pipeline=2, num_micro_batches=4, memory_limit_bytes=limit).lower(*args)
     assert all(st.memory_bytes <= limit for st in fitted.stages)
     assert_same_numbers(jax.jit(step)(*args), fitted.compile()(*args))
+
+
+def test_arguments_and_sums_moving_between_the_mesh_and_the_stages_are_priced():
+    """apply-gradients runs on the whole mesh, the stages on halves of it: every step, each stage
+    gets the parameters it reads and hands back its gradient sums. On hosts of 4 devices those
+    moves cross hosts, and the step's predicted time counts them."""
+    step, args = _case("gpt")
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    by_host = dataclasses.replace(get_cluster(None), devices_per_host=4)
+    stats = lambda c: rj.parallelize(step, mesh=mesh, pipeline=2, num_micro_batches=2,  # noqa: E731
+                                     cluster=c).lower(*args).plan.search_stats
+    apart, fast = stats(by_host), stats(dataclasses.replace(by_host, inter_host_bandwidth=1e15))
+    assert apart["arguments_in_s"] > 0 and apart["sums_out_s"] > 0
+    assert apart["arguments_in_s"] > 10 * fast["arguments_in_s"]
+    lowered = rj.parallelize(step, mesh=mesh, pipeline=2, num_micro_batches=2, cluster=by_host).lower(*args)
+    assert "to bring the stages their arguments" in lowered.plan.report()
+    c, s = lowered.plan.cost, lowered.plan.search_stats
+    schedule_s = c.total_s - (c.compute_s + c.comm_s - c.hidden_s)  # the total less apply-gradients
+    assert schedule_s > s["arguments_in_s"] + s["sums_out_s"]

@@ -72,3 +72,19 @@ def test_block_map_agrees_with_jax_where_sizes_divide():
     mesh = Mesh(devices, ("a", "b"))
     for dims, spec in (([(0,), ()], P("a")), ([(1, 0), ()], P(("b", "a"))), ([(), (1,)], P(None, "b"))):
         assert R.block_map((8, 8), devices, dims) == R.sharding_map(NamedSharding(mesh, spec), (8, 8))
+
+
+def test_host_level_tasks_drop_what_receivers_hold_and_merge_by_hosts():
+    """Moving 64 rows from 8 devices (8 rows each) to the first 4 (16 each), hosts of 2 devices:
+    device 0 holds half of its block already (only the other 8 rows move to it); device 1 gets
+    its rows from devices 2 and 3, one host, so those two tasks merge."""
+    shape = (64, 4)
+    src = NamedSharding(_mesh(range(8), (8,), ("x",)), P("x"))
+    dst = NamedSharding(_mesh(range(4), (4,), ("y",)), P("y"))
+    tasks = R.unit_tasks(R.sharding_map(src, shape), R.sharding_map(dst, shape), 4)
+    hosts = R.Hosts(lambda d: d.id // 2, 1e9, 1e10)
+    merged = R.host_level(tasks, hosts)
+    assert sum(t.nbytes for t in tasks) == 64 * 4 * 4
+    assert sum(t.nbytes for t in merged) == (64 - 8) * 4 * 4
+    keys = [({hosts.host_of(d) for d in t.senders}, {hosts.host_of(d) for d in t.receivers}) for t in merged]
+    assert sorted((sorted(a), sorted(b)) for a, b in keys) == [([0], [0]), ([1], [0]), ([2], [1]), ([3], [1])]
