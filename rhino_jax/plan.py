@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from rhino_jax.hlo_passes.graph import dtype_size
+from rhino_jax.runtime.schedules import make as make_schedule
+from rhino_jax.runtime.task_graph import TaskGraph, build as build_task_graph
 from rhino_jax.search.cluster import combiner_for
 from rhino_jax.search.combining import combined_collectives
 from rhino_jax.search.specs import ShardingSpec
@@ -123,6 +125,13 @@ class Plan:
     # Set by `parallelize` when the plan belongs to a call: the user's pytrees and mesh.
     input_shardings: object = field(default=None, compare=False, repr=False)
     output_shardings: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def task_graph(self) -> TaskGraph:
+        """What runs in a step, where and after what (Rhino §6.1); `.to_dot()` for Graphviz."""
+        s = self.search_stats
+        return build_task_graph(make_schedule(s.get("schedule", "1f1b"), s.get("pipeline", 1),
+                                              s.get("micro_batches", 1)))
 
     def collective_summary(self, backend: str | None = None) -> dict[str, tuple[int, int]]:
         """kind → (count, bytes) of the collectives a backend's XLA compiles for this plan, once

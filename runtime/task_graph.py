@@ -2,8 +2,8 @@
 
 Nodes: a source and a sink; per stage and micro-batch, its forward and backward pass; a send and
 a receive for every tensor crossing stages (activations forward, their gradients back); with
-several micro-batches, a local accumulation of each backward's gradients; per stage, one apply
-of the accumulated gradients (the optimizer). Edges: data dependencies, and each stage's run
+several micro-batches, a local accumulation of each backward's gradients; one apply of the
+accumulated gradients (the optimizer), on the whole mesh, once every stage is done. Edges: data dependencies, and each stage's run
 order as the schedule fixes it (nnScaler's schedules as ordering constraints), so one
 topological order of the graph is the static schedule the executor follows.
 """
@@ -92,7 +92,7 @@ def build(schedule: Schedule) -> TaskGraph:
                     send = node(f"send {what} {k}: {src}→{dst}", "send", src, k)
                     recv = node(f"recv {what} {k}: {src}→{dst}", "recv", dst, k)
                     edges += [(compute(Task(kind, src, k)), send), (send, recv), (recv, compute(Task(kind, dst, k)))]
-    sink = node("sink", "sink")
+    apply = node("apply", "apply")  # once per step, on the whole mesh
     for s in range(p):
         last = compute(Task("B", s, m - 1)) if m == 1 else None
         for k in range(m if m > 1 else 0):  # several micro-batches: sum each one's gradients in order
@@ -101,8 +101,8 @@ def build(schedule: Schedule) -> TaskGraph:
             if last is not None:
                 edges.append((last, acc))
             last = acc
-        apply = node(f"apply@{s}", "apply", s)
-        edges += [(last, apply), (apply, sink)]
+        edges.append((last, apply))
+    edges.append((apply, node("sink", "sink")))
     graph = TaskGraph(tuple(nodes), tuple(edges), schedule.name)
     graph.order()  # acyclic, or ScheduleError
     return graph

@@ -28,7 +28,7 @@ def _case(model):
 
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
-@pytest.mark.parametrize("shape,names", [((8,), ("data",)), ((2, 4), ("data", "model"))])
+@pytest.mark.parametrize("shape,names", [((8,), ("data",)), ((2, 4), ("data", "model")), ((4, 2), ("data", "model"))])
 def test_two_stages_keep_the_numbers_of_one_device(model, shape, names):
     step, args = _case(model)
     lowered = rj.parallelize(step, mesh=rj.device_mesh(shape, names), pipeline=2, num_micro_batches=4).lower(*args)
@@ -36,6 +36,9 @@ def test_two_stages_keep_the_numbers_of_one_device(model, shape, names):
     first, second = lowered.stages
     assert set(first.devices).isdisjoint(second.devices) and len(first.devices) + len(second.devices) == 8
     assert "2 stages" in lowered.plan.report()
+    graph = lowered.plan.task_graph  # what the executor ran: 2 stages × 4 micro-batches, one apply
+    assert sum(n.kind == "forward" for n in graph.nodes) == 8 and sum(n.kind == "apply" for n in graph.nodes) == 1
+    assert graph.to_dot().startswith('digraph "1f1b"')
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "eager-1f1b"])
