@@ -71,6 +71,23 @@ def _window_attrs(op: ir.Operation) -> dict:
                 base_dilations=_ints(_attr(op, "base_dilations")) or [1] * rank)
 
 
+def _zero_splat(value: ir.Attribute) -> bool:
+    """A dense constant whose every element is 0 (micro-batching checks that carried sums start there)."""
+    try:
+        dense = ir.DenseElementsAttr(value)
+    except ValueError:
+        return False
+    if not dense.is_splat:
+        return False
+    element = dense.get_splat_value()
+    for kind in (ir.FloatAttr, ir.IntegerAttr):
+        try:
+            return kind(element).value == 0
+        except ValueError:
+            continue
+    return False
+
+
 def _op_attrs(op: ir.Operation) -> dict:
     """The plain-data facts of one op that sharding rules and FLOP counts read."""
     name = op.name
@@ -92,6 +109,8 @@ def _op_attrs(op: ir.Operation) -> dict:
                  batch_groups=_int(op.attributes["batch_group_count"]))
     elif name == "stablehlo.broadcast_in_dim":
         a["dims"] = _ints(op.attributes["broadcast_dimensions"])
+    elif name == "stablehlo.constant":
+        a["zero"] = _zero_splat(op.attributes["value"])
     elif name == "stablehlo.transpose":
         a["perm"] = _ints(op.attributes["permutation"])
     elif name == "stablehlo.reduce":

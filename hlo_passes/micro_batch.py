@@ -35,6 +35,30 @@ from .split import extract
 _SUMMING = {"stablehlo.reduce", "stablehlo.dot_general", "stablehlo.convolution", "stablehlo.scatter"}
 
 
+# Ops that pass values on slot by slot: a counted loop's entry and exit (`graph`), remat's barrier
+_SLOTWISE = {"stablehlo.while", "stablehlo.return", "stablehlo.optimization_barrier"}
+
+
+def _check_carried_sums(graph: Graph, node, aggregate: set[int]) -> None:
+    """A loop that adds per-example terms into a carried value (a scan's weight gradients) adds
+    up over micro-batches like any sum, provided the carry starts at zero: else each micro-batch
+    would add its start again."""
+    producer = {r: n for n in graph.nodes for r in n.results}
+    ret = next(n for n in graph.nodes if n.attrs.get("loop_entry") == node.id)
+    for slot, (init, inside, carried) in enumerate(zip(node.operands, node.results, ret.operands)):
+        if (inside in aggregate or carried in aggregate) and not _zero(init, producer):
+            raise StagingError(f"{node.name or 'a loop'} carries a sum over the batch (slot {slot}) that does not "
+                               "start at zero; micro-batches would each add its start. Use num_micro_batches=1")
+
+
+def _zero(value: int, producer: dict) -> bool:
+    """The value is a zero constant, maybe broadcast, reshaped or converted."""
+    n = producer.get(value)
+    while n is not None and n.op in ("stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
+        n = producer.get(n.operands[0])
+    return n is not None and n.op == "stablehlo.constant" and n.attrs.get("zero", False)
+
+
 @dataclass(frozen=True)
 class MicroSplit:
     boundary: tuple[int, ...]  # value ids (the same in both graphs): the sums to add up
@@ -43,10 +67,24 @@ class MicroSplit:
 
 
 def _batch(graph: Graph) -> set[int]:
+    """The values that depend on the batch. A loop passes each carried slot on by itself (its
+    parameters stay out even when its activations are in), so this runs to a fixed point: a
+    slot the body makes batch-dependent is so from the loop's entry on."""
     found = {a.value for a in graph.args if a.role == "batch"}
-    for n in graph.nodes:
-        if any(o in found for o in n.operands):
-            found.update(n.results)
+    exit_of = {n.attrs["loop_entry"]: n for n in graph.nodes if "loop_entry" in n.attrs}
+    changed = True
+    while changed:
+        changed = False
+        for n in graph.nodes:
+            if n.op == "stablehlo.while":
+                slots = zip(n.results, n.operands, exit_of[n.id].operands)
+                made = [r for r, start, yielded in slots if start in found or yielded in found]
+            elif n.op in _SLOTWISE:
+                made = [r for r, o in zip(n.results, n.operands) if o in found]
+            else:
+                made = n.results if any(o in found for o in n.operands) else []
+            changed |= any(r not in found for r in made)
+            found.update(made)
     return found
 
 
@@ -64,6 +102,10 @@ def boundary(whole: Graph, micro: Graph) -> tuple[int, ...]:
     aggregate = batch - per_example
     for n in whole.nodes:
         made = [r for r in n.results if r in aggregate]
+        if n.op in _SLOTWISE:  # slot k in, slot k out: a sum is checked where it is made
+            if n.op == "stablehlo.while":
+                _check_carried_sums(whole, n, aggregate)
+            continue
         if not made or not any(o in per_example for o in n.operands):
             continue
         combiner = n.attrs.get("combiner", "stablehlo.add")
@@ -71,6 +113,8 @@ def boundary(whole: Graph, micro: Graph) -> tuple[int, ...]:
             raise StagingError(f"micro-batching adds up sums over the batch, but {n.name or n.op} "
                                f"({n.op.split('.')[-1]}) combines the examples otherwise; use num_micro_batches=1")
     for n in whole.nodes:
+        if n.op in _SLOTWISE:
+            continue
         if any(r in per_example for r in n.results) and any(o in aggregate for o in n.operands):
             raise StagingError(f"{n.name or n.op} computes per-example values from a sum over the whole batch "
                                "(batch statistics, or a loss averaged over a count taken from the batch), which "

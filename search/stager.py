@@ -213,6 +213,10 @@ def forward_stage_graph(graph: Graph, loss: int) -> tuple[StageGraph, dict[int, 
     for i in sorted(forward):
         compute[node[i]] += graph.nodes[i].flops
         names[node[i]] = names[node[i]] or graph.nodes[i].name
+    for i in forward:  # a loop is never cut: say so where it is what cannot be balanced
+        if graph.nodes[i].op == "stablehlo.while":
+            names[node[i]] = (f"the loop {graph.nodes[i].name or 'while'} (a loop runs whole in one stage; to "
+                              "pipeline a scan over layers, unroll it: a Python loop, or nn.scan/lax.scan unroll)")
     crossing: dict[tuple[int, int], dict[int, None]] = defaultdict(dict)
     for i in forward:
         for o in graph.nodes[i].operands:

@@ -13,7 +13,7 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 
-from benchmarks.third_party_models import linen_clip_adamw
+from benchmarks.third_party_models import linen_clip_adamw, linen_scan_remat
 from helpers import assert_same_numbers
 
 MESHES = [((8,), ("data",)), ((2, 4), ("data", "model"))]
@@ -80,6 +80,57 @@ def test_batch_statistics_are_refused():
     args = (jnp.ones((4, 4)), jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32))
     with pytest.raises(StagingError, match="batch statistics"):
         rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=2).lower(*args)
+
+
+def _scanned_step(start):
+    """Layers stacked [L, D, D] and run by lax.scan; the loop also carries a sum over the
+    batch (its examples' activations) that starts at `start`."""
+    def step(params, batch):
+        def loss_fn(p):
+            def body(carry, w):
+                h, total = carry
+                h = jnp.tanh(h @ w)
+                return (h, total + h.sum(axis=0)), None
+
+            (h, total), _ = jax.lax.scan(body, (batch["x"], start(h_dim)), p["ws"])
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2) + 1e-3 * jnp.sum(total)
+
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss
+
+    rng, h_dim = np.random.default_rng(0), 32
+    params = {"ws": jnp.asarray(rng.normal(size=(4, h_dim, h_dim)) / 6, jnp.float32),
+              "out": jnp.asarray(rng.normal(size=(h_dim, 8)), jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(16, h_dim)), jnp.float32),
+             "y": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)}
+    return step, (params, batch)
+
+
+@pytest.mark.parametrize("shape,names", MESHES)
+def test_a_scan_over_layers_keeps_its_numbers(shape, names):
+    """The backward scan adds each layer's weight gradient (a sum over examples) into its carry:
+    the loop's results are the sums the micro-batches add up."""
+    step, args = _scanned_step(jnp.zeros)
+    out = rj.parallelize(step, mesh=rj.device_mesh(shape, names), num_micro_batches=2)(*args)
+    assert_same_numbers(jax.jit(step)(*args), out)
+
+
+def test_flax_scan_with_remat_keeps_its_numbers():
+    case = linen_scan_remat()
+    step = rj.parallelize(case.step, mesh=rj.device_mesh((2, 4), ("data", "model")), num_micro_batches=2)
+    assert_same_numbers(jax.jit(case.step)(*case.args), step(*case.args), rtol=1e-3, atol=1e-4)
+
+
+def test_a_loop_sum_that_does_not_start_at_zero_is_refused():
+    step, args = _scanned_step(jnp.ones)  # each micro-batch would add the start again
+    with pytest.raises(StagingError, match="does not start at zero"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=2).lower(*args)
+
+
+def test_a_scan_cannot_be_cut_into_stages_and_says_to_unroll_it():
+    step, args = _scanned_step(jnp.zeros)
+    with pytest.raises(StagingError, match="a loop runs whole in one stage"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=2, num_micro_batches=2).lower(*args)
 
 
 def test_micro_batches_that_do_not_divide_the_batch_are_refused():
