@@ -15,9 +15,11 @@ a matmul or convolution over the batch dim, scatter-add), or coming out of a loo
   constants (a mean's 1/B, its cotangent) put in place of the micro-batch's, so that each
   micro-batch computes exactly its share of the whole program's sums;
 - apply-gradients (AG): the whole-batch program from the boundary on.
-A step whose per-example values need a sum over the batch (batch norm's statistics; a loss
-averaged over its non-masked tokens, whose gradient divides by their count) cannot be split so:
-an error says why.
+A loss averaged over a count taken from the batch (the tokens a mask keeps) scales every
+example's gradient by 1/count, a sum over the whole batch: the backward pass is linear in it, so
+the micro-batches run with 1 in its place and apply-gradients applies the whole batch's
+(`scaling`). A step whose per-example values need a sum over the batch otherwise (batch norm's
+statistics) cannot be split so: an error says why.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from jax._src.lib.mlir import ir
 from rhino_jax.errors import StagingError
 
 from . import module as mod
+from . import scaling
 from .graph import Graph
 from .split import extract
 
@@ -94,12 +97,20 @@ def _check_alike(whole: Graph, micro: Graph) -> None:
                            "micro-batching needs one program shape for both (try another num_micro_batches)")
 
 
-def boundary(whole: Graph, micro: Graph) -> tuple[int, ...]:
-    """The sums over examples the outputs read (see the module's docstring), in program order."""
+def boundary(whole: Graph, micro: Graph) -> tuple[tuple[int, ...], scaling.Scaling | None]:
+    """The sums over examples the outputs read (see the module's docstring), in program order,
+    and the batch-wide scale of the backward pass if there is one (`scaling`)."""
     _check_alike(whole, micro)
     batch = _batch(whole)
     per_example = {v.id for v in whole.values if v.shape != micro.values[v.id].shape}
     aggregate = batch - per_example
+    producer = {r: n for n in whole.nodes for r in n.results}
+    try:
+        scale, why_not = scaling.find(whole, per_example, aggregate,
+                                      {v.id: True for v in whole.values if _zero(v.id, producer)}), ""
+    except scaling.NotLinear as e:
+        scale, why_not = None, f" (here {e})"
+    spread = set(scale.sites) if scale else set()
     for n in whole.nodes:
         made = [r for r in n.results if r in aggregate]
         if n.op in _SLOTWISE:  # slot k in, slot k out: a sum is checked where it is made
@@ -113,14 +124,13 @@ def boundary(whole: Graph, micro: Graph) -> tuple[int, ...]:
             raise StagingError(f"micro-batching adds up sums over the batch, but {n.name or n.op} "
                                f"({n.op.split('.')[-1]}) combines the examples otherwise; use num_micro_batches=1")
     for n in whole.nodes:
-        if n.op in _SLOTWISE:
+        if n.op in _SLOTWISE or spread & set(n.results):
             continue
         if any(r in per_example for r in n.results) and any(o in aggregate for o in n.operands):
             raise StagingError(f"{n.name or n.op} computes per-example values from a sum over the whole batch "
-                               "(batch statistics, or a loss averaged over a count taken from the batch), which "
-                               "one micro-batch cannot know; micro-batching would change the numbers. Use "
-                               "num_micro_batches=1, or a normalization that does not depend on the batch")
-    producer = {r: n for n in whole.nodes for r in n.results}
+                               f"(batch statistics{why_not}), which one micro-batch cannot know; micro-batching "
+                               "would change the numbers. Use num_micro_batches=1, or a normalization that does not "
+                               "depend on the batch")
 
     def first(v: int) -> bool:  # an aggregate made from per-example values, or leaving a loop's body
         n = producer.get(v)
@@ -142,7 +152,7 @@ def boundary(whole: Graph, micro: Graph) -> tuple[int, ...]:
             else:
                 raise StagingError(f"{whole.output_paths[k]} returns per-example values of the batch; micro-"
                                    "batching can only add up sums over it. Use num_micro_batches=1")
-    return tuple(sorted(found))
+    return tuple(sorted(found)), scale
 
 
 def _with_whole_constants(micro_module: ir.Module, whole_module: ir.Module, micro: Graph) -> ir.Module:
@@ -172,7 +182,13 @@ def _with_whole_constants(micro_module: ir.Module, whole_module: ir.Module, micr
 def split(whole_module: ir.Module, whole: Graph, micro_module: ir.Module, micro: Graph) -> MicroSplit:
     """The boundary and the two programs of a step lowered for the whole batch and for one
     micro-batch (`boundary`)."""
-    cut = boundary(whole, micro)
-    compute = extract(_with_whole_constants(micro_module, whole_module, micro), micro, [], cut)
-    apply = extract(whole_module, whole, cut, whole.outputs)
+    cut, scale = boundary(whole, micro)
+    compute = extract(_with_whole_constants(micro_module, whole_module, micro), micro, [], cut,
+                      (lambda table, _: scaling.unit_scale(table, scale)) if scale else None)
+
+    def rescale(table: dict, arguments: dict) -> None:
+        for v in set(cut) & set(scale.scaled):
+            scaling.apply_scale(arguments[v], table[scale.scale])
+
+    apply = extract(whole_module, whole, cut, whole.outputs, rescale if scale else None)
     return MicroSplit(cut, compute, apply)

@@ -4,7 +4,7 @@ and the compute-gradients / apply-gradients programs of micro-batching are such 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import func
@@ -17,10 +17,12 @@ from .rewrite import mesh_name
 _EFFECTS = {"stablehlo.outfeed", "stablehlo.infeed", "stablehlo.send", "stablehlo.recv"}
 
 
-def extract(module: ir.Module, graph: Graph, inputs: Sequence[int], outputs: Sequence[int]) -> ir.Module:
+def extract(module: ir.Module, graph: Graph, inputs: Sequence[int], outputs: Sequence[int],
+            edit: Callable[[dict, dict], None] | None = None) -> ir.Module:
     """A copy of the (inlined) module whose @main takes its own arguments followed by `inputs`
     (values made inside it, which become arguments) and returns `outputs`; ops that no longer
-    reach the return are erased. Donation is dropped (the outputs are new)."""
+    reach the return are erased. Donation is dropped (the outputs are new). `edit(table,
+    arguments)` may change the copy first (value id → its ir.Value; input → its new argument)."""
     new = mod.copy_module(module)
     table = mod.value_table(new)
     main = mod.entry_function(new)
@@ -36,6 +38,8 @@ def extract(module: ir.Module, graph: Graph, inputs: Sequence[int], outputs: Seq
                 raise ValueError(f"value {v} is an argument already; list made values only")
             replaced[v] = block.add_argument(table[v].type, ir.Location.unknown())
             table[v].replace_all_uses_with(replaced[v])
+        if edit is not None:
+            edit(table, replaced)
         ret = mod.entry_return(new)
         with ir.InsertionPoint(ret):
             func.ReturnOp([replaced.get(v, table[v]) for v in outputs])

@@ -4,6 +4,7 @@ apply-gradients; the numbers of the whole batch, whatever the loss."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import rhino_jax as rj
@@ -13,7 +14,7 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 
-from benchmarks.third_party_models import linen_clip_adamw, linen_scan_remat
+from benchmarks.third_party_models import GPT, _tokens, linen_clip_adamw, linen_scan_remat
 from helpers import assert_same_numbers
 
 MESHES = [((8,), ("data",)), ((2, 4), ("data", "model"))]
@@ -61,11 +62,58 @@ def test_a_loss_summed_or_divided_by_a_constant_keeps_its_numbers(normalize):
     assert_same_numbers(jax.jit(step)(*args), out)
 
 
-def test_a_count_taken_from_the_batch_is_refused():
-    # The gradient of each example divides by the whole batch's count of kept examples.
+@pytest.mark.parametrize("shape,names", MESHES)
+def test_a_loss_averaged_over_the_kept_examples_keeps_its_numbers(shape, names):
+    """The gradient of each example divides by the whole batch's count of kept examples: the
+    micro-batches compute with 1 in its place and apply-gradients divides the sums by it."""
     step, args = _masked_step("count")
-    with pytest.raises(StagingError, match="sum over the whole batch"):
-        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=2).lower(*args)
+    out = rj.parallelize(step, mesh=rj.device_mesh(shape, names), num_micro_batches=4)(*args)
+    assert_same_numbers(jax.jit(step)(*args), out)
+
+
+def _masked_flax_lm():
+    """A Flax LM whose cross-entropy averages over the tokens a padding mask keeps, optax's
+    global-norm clipping and AdamW: the step most LM trainers write."""
+    model, batch = GPT(), _tokens()
+    batch = dict(batch, mask=(batch["targets"] % 3 != 0).astype(jnp.float32))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    params = model.init(jax.random.PRNGKey(1), batch["tokens"])["params"]
+
+    def train_step(params, opt_state, batch):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, batch["tokens"])
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+            return jnp.sum(ce * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step, (params, tx.init(params), batch)
+
+
+@pytest.mark.parametrize("pipeline", ["off", 2])
+def test_a_flax_lm_with_a_padding_mask_keeps_its_numbers(pipeline):
+    step, args = _masked_flax_lm()
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    out = rj.parallelize(step, mesh=mesh, num_micro_batches=2, pipeline=pipeline)(*args)
+    assert_same_numbers(jax.jit(step)(*args), out, rtol=1e-3, atol=1e-4)
+
+
+def test_two_losses_averaged_over_different_counts_are_refused():
+    """Each count scales its own loss's gradients: no one factor can be applied after the sums."""
+    _, (params, batch) = _masked_step("count")
+
+    def two(params, batch):
+        def loss_fn(p):
+            err = jnp.sum((jnp.tanh(batch["x"] @ p["w"]) - batch["y"]) ** 2, axis=-1)
+            keep, drop = batch["mask"], 1.0 - batch["mask"]
+            return jnp.sum(err * keep) / jnp.sum(keep) + jnp.sum(err * drop) / jnp.sum(drop)
+
+        return jax.grad(loss_fn)(params)
+
+    with pytest.raises(StagingError, match="several sums over the batch"):
+        rj.parallelize(two, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=2).lower(params, batch)
 
 
 def test_batch_statistics_are_refused():
@@ -148,7 +196,8 @@ def test_the_boundary_is_one_sum_per_parameter_and_the_loss():
     micro_args = (args[0], args[1], jax.tree.map(lambda x: jax.ShapeDtypeStruct((4,) + x.shape[1:], x.dtype), args[2]))
     micro = lower_on_mesh(step, micro_args, mesh, ())
     graphs = [import_module(s.module, s.arg_paths, s.arg_roles, s.output_paths) for s in (whole, micro)]
-    cut = micro_batch.boundary(*graphs)
+    cut, scale = micro_batch.boundary(*graphs)
+    assert scale is None  # a mean over a fixed batch size: no batch-wide scale
     params = [a for a in graphs[0].args if a.role == "parameter"]
     assert sorted(graphs[0].values[v].shape for v in cut) == sorted(
         [graphs[0].values[a.value].shape for a in params] + [()])
