@@ -28,6 +28,7 @@ from .errors import MeshError
 from .mesh_search import plan_on, search_meshes
 from .controller import choose
 from .micro_batched import MicroBatchedLowered
+from .multiprocess import agree
 from .pipelined import PipelinedLowered
 from .options import Options
 from .plan import Plan
@@ -156,9 +157,11 @@ class Parallelized:
         key = _signature(args)
         if key not in self._cache:
             if self.options.pipeline == "auto":
-                self._cache[key] = choose(self, args, key)
+                lowered = choose(self, args, key)
             else:
-                self._cache[key] = self.lower_with(self.options, args, key)
+                lowered = self.lower_with(self.options, args, key)
+            agree(lowered.plan)  # the processes of a distributed job must compile one plan
+            self._cache[key] = lowered
         return self._cache[key]
 
     def lower_with(self, options: Options, args, key):

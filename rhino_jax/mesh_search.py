@@ -30,8 +30,8 @@ from jax.sharding import Mesh
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
-from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
-from rhino_jax.search.meshes import candidate_meshes, host_ids
+from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster, host_ids
+from rhino_jax.search.meshes import candidate_meshes
 from rhino_jax.search.planner import search
 
 from .errors import NoFeasibleMeshError, RhinoError

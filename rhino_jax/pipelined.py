@@ -26,7 +26,7 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph
 from rhino_jax.search import stager
-from rhino_jax.search.cluster import MeshTopology, get_cluster
+from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
 from rhino_jax.search.memory import local_bytes
 
 from .errors import MemoryLimitError, MeshError
@@ -158,8 +158,9 @@ def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, i
 
 
 def _hosts(cluster) -> resharding.Hosts:
-    return resharding.Hosts(lambda d: d.id // cluster.devices_per_host, cluster.inter_host_bandwidth,
-                            cluster.intra_host_bandwidth)
+    devices = jax.devices()
+    host = dict(zip((d.id for d in devices), host_ids(devices, cluster.devices_per_host)))
+    return resharding.Hosts(lambda d: host[d.id], cluster.inter_host_bandwidth, cluster.intra_host_bandwidth)
 
 
 def _step_moves(plans, meshes: list[Mesh], mesh: Mesh, apply_plan: Plan, step, cluster) -> tuple[float, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -156,6 +157,16 @@ def get_cluster(cluster: "Cluster | str | None") -> Cluster:
                      "or pass a rhino_jax.Cluster(...)")
 
 
+def host_ids(devices: Sequence, devices_per_host: int) -> list[int]:
+    """The host of each device: its process in a multi-process run (jax.distributed runs a process
+    per host), else its position in `jax.devices()` divided by the cluster's devices per host
+    (one process standing for several hosts)."""
+    if jax.process_count() > 1:
+        return [d.process_index for d in devices]
+    order = {d.id: i for i, d in enumerate(jax.devices())}
+    return [order[d.id] // devices_per_host for d in devices]
+
+
 @dataclass(frozen=True)
 class MeshTopology:
     """The mesh as the cost model sees it: axis sizes and each axis's link."""
@@ -202,11 +213,7 @@ class MeshTopology:
     @staticmethod
     def from_mesh(mesh: Mesh, cluster: Cluster) -> "MeshTopology":
         devices = mesh.devices
-        if jax.process_count() > 1:
-            host = np.vectorize(lambda d: d.process_index)(devices)
-        else:
-            order = {d.id: i for i, d in enumerate(jax.devices())}
-            host = np.vectorize(lambda d: order[d.id] // cluster.devices_per_host)(devices)
+        host = np.array(host_ids(list(devices.flat), cluster.devices_per_host)).reshape(devices.shape)
         hosts = len(np.unique(host))
         if cluster.hosts is not None and hosts > cluster.hosts:
             raise ValueError(f"the mesh's {devices.size} devices lie on {hosts} hosts of "

@@ -60,17 +60,6 @@ def axis_names_for(ndim: int, axis_names: Sequence[str] | None = None) -> tuple[
     return names[:ndim]
 
 
-def host_ids(devices: Sequence, devices_per_host: int) -> list[int]:
-    """The host of each device, as `MeshTopology.from_mesh` sees it: the process in a multi-process
-    run, else the device's position in `jax.devices()` divided by the cluster's devices per host."""
-    import jax
-
-    if jax.process_count() > 1:
-        return [d.process_index for d in devices]
-    order = {d.id: i for i, d in enumerate(jax.devices())}
-    return [order[d.id] // devices_per_host for d in devices]
-
-
 def candidate_meshes(hosts: Sequence[int], axis_names: Sequence[str] | None = None
                      ) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
     """(shape, axis names) of every candidate mesh, in enumeration order."""

@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
 from rhino_jax.models import make_mlp_train_step, mlp_example
-from rhino_jax.search.cluster import MeshTopology
-from rhino_jax.search.meshes import candidate_meshes, enumerate_mesh_shapes, factorizations, host_ids
+from rhino_jax.search.cluster import MeshTopology, host_ids
+from rhino_jax.search.meshes import candidate_meshes, enumerate_mesh_shapes, factorizations
 
 from helpers import assert_same_numbers
 

@@ -1,0 +1,59 @@
+"""One plan for every process of a jax.distributed job (#17).
+
+Under jax's multi-controller runtime each process lowers, plans and compiles the step itself,
+and the compiled programs must be the same SPMD program everywhere. The search is deterministic
+for the same program, mesh and options, but a solver that stops at its time limit, or a tie
+broken differently, would give processes different plans: their collectives would not match and
+the job would hang or compute garbage. So before anything compiles, every process's plan is
+hashed (`digest`: the decisions only, not the timings) and the hashes are compared across
+processes (`agree`); a mismatch is an error on every process, which says how to make the plans
+the same.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import numpy as np
+
+from .errors import RhinoError
+from .plan import Plan
+
+
+class PlanMismatchError(RhinoError, RuntimeError):
+    """The processes of a distributed job found different plans for the same step."""
+
+
+def digest(plan: Plan) -> str:
+    """A hash of what the plan decides (every layout, the mesh, the stages), not of how long the
+    search took: equal digests compile to the same program."""
+    h = hashlib.sha256()
+    for part in _decisions(plan):
+        h.update(repr(part).encode())
+    return h.hexdigest()
+
+
+def _decisions(plan: Plan):
+    yield plan.mesh_axes, plan.arg_specs, plan.output_specs
+    yield sorted(plan.value_specs.items())
+    yield sorted(plan.read_specs.items())
+    yield sorted(plan.read_paths.items())
+    for st in plan.stages:
+        yield st.stage, st.devices, digest(st.forward), digest(st.backward)
+
+
+def agree(plan: Plan) -> None:
+    """Raise PlanMismatchError on every process unless all processes hold the same plan (a no-op
+    in a single-process run). A collective: every process must call it at the same point."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils  # noqa: PLC0415 (only in distributed runs)
+
+    mine = np.frombuffer(bytes.fromhex(digest(plan)), dtype=np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 32]
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise PlanMismatchError(
+            f"processes {differ} found a different plan than process 0 for the same step (a solver time limit "
+            "or a tie broken differently); every process must run the same one. Give the search more time "
+            "(solver_time_limit_s), or plan once and pass the same saved plan to every process")

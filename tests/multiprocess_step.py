@@ -1,0 +1,41 @@
+"""A step of a distributed job, run by tests/test_multiprocess.py under `rhino_jax.launch`:
+`python -m rhino_jax.launch -n 2 --local-devices 4 tests/multiprocess_step.py run|die`."""
+import os
+import sys
+
+import jax
+import numpy as np
+
+jax.distributed.initialize()  # as on a cluster; the launcher has joined the job already
+
+import rhino_jax as rj  # noqa: E402
+from rhino_jax.models import gpt  # noqa: E402
+from rhino_jax.multiprocess import digest  # noqa: E402
+
+
+def process_rows(x: np.ndarray, sharding) -> np.ndarray:
+    """What this process's data loader reads: the rows its devices hold under `sharding`."""
+    rows = sorted({r for idx in sharding.addressable_devices_indices_map(x.shape).values()
+                   for r in range(*idx[0].indices(x.shape[0]))})
+    return x[rows[0]:rows[-1] + 1]
+
+
+step = gpt.make_gpt_train_step(gpt.GPT_TINY)
+with jax.default_device(jax.local_devices()[0]):
+    args = gpt.gpt_example(gpt.GPT_TINY)
+    want = jax.jit(step)(*args)
+lowered = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model"))).lower(*args)
+print("plan digest", digest(lowered.plan), flush=True)
+params, opt_state, batch = args
+shardings = lowered.plan.input_shardings
+state = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: np.asarray(x)[i]),
+                     (params, opt_state), shardings[:2])
+batch = jax.tree.map(lambda x, s: jax.make_array_from_process_local_data(s, process_rows(np.asarray(x), s), x.shape),
+                     batch, shardings[2])
+if sys.argv[1] == "die" and jax.process_index() == 1:
+    os._exit(3)  # the other process is left waiting in the step's collectives
+got = lowered.compile()(*state, batch)
+for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    for shard in g.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(w)[shard.index], rtol=2e-5, atol=2e-6)
+print("same numbers as one device", flush=True)

@@ -1,0 +1,66 @@
+"""A jax.distributed job of 2 processes × 4 CPU devices on this machine (`rhino_jax.launch`,
+collectives over loopback): one plan on every process, the numbers of one device, and a dead
+process that stops the job instead of hanging it."""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+STEP = HERE / "multiprocess_step.py"
+
+
+def _launch(*args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "rhino_jax.launch", "-n", "2", "--local-devices", "4",
+                           "--timeout", str(timeout), *args], capture_output=True, text=True,
+                          timeout=timeout + 60, cwd=HERE.parent)
+    return done, time.monotonic() - start
+
+
+def _lines(out: str, prefix: str) -> list[str]:
+    return [line for line in out.splitlines() if line.partition("] ")[2].startswith(prefix)]
+
+
+def test_two_processes_hold_one_plan_and_match_one_device():
+    done, _ = _launch(str(STEP), "run")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    digests = {line.split()[-1] for line in _lines(done.stdout, "plan digest")}
+    assert len(_lines(done.stdout, "plan digest")) == 2 and len(digests) == 1
+    assert {line[:3] for line in _lines(done.stdout, "same numbers as one device")} == {"[0]", "[1]"}
+
+
+def test_a_dead_process_stops_the_job_within_a_minute():
+    done, took = _launch(str(STEP), "die")
+    assert done.returncode == 3 and took < 60
+    assert "process 1 exited with code 3; stopped the other processes" in done.stderr
+
+
+def test_the_launcher_refuses_bad_requests():
+    for args, message in [(["-n", "0", str(STEP)], "-n must be at least 1"), (["-n", "2", "missing.py"], "no script")]:
+        done = subprocess.run([sys.executable, "-m", "rhino_jax.launch", *args], capture_output=True, text=True,
+                              timeout=60, cwd=HERE.parent)
+        assert done.returncode == 2 and message in done.stderr
+
+
+def test_plans_that_differ_across_processes_are_refused(monkeypatch):
+    """`agree` on one process compares with the others; here two fake processes disagree."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import rhino_jax as rj
+    from rhino_jax import multiprocess
+    from rhino_jax.models import make_mlp_train_step, mlp_example
+
+    plan = rj.parallelize(make_mlp_train_step(), mesh=rj.device_mesh((8,), ("data",))).lower(
+        *mlp_example((8, 8), 8)).plan
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: np.stack([x, np.roll(x, 1)]))  # process 1's digest differs
+    with pytest.raises(multiprocess.PlanMismatchError, match=r"processes \[1\] found a different plan"):
+        multiprocess.agree(plan)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, x]))
+    multiprocess.agree(plan)  # the same digest everywhere: nothing to say
