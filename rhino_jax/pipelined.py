@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from rhino_jax.hlo_passes import stages as stage_programs
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
-from rhino_jax.runtime import resharding, schedules, task_graph
+from rhino_jax.runtime import resharding, schedules, task_graph, transfer
 from rhino_jax.search import stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
 from rhino_jax.search.memory import local_bytes
@@ -278,32 +278,44 @@ class PipelinedCompiled:
         placed: dict = {}  # (argument, sharding) → the argument on a stage: once per call, not per micro-batch
         batch = {i for i, role in enumerate(low.plan.arg_roles) if role == "batch"}
 
-        def put(i: int, mb: int, sharding: NamedSharding) -> jax.Array:
+        p = len(low.stages)
+
+        def to_stage(x, stage: int, sharding: NamedSharding) -> jax.Array:
+            if isinstance(x, jax.Array) and transfer.needed(x, sharding):  # another process's devices
+                return transfer.to_stage(x, low.mesh, p, stage, sharding)
+            return jax.device_put(x, sharding)
+
+        def put(i: int, mb: int, stage: int, sharding: NamedSharding) -> jax.Array:
             if i in batch:
-                return jax.device_put(micro[mb][i], sharding)
+                return to_stage(micro[mb][i], stage, sharding)
             if (i, sharding) not in placed:
-                placed[i, sharding] = jax.device_put(micro[mb][i], sharding)
+                placed[i, sharding] = to_stage(micro[mb][i], stage, sharding)
             return placed[i, sharding]
+
+        def move(x: jax.Array, stage: int, sharding: NamedSharding, planned) -> jax.Array:
+            """A value made on `stage` to another stage's program or to apply-gradients."""
+            if transfer.needed(x, sharding):
+                return transfer.from_stage(x, low.mesh, p, stage, sharding)
+            return resharding.reshard(x, sharding, planned) if planned else jax.device_put(x, sharding)
 
         for task in task_graph.build(low.schedule).order():
             if task.kind not in ("forward", "backward"):
                 continue
             prog, run, shardings = self._run["F" if task.kind == "forward" else "B", task.stage]
             n = len(prog.args)
-            ins = [put(i, task.micro_batch, sharding) for i, sharding in zip(prog.args, shardings)]
+            ins = [put(i, task.micro_batch, task.stage, sharding) for i, sharding in zip(prog.args, shardings)]
             for k, v in enumerate(prog.inputs):  # across meshes by cross-mesh resharding, else device_put
-                x = made[task.micro_batch, v]
                 key = (self._stage_of[v], task.stage, v)
-                ins.append(resharding.reshard(x, shardings[n + k], low.transfers[key]) if key in low.transfers
-                           else jax.device_put(x, shardings[n + k]))
+                ins.append(move(made[task.micro_batch, v], self._stage_of[v], shardings[n + k], low.transfers.get(key)))
             outs = run(*ins)
             for v, out in zip(prog.outputs, outs):
                 made[task.micro_batch, v] = out
                 if v in sums_of:
                     sums[v] = out if v not in sums else self._add(sums[v], out)
-        whole = jax.tree.leaves(args)
-        totals = [sums[v] for v in low._step.compute_graph.outputs]
-        out = self._apply(*jax.device_put(whole + totals, self._apply_in))
+        whole = jax.device_put(jax.tree.leaves(args), self._apply_in[:len(micro[0])])
+        totals = [move(sums[v], self._stage_of[v], sharding, None)
+                  for v, sharding in zip(low._step.compute_graph.outputs, self._apply_in[len(whole):])]
+        out = self._apply(*whole, *totals)
         return jax.tree.unflatten(low._trees[1], list(out))
 
     def report(self) -> str:

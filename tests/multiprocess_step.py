@@ -1,5 +1,5 @@
 """A step of a distributed job, run by tests/test_multiprocess.py under `rhino_jax.launch`:
-`python -m rhino_jax.launch -n 2 --local-devices 4 tests/multiprocess_step.py run|die`."""
+`python -m rhino_jax.launch -n 2 --local-devices 4 tests/multiprocess_step.py run|die|pipeline`."""
 import os
 import sys
 
@@ -24,7 +24,8 @@ step = gpt.make_gpt_train_step(gpt.GPT_TINY)
 with jax.default_device(jax.local_devices()[0]):
     args = gpt.gpt_example(gpt.GPT_TINY)
     want = jax.jit(step)(*args)
-lowered = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model"))).lower(*args)
+stages = {"pipeline": dict(pipeline=2, num_micro_batches=2)}.get(sys.argv[1], {})  # a stage per process
+lowered = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")), **stages).lower(*args)
 print("plan digest", digest(lowered.plan), flush=True)
 params, opt_state, batch = args
 shardings = lowered.plan.input_shardings
@@ -37,5 +38,5 @@ if sys.argv[1] == "die" and jax.process_index() == 1:
 got = lowered.compile()(*state, batch)
 for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     for shard in g.addressable_shards:
-        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(w)[shard.index], rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(w)[shard.index], rtol=1e-4, atol=1e-5)
 print("same numbers as one device", flush=True)

@@ -64,3 +64,12 @@ def test_plans_that_differ_across_processes_are_refused(monkeypatch):
         multiprocess.agree(plan)
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, x]))
     multiprocess.agree(plan)  # the same digest everywhere: nothing to say
+
+
+def test_a_pipeline_stage_per_process_matches_one_device():
+    """pipeline=2 on a (2, 4) mesh: each stage on one process's 4 devices; every move between
+    the processes is an SPMD program over the whole mesh (`runtime.transfer`)."""
+    done, _ = _launch(str(STEP), "pipeline")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len({line.split()[-1] for line in _lines(done.stdout, "plan digest")}) == 1
+    assert {line[:3] for line in _lines(done.stdout, "same numbers as one device")} == {"[0]", "[1]"}

@@ -88,3 +88,25 @@ def test_host_level_tasks_drop_what_receivers_hold_and_merge_by_hosts():
     assert sum(t.nbytes for t in merged) == (64 - 8) * 4 * 4
     keys = [({hosts.host_of(d) for d in t.senders}, {hosts.host_of(d) for d in t.receivers}) for t in merged]
     assert sorted((sorted(a), sorted(b)) for a, b in keys) == [([0], [0]), ([1], [0]), ([2], [1]), ([3], [1])]
+
+
+@pytest.mark.parametrize("src_spec,dst_spec", [(P("a"), P(None, "b")), (P(("a", "b")), P("b", "a")), (P(), P("b"))])
+def test_moves_between_the_whole_mesh_and_its_stages_equal_device_put(src_spec, dst_spec):
+    """The SPMD programs that move arrays between processes (`runtime.transfer`) give what
+    jax.device_put gives: whole mesh → a stage, a stage → another, a stage → the whole mesh."""
+    from rhino_jax.runtime import transfer
+
+    whole = _mesh(range(8), (4, 2), ("a", "b"))
+    stages = [Mesh(whole.devices[2 * s:2 * s + 2], ("a", "b")) for s in range(2)]
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(whole, src_spec))
+    on_one = transfer.to_stage(x, whole, 2, 1, NamedSharding(stages[1], dst_spec))
+    assert on_one.sharding == NamedSharding(stages[1], dst_spec)
+    np.testing.assert_array_equal(np.asarray(on_one), np.asarray(x))
+    on_zero = transfer.from_stage(on_one, whole, 2, 1, NamedSharding(stages[0], src_spec))
+    back = transfer.from_stage(on_zero, whole, 2, 0, NamedSharding(whole, dst_spec))
+    for moved, sharding in [(on_zero, NamedSharding(stages[0], src_spec)), (back, NamedSharding(whole, dst_spec))]:
+        want = jax.device_put(x, sharding)
+        assert moved.sharding == sharding
+        for a, b in zip(moved.addressable_shards, want.addressable_shards):
+            assert a.device == b.device and a.index == b.index
+            np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
