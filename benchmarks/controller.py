@@ -92,6 +92,42 @@ def run(case: dict) -> dict:
                              forward_s=s.forward_s, backward_s=s.backward_s) for s in plan.stages])
 
 
+FIDELITY_LAYERS = 4  # GPT-Medium's width at 4 layers: small enough to compile every candidate here
+
+
+def fidelity(hosts: int) -> list[dict]:
+    """Each candidate of a smaller GPT compiled and priced from XLA's programs
+    (`compiled_step_s`: cost analysis and the collectives XLA emits, in the plan's schedule) beside
+    its prediction: does the controller's ranking hold on what XLA builds?"""
+    import rhino_jax as rj
+    from benchmarks.models import gpt
+    from rhino_jax.hlo_passes.compiled_cost import price_compiled
+
+    config = dataclasses.replace(gpt.PRESETS["GPT-Medium"], n_layers=FIDELITY_LAYERS, batch=8 * hosts)
+    step, args = gpt.make_train_step(config), gpt.example(config, abstract=True)
+    mesh = rj.device_mesh((hosts, 8), ("data", "model"))
+    rows = []
+    for preset in (f"m8-v100-{hosts}hosts", f"8x-h100-{hosts}hosts"):
+        for pipeline, k in (("off", 1), ("off", 4), (2, 4)):
+            lowered = rj.parallelize(step, mesh=mesh, cluster=preset, pipeline=pipeline,
+                                     num_micro_batches=k).lower(*args)
+            compiled = lowered.compile()
+            priced = (compiled.compiled_step_s() if hasattr(compiled, "compiled_step_s")
+                      else price_compiled(compiled._executable, preset).total_s)
+            rows.append(dict(preset=preset, candidate=f"{'SPMD only' if pipeline == 'off' else '2 stages'}, {k} "
+                             f"micro-batch{'es' if k > 1 else ''}", predicted_s=lowered.plan.cost.total_s,
+                             compiled_s=priced))
+    return rows
+
+
+def fidelity_table(rows: list[dict]) -> str:
+    lines = [f"| preset | candidate (GPT-Medium width, {FIDELITY_LAYERS} layers) | predicted ms | "
+             "priced from compiled ms | compiled / predicted |", "|---|---|---|---|---|"]
+    lines += [f"| {r['preset']} | {r['candidate']} | {r['predicted_s'] * 1e3:.1f} | {r['compiled_s'] * 1e3:.1f} | "
+              f"{r['compiled_s'] / r['predicted_s']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def table(results: list[dict]) -> str:
     lines = ["| model | batch | preset | mesh | candidates: predicted step s, GiB/device | chosen | "
              "predicted MFU | search s | Rhino §7.2 |", "|---|---|---|---|---|---|---|---|---|"]
@@ -121,6 +157,7 @@ def main() -> None:
     if opts.worker:
         for case in rows(opts.worker):
             print(json.dumps(run(case)), flush=True)
+        print(json.dumps(dict(fidelity=fidelity(opts.worker))), flush=True)
         return
     results = []
     for hosts in opts.hosts:  # a process per device count: XLA's is fixed when jax starts
@@ -129,9 +166,12 @@ def main() -> None:
         done = subprocess.run([sys.executable, "-m", "benchmarks.controller", "--worker", str(hosts)],
                               env=env, cwd=HERE.parent, capture_output=True, text=True, check=True)
         results += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    text = table(results)
+    checks = [row for r in results if "fidelity" in r for row in r["fidelity"]]
+    results = [r for r in results if "fidelity" not in r]
+    text = (table(results) + "\n\nThe same comparison priced from the programs XLA compiles (CPU compiler, "
+            "cluster constants), for a model small enough to compile here:\n\n" + fidelity_table(checks))
     print(text)
-    (HERE / "controller.json").write_text(json.dumps(results, indent=1))
+    (HERE / "controller.json").write_text(json.dumps(dict(cases=results, fidelity=checks), indent=1))
     (HERE / "controller.md").write_text(
         "# pipeline='auto' on the multi-host presets\n\n`python -m benchmarks.controller`; see the module's "
         "docstring for the method.\n\n" + text + "\n\n" + NOTES)

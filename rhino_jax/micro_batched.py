@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from rhino_jax.hlo_passes import micro_batch
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
 from rhino_jax.hlo_passes.graph import Graph, Pin
+from rhino_jax.hlo_passes.compiled_cost import price_compiled
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
@@ -107,7 +108,7 @@ class MicroBatchedLowered:
         apply_graph = dataclasses.replace(apply_graph, pins=apply_graph.pins + _same_layouts(
             apply_graph, compute_graph, compute_plan))
         apply_plan = plan_on(apply_graph, topo, cluster, options)
-        self.mesh, self.k, self._signature = mesh, k, signature
+        self.mesh, self.k, self._signature, self.cluster = mesh, k, signature, cluster
         self._parts, self._graphs = parts, (compute_graph, apply_graph)
         self._trees = (jax.tree.structure(args), whole.lowered.out_tree)
         self.programs = {"compute_gradients": compute_plan, "apply_gradients": apply_plan}
@@ -177,9 +178,18 @@ class MicroBatchedCompiled:
         out = self._apply(*jax.device_put(whole, self._apply_in[:n]), *total)
         return jax.tree.unflatten(low._trees[1], list(out))
 
+    def compiled_step_s(self, cluster=None) -> float:
+        """The step's time with both programs priced from what XLA compiled
+        (`compiled_cost.price_compiled`): k compute-gradients and one apply-gradients."""
+        cluster = cluster or self._lowered.cluster
+        return (self._lowered.k * price_compiled(self._compute, cluster).total_s
+                + price_compiled(self._apply, cluster).total_s)
+
     def report(self) -> str:
         return "\n\n".join([self.plan.report()] + [f"{name}:\n{plan.report()}"
-                                                   for name, plan in self._lowered.programs.items()])
+                                                   for name, plan in self._lowered.programs.items()]
+                             + [f"step priced from the compiled programs: {self.compiled_step_s() * 1e3:.3f} ms "
+                                f"(predicted {self.plan.cost.total_s * 1e3:.3f} ms)"])
 
 
 def _compile(module, graph: Graph, plan: Plan, mesh: Mesh) -> jax.stages.Compiled:

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from rhino_jax.hlo_passes import stages as stage_programs
+from rhino_jax.hlo_passes.compiled_cost import price_compiled
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph, transfer
@@ -97,7 +98,7 @@ class PipelinedLowered:
                         pass  # keeps the first plan; pipeline='auto' reports the stage over the limit
                 stages[s] = stage_plan(s)
         apply_plan = plan_on(step.apply_graph, MeshTopology.from_mesh(mesh, cluster), cluster, options)
-        self.mesh, self.meshes, self.k, self._signature = mesh, meshes, k, signature
+        self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
         self.transfers = _transfers(plans, meshes, cg, cluster)
         self.moves_s = _step_moves(plans, meshes, mesh, apply_plan, step, cluster)
         self._step, self._programs, self._apply_plan = step, plans, apply_plan
@@ -318,6 +319,19 @@ class PipelinedCompiled:
         out = self._apply(*whole, *totals)
         return jax.tree.unflatten(low._trees[1], list(out))
 
+    def compiled_step_s(self, cluster=None) -> float:
+        """The step's time with each stage program and apply-gradients priced from what XLA
+        compiled (`compiled_cost.price_compiled`: its cost analysis and the collectives it
+        emits) in the plan's schedule, with the plan's transfers: the prediction's check."""
+        low = self._lowered
+        cluster = cluster or low.cluster
+        price = {key: price_compiled(run, cluster).total_s for key, (_, run, _) in self._run.items()}
+        p = len(low.stages)
+        steps = low.schedule.makespan([price["F", s] for s in range(p)], [price["B", s] for s in range(p)],
+                                      low.plan.search_stats["transfer_s"])
+        return steps + sum(low.moves_s) + price_compiled(self._apply, cluster).total_s
+
     def report(self) -> str:
-        return self.plan.report()
+        return (f"{self.plan.report()}\n\nstep priced from the compiled programs: {self.compiled_step_s() * 1e3:.3f} ms "
+                f"(predicted {self.plan.cost.total_s * 1e3:.3f} ms)")
 

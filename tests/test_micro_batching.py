@@ -29,6 +29,8 @@ def test_a_gpt_with_adam_keeps_the_whole_batchs_numbers(shape, names, k):
     compute, apply = lowered.programs["compute_gradients"], lowered.programs["apply_gradients"]
     assert lowered.plan.cost.total_s == pytest.approx(k * compute.cost.total_s + apply.cost.total_s)
     assert f"{k} micro-batches" in lowered.plan.report()
+    compiled = lowered.compile()  # the same programs priced from what XLA compiled
+    assert compiled.compiled_step_s() > 0 and "priced from the compiled programs" in compiled.report()
 
 
 def test_flax_with_global_norm_clipping_keeps_its_numbers():

@@ -36,6 +36,7 @@ def test_two_stages_keep_the_numbers_of_one_device(model, shape, names):
     first, second = lowered.stages
     assert set(first.devices).isdisjoint(second.devices) and len(first.devices) + len(second.devices) == 8
     assert "2 stages" in lowered.plan.report()
+    assert "step priced from the compiled programs" in lowered.compile().report()
     graph = lowered.plan.task_graph  # what the executor ran: 2 stages × 4 micro-batches, one apply
     assert sum(n.kind == "forward" for n in graph.nodes) == 8 and sum(n.kind == "apply" for n in graph.nodes) == 1
     assert graph.to_dot().startswith('digraph "1f1b"')
