@@ -12,6 +12,7 @@ other programs (and the step's sums) read from it.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -100,3 +101,33 @@ def programs(module: ir.Module, graph: Graph, place: Mapping[int, tuple[str, int
         args = drop_unused_arguments(program, len(graph.args))
         result.append(Program(key[0], key[1], program, args, tuple(inputs), tuple(outputs)))
     return result
+
+
+_WRAPPER = re.compile(r"^(?:\w+\()+(.*?)\)+$")  # jvp(layer3), transpose(jvp(layer3)) → layer3
+
+
+def layers(graph: Graph, ops: list[int]) -> tuple[str, ...]:
+    """The named scopes `ops` come from, in program order, runs of numbered names folded
+    ("layer0-layer15"). The scope level is the first one at which the graph's ops differ (a
+    Flax model's top module, common to every op, is skipped)."""
+    paths = {n.id: [_WRAPPER.sub(r"\1", part) for part in n.name.split("/")[:-1]] for n in graph.nodes}
+    depth = 0
+    while len({p[depth] for p in paths.values() if len(p) > depth}) == 1:
+        depth += 1
+    names: list[str] = []
+    for i in sorted(ops):
+        if len(paths[i]) > depth and paths[i][depth] not in names:
+            names.append(paths[i][depth])
+    return _fold(names)
+
+
+def _fold(names: list[str]) -> tuple[str, ...]:
+    """["embed", "layer0", "layer1", "layer2"] → ("embed", "layer0-layer2")."""
+    out: list[list[str]] = []
+    for name in names:
+        m, last = re.fullmatch(r"(.*?)(\d+)", name), re.fullmatch(r"(.*?)(\d+)", out[-1][-1]) if out else None
+        if m and last and m[1] == last[1] and int(m[2]) == int(last[2]) + 1:
+            out[-1].append(name)
+        else:
+            out.append([name])
+    return tuple(run[0] if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in out)

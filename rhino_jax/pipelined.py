@@ -7,15 +7,18 @@ follow (`hlo_passes.stages`), and each stage's forward and backward program is p
 SPMD search on its sub-mesh (the mesh cut along its first axis). Every tensor one stage hands
 another moves by cross-mesh resharding (`runtime.resharding`, seeds/004), planned once and
 priced: a micro-batch's transfers across the busiest boundary are the schedule's transfer time.
-The executor walks the task graph of the schedule (`runtime.task_graph`) and dispatches each
-program with its inputs put on its sub-mesh (jax's asynchronous dispatch overlaps the stages);
-the sums of each micro-batch are added on the stage that makes them, and apply-gradients takes
-them on the whole mesh. Not yet: the controller (`pipeline="auto"`), loops inside a stage.
+The step's arguments move to the stages that read them, and the sums to apply-gradients, once
+per step (priced the same way). A stage's memory counts the micro-batches it holds in flight
+and its running sums; over `memory_limit_bytes`, its programs are planned again under what is
+left. The executor walks the task graph of the schedule (`runtime.task_graph`) and dispatches
+each program with its inputs put on its sub-mesh (jax's asynchronous dispatch overlaps the
+stages); between processes, moves are SPMD programs (`runtime.transfer`). The sums of each
+micro-batch are added on the stage that makes them. Not yet: optimizer ops on the stage of the
+parameters they update (apply-gradients runs on the whole mesh), a loop cut across stages.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import numpy as np
@@ -80,7 +83,7 @@ class PipelinedLowered:
         def stage_plan(s: int) -> StagePlan:
             return StagePlan(s, dict(zip(mesh.axis_names, meshes[s].devices.shape)),
                              tuple(int(d.id) for d in meshes[s].devices.flat),
-                             _layers(cg, [i for i, (kind, at) in place.items() if kind == "F" and at == s]),
+                             stage_programs.layers(cg, [i for i, (kind, at) in place.items() if kind == "F" and at == s]),
                              plans["F", s][2], plans["B", s][2], in_flight[s], _held_bytes(plans, s, meshes[s]),
                              _summed_bytes(plans, s, meshes[s], sums))
 
@@ -214,36 +217,6 @@ def _output_bytes(planned, mesh: Mesh, wanted: set[int]) -> int:
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     return sum(local_bytes(graph, out, spec, sizes)
                for v, out, spec in zip(program.outputs, graph.outputs, plan.output_specs) if v in wanted)
-
-
-_WRAPPER = re.compile(r"^(?:\w+\()+(.*?)\)+$")  # jvp(layer3), transpose(jvp(layer3)) → layer3
-
-
-def _layers(graph, ops: list[int]) -> tuple[str, ...]:
-    """The named scopes `ops` come from, in program order, runs of numbered names folded
-    ("layer0-layer15"). The scope level is the first one at which the graph's ops differ (a
-    Flax model's top module, common to every op, is skipped)."""
-    paths = {n.id: [_WRAPPER.sub(r"\1", part) for part in n.name.split("/")[:-1]] for n in graph.nodes}
-    depth = 0
-    while len({p[depth] for p in paths.values() if len(p) > depth}) == 1:
-        depth += 1
-    names: list[str] = []
-    for i in sorted(ops):
-        if len(paths[i]) > depth and paths[i][depth] not in names:
-            names.append(paths[i][depth])
-    return _fold(names)
-
-
-def _fold(names: list[str]) -> tuple[str, ...]:
-    """["embed", "layer0", "layer1", "layer2"] → ("embed", "layer0-layer2")."""
-    out: list[list[str]] = []
-    for name in names:
-        m, last = re.fullmatch(r"(.*?)(\d+)", name), re.fullmatch(r"(.*?)(\d+)", out[-1][-1]) if out else None
-        if m and last and m[1] == last[1] and int(m[2]) == int(last[2]) + 1:
-            out[-1].append(name)
-        else:
-            out.append([name])
-    return tuple(run[0] if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in out)
 
 
 def _loss_sum(cg) -> int:
