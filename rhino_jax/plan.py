@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+import os
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -12,6 +13,11 @@ from rhino_jax.runtime.task_graph import TaskGraph, build as build_task_graph
 from rhino_jax.search.cluster import combiner_for
 from rhino_jax.search.combining import combined_collectives
 from rhino_jax.search.specs import ShardingSpec
+
+from .plain_data import from_plain, to_plain
+from .plan_target import PlanTarget, PlanTargetError
+
+PLAN_FORMAT = 1  # the `rhino_jax_plan` entry of a plan file: bumped when the layout of the file changes
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,8 @@ class Plan:
     mesh_candidates: tuple[MeshCandidate, ...] = ()
     # With `pipeline`: each stage (the programs' plans); the plan itself is apply-gradients'.
     stages: tuple[StagePlan, ...] = ()
+    # What the plan was made for (program, arguments, mesh): a saved plan is checked against it.
+    target: PlanTarget | None = None
     # Set by `parallelize` when the plan belongs to a call: the user's pytrees and mesh.
     input_shardings: object = field(default=None, compare=False, repr=False)
     output_shardings: object = field(default=None, compare=False, repr=False)
@@ -162,17 +170,37 @@ class Plan:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        """The plan as JSON, less the per-value maps (keyed by tuples of specs) and the shardings."""
-        return json.dumps(self._summary(), default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__")
-                          else str(o), indent=1)
+        """The whole plan as JSON (`plain_data`: plain values, no code), less the jax shardings."""
+        return json.dumps({"rhino_jax_plan": PLAN_FORMAT, **to_plain(self, Plan)}, indent=1, allow_nan=False)
 
-    def _summary(self) -> dict:
-        """The fields `to_json` writes; a stage's programs' plans summed up the same way."""
-        internal = ("value_specs", "read_specs", "read_paths", "input_shardings", "output_shardings", "stages")
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in internal}
-        d["stages"] = [dict({f.name: getattr(st, f.name) for f in fields(st)}, forward=st.forward._summary(),
-                            backward=st.backward._summary()) for st in self.stages]
-        return d
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan to `path` as JSON; `Plan.load` reads it back equal."""
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "Plan":
+        """A plan written by `save`. Check it with `check_matches` before applying it."""
+        with open(path) as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("rhino_jax_plan") != PLAN_FORMAT:
+                found = data.get("rhino_jax_plan", "none") if isinstance(data, dict) else type(data).__name__
+                raise ValueError(f"not a rhino_jax plan file of format {PLAN_FORMAT} (found {found}); plan again")
+            return from_plain(Plan, {k: v for k, v in data.items() if k != "rhino_jax_plan"})
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def check_matches(self, target: PlanTarget) -> None:
+        """Raise PlanTargetError unless this plan was made for `target` (the program and mesh
+        about to run: `PlanTarget.of(lowered_step, mesh)`)."""
+        if self.target is None:
+            raise PlanTargetError("the plan does not record the program and mesh it was made for, so it cannot be "
+                                  "checked against this step; plan again")
+        why = self.target.mismatch(target)
+        if why:
+            raise PlanTargetError(why)
 
     def report(self, max_tensors: int = 12) -> str:
         mesh = _axes(self.mesh_axes)

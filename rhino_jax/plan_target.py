@@ -1,0 +1,81 @@
+"""What a plan was made for: the program and the mesh, so a saved plan is never applied to another.
+
+A plan names values by their position in the imported module and layouts by mesh axes, so it
+only means something for the program it was searched on and a mesh of the same axes; laid on
+other devices it would also move data the user did not expect. `PlanTarget.of` records a hash of
+the step's StableHLO (as lowered for the search, before the plan's shardings), its arguments'
+paths, shapes and dtypes, and the mesh's shape, axis names and device ids. A consumer builds the
+target of what it is about to run and calls `Plan.check_matches`, which names the first
+difference and what to change.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh
+
+from rhino_jax.hlo_passes.lowering import LoweredStep
+
+from .errors import RhinoError
+
+
+class PlanTargetError(RhinoError, ValueError):
+    """A saved plan was made for another program or mesh than the one it is applied to."""
+
+
+@dataclass(frozen=True)
+class PlanTarget:
+    program: str  # sha256 of the step's StableHLO as the search read it
+    arg_paths: tuple[str, ...]
+    arg_shapes: tuple[tuple[int, ...], ...]
+    arg_dtypes: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    device_ids: tuple[int, ...]  # the mesh's devices, row-major
+    jax_version: str  # the program's text may change with jax: named in the error when it differs
+
+    @staticmethod
+    def of(step: LoweredStep, mesh: Mesh) -> "PlanTarget":
+        """The target of a step lowered on `mesh` for the search (`lowering.lower_on_mesh`)."""
+        avals = jax.tree.leaves(step.lowered.in_avals)
+        return PlanTarget(
+            program=hashlib.sha256(str(step.module).encode()).hexdigest(),
+            arg_paths=tuple(step.arg_paths),
+            arg_shapes=tuple(tuple(int(d) for d in a.shape) for a in avals),
+            arg_dtypes=tuple(str(a.dtype) for a in avals),
+            mesh_shape=tuple(int(n) for n in mesh.devices.shape),
+            axis_names=tuple(mesh.axis_names),
+            device_ids=tuple(int(d.id) for d in mesh.devices.flat),
+            jax_version=jax.__version__)
+
+    def mismatch(self, other: "PlanTarget") -> str | None:
+        """Why a plan made for this target cannot run on `other`, or None when it can."""
+        mine = dict(zip(self.axis_names, self.mesh_shape))
+        theirs = dict(zip(other.axis_names, other.mesh_shape))
+        if mine != theirs or self.axis_names != other.axis_names:
+            return (f"the plan was made for the mesh {_axes(mine)} and is applied to {_axes(theirs)}; build the mesh "
+                    f"as rj.device_mesh({self.mesh_shape}, {self.axis_names}) or plan again")
+        if self.device_ids != other.device_ids:
+            return (f"the plan was made for the devices {list(self.device_ids)} (row-major over the mesh) and is "
+                    f"applied to {list(other.device_ids)}; build the mesh from the same devices in that order "
+                    "(rj.device_mesh(shape, names, devices=...)) or plan again")
+        if len(self.arg_paths) != len(other.arg_paths):
+            return (f"the plan was made for a step of {len(self.arg_paths)} array arguments and is applied to one "
+                    f"of {len(other.arg_paths)}; plan again for these arguments")
+        for path, shape, dtype, p, s, d in zip(self.arg_paths, self.arg_shapes, self.arg_dtypes,
+                                               other.arg_paths, other.arg_shapes, other.arg_dtypes):
+            if (path, shape, dtype) != (p, s, d):
+                return (f"argument {p} is {d}{list(s)}, the plan was made for {path} {dtype}{list(shape)}; pass "
+                        "arguments of the planned shapes or plan again for these")
+        if self.program != other.program:
+            version = (f" (the plan was made under jax {self.jax_version}, this is jax {other.jax_version})"
+                       if self.jax_version != other.jax_version else "")
+            return ("the step's program differs from the one the plan was made for, though its arguments match "
+                    f"(changed code, closed-over values or static arguments){version}; plan again")
+        return None
+
+
+def _axes(axes: dict[str, int]) -> str:
+    return "(" + ", ".join(f"{a}={n}" for a, n in axes.items()) + ")"
