@@ -1,0 +1,98 @@
+"""python -m rhino_jax plan MODULE:FUNCTION: plans the step, prints the report, writes a plan file that
+this process would accept for the same step; bad command lines name what to change."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rhino_jax as rj
+from rhino_jax.cli import main
+from rhino_jax.hlo_passes.lowering import lower_on_mesh
+from rhino_jax.models import make_mlp_train_step, mlp_example
+from rhino_jax.multiprocess import digest
+from rhino_jax.plan_target import PlanTarget
+
+WIDTHS = (16, 32, 32, 16)
+STEP_MODULE = f"""
+from rhino_jax.models import make_mlp_train_step, mlp_example
+
+def setup():
+    return make_mlp_train_step(), mlp_example({WIDTHS}, 8, abstract=True)
+
+def wrong():
+    return make_mlp_train_step()
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    (tmp_path / "tiny_step.py").write_text(textwrap.dedent(STEP_MODULE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def _run(args, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run([sys.executable, "-m", "rhino_jax", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_plan_writes_the_plan_this_process_finds_and_accepts(workdir):
+    done = _run(["plan", "tiny_step:setup", "--mesh", "2x4", "--cpu-devices", "8", "--out", "tiny.json"], workdir)
+    assert done.returncode == 0, done.stderr
+    assert "rhino_jax plan  mesh [data=2 × model=4]  cluster m8-v100  opt O2" in done.stdout
+    assert "plan written to tiny.json" in done.stdout
+    loaded = rj.Plan.load(workdir / "tiny.json")
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    loaded.check_matches(PlanTarget.of(lower_on_mesh(step, args, mesh, ()), mesh))
+    assert digest(loaded) == digest(rj.parallelize(step, mesh=mesh).lower(*args).plan)
+
+
+def test_plan_takes_a_file_emulated_devices_and_axis_names_and_show_prints_it(workdir):
+    done = _run(["plan", "tiny_step.py:setup", "--mesh", "4", "--axes", "batch", "--cpu-devices", "4",
+                 "--opt", "O3", "--out", "four.json"], workdir)
+    assert done.returncode == 0, done.stderr
+    plan = rj.Plan.load(workdir / "four.json")
+    assert plan.mesh_axes == {"batch": 4} and plan.opt_level == "O3"
+    assert plan.target.device_ids == (0, 1, 2, 3)
+    shown = _run(["show", "four.json"], workdir)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("rhino_jax plan  mesh [batch=4]  cluster m8-v100  opt O3")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "tiny_step"], "the step must be given as MODULE:FUNCTION"),
+    (["plan", "no_such_module:setup"], "no module named 'no_such_module'"),
+    (["plan", "missing/file.py:setup"], "no file missing/file.py"),
+    (["plan", "tiny_step:nothing"], "tiny_step has no function 'nothing'"),
+    (["plan", "tiny_step:wrong"], r"tiny_step:wrong\(\) must return \(step, args\)"),
+    (["plan", "tiny_step:setup", "--mesh", "2by4"], "--mesh must be positive sizes joined by x"),
+    (["plan", "tiny_step:setup", "--mesh", "2x0"], "--mesh must be positive sizes joined by x"),
+    (["plan", "tiny_step:setup", "--mesh", "2x8"],
+     r"--mesh 2x8 needs 16 devices, this machine has 8 \(cpu\); pass --cpu-devices 16"),
+    (["plan", "tiny_step:setup", "--mesh", "2x4", "--axes", "data"], "give one name per axis"),
+    (["plan", "tiny_step:setup", "--pipeline", "two"], "--pipeline must be off, auto or a number of stages"),
+    (["plan", "tiny_step:setup", "--donate", "first"], "--donate must be integers joined by commas"),
+])
+def test_a_bad_command_line_says_what_to_change(argv, message, workdir, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "tiny_step:setup", "--mesh", "2x4", "--schedule", "zigzag"], "schedule must be '1f1b'"),
+    (["plan", "tiny_step:setup", "--mesh", "8", "--cluster", "tpu"], "unknown cluster preset 'tpu'"),
+    (["show", "nothing.json"], "No such file"),
+])
+def test_an_option_rhino_jax_refuses_is_an_error_not_a_traceback(argv, message, workdir, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
