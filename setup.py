@@ -5,7 +5,7 @@ setup(
     name="rhino_jax",
     version="0.1.0",
     description="Auto-parallelize a single-device JAX training step onto a device mesh",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # jax 0.10 needs 3.11; jax 0.11 and 0.12 need 3.12
     packages=[
         "rhino_jax",
         "rhino_jax.models",
@@ -19,9 +19,10 @@ setup(
         "rhino_jax.search": "search",
         "rhino_jax.runtime": "runtime",
     },
-    install_requires=["jax>=0.10.2,<0.11", "jaxlib>=0.10.2,<0.11", "numpy", "scipy", "ortools>=9.15", "networkx"],
+    # The jax range whose internals hlo_passes/jax_internals.py (SUPPORTED_JAX) was checked against.
+    install_requires=["jax>=0.10.2,<0.13", "jaxlib>=0.10.2,<0.13", "numpy", "scipy", "ortools>=9.15", "networkx"],
     # Test-only: the user code the tests parallelize (Flax linen/NNX, Optax, Equinox), versions that
-    # run on jax 0.10.
+    # run on jax 0.10 through 0.12.
     extras_require={"test": ["pytest", "flax>=0.12,<0.13", "optax>=0.2.8,<0.3", "equinox>=0.13,<0.14"],
                     "bench": ["matplotlib"]},
 )

@@ -257,11 +257,11 @@ def _graph(fn, args):
 def op_flops(stablehlo: str) -> float:
     """FLOPs of an op that `measure` stored as StableHLO text, as the cost model counts them: the
     sum of `Node.flops` over rhino_jax's Graph IR of the module (parsed, calls inlined, imported)."""
-    from jax._src.interpreters import mlir
-    from jax._src.lib.mlir import ir
+    from jax.extend.mlir import ir
     from rhino_jax.hlo_passes import module as mod
     from rhino_jax.hlo_passes.importer import import_module
-    with mlir.make_ir_context():
+    from rhino_jax.hlo_passes.jax_internals import ir_context
+    with ir_context():
         module = mod.inline_calls(ir.Module.parse(stablehlo))
         n_args = len(mod.entry_function(module).regions[0].blocks[0].arguments)
         n_out = len(mod.entry_return(module).operands)

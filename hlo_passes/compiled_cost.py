@@ -36,6 +36,7 @@ from .hlo_stats import (
     compiled_memory,
     computation_runs,
 )
+from .jax_internals import UnsupportedJaxError, hlo_cost_analysis
 
 __all__ = ["CompiledCost", "price_compiled", "price_collectives", "program_cost", "dot_dtype"]
 
@@ -87,18 +88,16 @@ def _module_header(text: str) -> str:
 
 def _body_cost(module: ComputationRuns, body: str, header: str) -> dict[str, float]:
     """XLA's cost analysis of one loop body run once: the module re-parsed with it as ENTRY."""
-    from jax._src.lib import _jax  # noqa: PLC0415 (jaxlib internals, only needed for loops)
-    from jaxlib import _hlo  # noqa: PLC0415
-
     parts = [header]
     for name, block in module.texts.items():
         if name != module.entry:
             parts.append("ENTRY " + block if name == body else block)
     text = re.sub(r",?\s*stack_frame_id=\d+", "", "\n\n".join(parts))
     try:
-        parsed = _hlo.hlo_module_from_text(text)
-        return _cost_dict(_jax.hlo_module_cost_analysis(jax.devices()[0].client, parsed))
-    except Exception as e:  # jaxlib internals move between versions: say what failed
+        return _cost_dict(hlo_cost_analysis(text, jax.devices()[0]))
+    except UnsupportedJaxError:
+        raise
+    except Exception as e:  # XLA may reject the re-parsed body: say which and why
         raise RuntimeError(f"cannot price while-loop body {body!r} on its own with this jaxlib "
                            f"({type(e).__name__}: {e})") from e
 

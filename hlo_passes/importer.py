@@ -12,8 +12,8 @@ import re
 from collections.abc import Sequence
 
 import numpy as np
-from jax._src.lib.mlir import ir
-from jaxlib.mlir.dialects import stablehlo as shlo
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as shlo
 
 from . import module as mod
 from .graph import Arg, Graph, Node, Pin, Value

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from jax._src.lib.mlir import ir
+from jax.extend.mlir import ir
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
-from jax._src.lib.mlir import ir
+from jax.extend.mlir import ir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import module as mod

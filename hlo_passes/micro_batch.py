@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jax._src.lib.mlir import ir
+from jax.extend.mlir import ir
 
 from rhino_jax.errors import StagingError
 

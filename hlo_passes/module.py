@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from jax._src.lib.mlir import ir
+from jax.extend.mlir import ir
 
 from . import loops
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo, sdy
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import sdy
+from jax.extend.mlir.dialects import stablehlo as hlo
 
 from ..search.specs import ShardingSpec
 from . import module as mod

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import func
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import func
 
 from ..search.specs import ShardingSpec
 from . import module as mod

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from jax._src.lib.mlir import ir
+from jax.extend.mlir import ir
 
 from rhino_jax.errors import StagingError
 

@@ -1,0 +1,87 @@
+"""Every use of jax's private API in rhino_jax, in one place.
+
+The MLIR bindings (`ir`, the func/stablehlo/sdy dialects) are public in `jax.extend.mlir` and
+imported from there. Three things have no public equivalent in jax 0.10.2 through 0.12.x:
+
+- compiling a StableHLO module we edited into a `jax.stages.Compiled` (`compile_replacing_module`):
+  `jax.stages.Lowered` is only built by jax itself, from the private `Lowering` it keeps;
+- XLA's cost analysis of an HLO module given as text (`hlo_cost_analysis`), for while-loop bodies
+  priced on their own;
+- an MLIR context with jax's dialects registered (`ir_context`), to parse StableHLO text.
+
+Each lookup that fails raises `UnsupportedJaxError` naming the jax range rhino_jax supports;
+tests/test_jax_versions.py exercises every one, so a jax that lays them out differently fails
+there first, with that message.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.extend.mlir import ir
+from jax.sharding import NamedSharding
+
+from rhino_jax.errors import RhinoError
+
+# The jax (and jaxlib) versions whose internals match this module; setup.py pins the same range.
+SUPPORTED_JAX = ">=0.10.2,<0.13"
+
+
+class UnsupportedJaxError(RhinoError, RuntimeError):
+    """The installed jax lays out an internal that rhino_jax relies on differently."""
+
+
+def _unsupported(what: str, err: Exception) -> UnsupportedJaxError:
+    return UnsupportedJaxError(
+        f"jax {jax.__version__} lays out {what} differently than rhino_jax expects "
+        f"({type(err).__name__}: {err}); rhino_jax supports jax{SUPPORTED_JAX}: "
+        f"install a jax and jaxlib in that range (pip install 'jax{SUPPORTED_JAX}' 'jaxlib{SUPPORTED_JAX}')")
+
+
+def _private(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise _unsupported(f"{module}.{name}", e) from e
+
+
+def ir_context() -> ir.Context:
+    """A new MLIR context with the dialects of jax's modules (func, stablehlo, sdy, chlo, ...)."""
+    return _private("jax._src.interpreters.mlir", "make_ir_context")()
+
+
+def hlo_cost_analysis(hlo_text: str, device: jax.Device) -> Any:
+    """XLA's cost analysis of the HLO module `hlo_text` on `device`'s backend, as jaxlib returns it
+    (a dict of 'flops', 'bytes accessed', ...). Parse and analysis errors propagate unchanged."""
+    parse = _private("jaxlib._hlo", "hlo_module_from_text")
+    analyse = _private("jaxlib._jax", "hlo_module_cost_analysis")
+    return analyse(device.client, parse(hlo_text))
+
+
+def compile_replacing_module(lowered: jax.stages.Lowered, module: ir.Module,
+                             in_shardings: Sequence[NamedSharding],
+                             out_shardings: Sequence[NamedSharding]) -> jax.stages.Compiled:
+    """Compile `module` in place of `lowered`'s own, with these input and output shardings; the
+    arguments, donation and device assignment stay `lowered`'s. `lowered` itself is left as it was
+    (jax caches lowerings, and a lowering keeps the first executable it compiled), so we edit a
+    copy of its `Lowering`."""
+    try:
+        original = lowered._lowering
+        args = original.compile_args
+        missing = [k for k in ("in_shardings", "out_shardings") if k not in args]
+        if missing or not hasattr(original, "_hlo") or not hasattr(original, "_executable"):
+            raise AttributeError(f"Lowering {type(original).__name__} has no _hlo, _executable or "
+                                 f"compile_args {missing}")
+        computation = copy.copy(original)
+        computation._hlo = module
+        computation._executable = None
+        computation.compile_args = dict(args, in_shardings=tuple(in_shardings),
+                                        out_shardings=tuple(out_shardings))
+        mine = jax.stages.Lowered(computation, lowered.args_info, lowered.out_tree, lowered._no_kwargs,
+                                  lowered._in_types, lowered._out_types)
+    except (AttributeError, TypeError) as e:
+        raise _unsupported("jax.stages.Lowered", e) from e
+    return mine.compile()
