@@ -53,16 +53,17 @@ def main(argv: list[str] | None = None) -> int:
             env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={opts.local_devices}".strip()
             env["JAX_PLATFORMS"] = "cpu"
         child = subprocess.Popen([sys.executable, "-m", "rhino_jax.launch", opts.script, *opts.args], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        threading.Thread(target=_relay, args=(pid, child.stdout), daemon=True).start()
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        for stream, to in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+            threading.Thread(target=_relay, args=(pid, stream, to), daemon=True).start()
         children.append(child)
     return _wait(children, opts.timeout)
 
 
-def _relay(pid: int, stream) -> None:
+def _relay(pid: int, stream, to) -> None:
     for line in stream:
-        sys.stdout.write(f"[{pid}] {line}")
-        sys.stdout.flush()
+        to.write(f"[{pid}] {line}")
+        to.flush()
 
 
 def _wait(children: list[subprocess.Popen], timeout: float | None) -> int:
