@@ -165,10 +165,9 @@ def _num_partitions(text: str) -> int:
 
 
 def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int) -> dict[str, float]:
-    """Seconds per step per collective kind: `Collective.time` on a one-axis topology of the group's size,
-    over the intra-host link when the group fits in one host (`devices_per_host`), else the
-    inter-host one. A collective-permute sends to one peer; its pairs may lie anywhere among the
-    program's `num_devices`, so its link is intra-host when they all fit in one host."""
+    """Seconds per step per collective kind: `Collective.time` on a one-axis topology of the
+    group's size, over the intra-host link when the group's devices (or a permute's pairs) lie
+    in one host, else the inter-host one, shared by the groups that cross a host at once."""
     out = {k: 0.0 for k in COLLECTIVE_KINDS}
     for c in stats.collectives:
         permute = c.kind == "collective-permute"
@@ -176,12 +175,16 @@ def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int
         if n <= 0:
             raise ValueError(f"collective {c.name!r} ({c.kind}) has no readable replica group size; "
                              "cannot price it (see hlo_stats._group_size for the forms understood)")
-        span = num_devices if permute else n
-        intra = span <= cluster.devices_per_host
-        # A group beyond a host is taken as whole hosts of consecutive devices (the groups of an
-        # outer mesh axis, strided, are read by group size alone: a known limit of this reading);
-        # a permute's pairs across hosts are one per device, all sharing the host's network.
-        hosts = min(2, -(-span // cluster.devices_per_host)) if permute else -(-span // cluster.devices_per_host)
+        per_host = cluster.devices_per_host
+        # Device i lies on host i // devices_per_host. A group (its first replica group, or a
+        # permute's pairs) crosses the hosts it touches; when the text lists neither, a group is
+        # taken as consecutive devices and a permute's pairs as anywhere in the program.
+        if permute:
+            crosses = any(a // per_host != b // per_host for a, b in c.pairs) if c.pairs else num_devices > per_host
+            hosts = 2 if crosses else 1  # pairs across hosts: one per device, all sharing the host's network
+        else:
+            hosts = len({d // per_host for d in c.group}) if c.group else -(-n // per_host)
+        intra = hosts == 1
         topo = MeshTopology(("group",), (n,),
                             (cluster.intra_host_bandwidth if intra else cluster.inter_host_bandwidth,),
                             (cluster.intra_host_latency if intra else cluster.inter_host_latency,),

@@ -34,6 +34,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
+import numpy as np
+
 __all__ = [
     "COLLECTIVE_KINDS",
     "CompiledCollective",
@@ -80,6 +82,8 @@ class CompiledCollective:
     name: str
     op_name: str = ""
     executions: int = 1
+    pairs: tuple[tuple[int, int], ...] = ()  # a collective-permute's (source, target) device pairs
+    group: tuple[int, ...] = ()  # the devices of its first replica group, when the text says
 
 
 @dataclass(frozen=True)
@@ -398,12 +402,10 @@ def _explicit_group_size(text: str) -> int | None:
     return max(sizes) if sizes else None
 
 
-def _mesh_group_size(attrs: str, pos: int) -> int:
-    """`mesh['a'=1,'b'=4], device_ids=(...) {'b'}` -> 4: product of the grouped axis sizes.
-
-    A sub-axis prints as `'b':(1)2` and contributes its own size (2). An empty axis set means
-    each device is alone in its group.
-    """
+def _mesh_form(attrs: str, pos: int) -> tuple[dict[str, int], list[int] | None, list[tuple[str | None, int]]] | None:
+    """`mesh['a'=2,'b'=4], device_ids=(...) {'b'}` read: the mesh's axis sizes in order, its
+    device ids (None: in order), and the grouped axes as (name, size); a sub-axis `'b':(1)2`
+    has no name of its own (None) and its own size. None when the text does not parse."""
     bracket = attrs.index("[", pos)
     end = _matching_close(attrs, bracket)
     sizes: dict[str, int] = {}
@@ -412,26 +414,63 @@ def _mesh_group_size(attrs: str, pos: int) -> int:
         if m is not None:
             sizes[m.group(1) or m.group(2) or m.group(3)] = int(m.group(4))
     rest = attrs[end:]
+    device_ids: list[int] | None = None
     dev = re.match(r"\s*,\s*device_ids\s*=\s*\(", rest)
     if dev is not None:
-        rest = rest[_matching_close(rest, dev.end() - 1) :]
+        close = _matching_close(rest, dev.end() - 1)
+        device_ids = _device_ids(rest[dev.end():close - 1], math.prod(sizes.values()))
+        rest = rest[close:]
     axes = re.match(r"\s*\{", rest)
     if axes is None:
-        return 0
-    axes_text = rest[axes.end() - 1 : _matching_close(rest, axes.end() - 1)][1:-1]
-    size = 1
-    for part in _split_top_level(axes_text):
+        return None
+    grouped: list[tuple[str | None, int]] = []
+    for part in _split_top_level(rest[axes.end() - 1 : _matching_close(rest, axes.end() - 1)][1:-1]):
         m = _GROUP_AXIS_RE.fullmatch(part)
         if m is None:
-            return 0
+            return None
+        axis = m.group(1) or m.group(2) or m.group(3)
         if m.group(4) is not None:
-            size *= int(m.group(4))
+            grouped.append((None, int(m.group(4))))
+        elif axis in sizes:
+            grouped.append((axis, sizes[axis]))
         else:
-            axis = m.group(1) or m.group(2) or m.group(3)
-            if axis not in sizes:
-                return 0
-            size *= sizes[axis]
-    return size
+            return None
+    return sizes, device_ids, grouped
+
+
+def _device_ids(text: str, count: int) -> list[int]:
+    """A mesh's device ids, listed (`0,2,1,3`) or as an iota (`[2,4]T(1,0)`); [] if unread."""
+    iota = re.fullmatch(r"\s*\[([\d,\s]+)\](?:\s*T\(([\d,\s]+)\))?\s*", text)
+    if iota is not None:
+        dims = [int(x) for x in iota.group(1).split(",") if x.strip()]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(2):
+            ids = ids.transpose([int(x) for x in iota.group(2).split(",") if x.strip()])
+        return [int(x) for x in ids.reshape(-1)]
+    listed = [int(x) for x in re.findall(r"\d+", text)]
+    return listed if len(listed) == count else []
+
+
+def _mesh_group_size(attrs: str, pos: int) -> int:
+    """`mesh['a'=1,'b'=4], device_ids=(...) {'b'}` -> 4: product of the grouped axis sizes (a
+    sub-axis `'b':(1)2` contributes its own size); an empty axis set: each device alone."""
+    form = _mesh_form(attrs, pos)
+    return 0 if form is None else math.prod(size for _, size in form[2])
+
+
+def _mesh_first_group(attrs: str, pos: int) -> tuple[int, ...]:
+    """The devices of the first group of the mesh form: every index of the grouped axes, the
+    others at 0; () with sub-axes (not read here)."""
+    form = _mesh_form(attrs, pos)
+    if form is None or any(name is None for name, _ in form[2]) or form[1] == []:
+        return ()
+    sizes, device_ids, grouped = form
+    names = list(sizes)
+    ids = np.asarray(device_ids if device_ids is not None else range(math.prod(sizes.values()))).reshape(
+        list(sizes.values()))
+    order = [names.index(name) for name, _ in grouped]
+    ids = ids.transpose(order + [i for i in range(len(names)) if i not in order])
+    return tuple(int(x) for x in ids.reshape(math.prod(size for _, size in grouped), -1)[:, 0])
 
 
 def _group_size(instr: _Instr, module_devices: tuple[int, int] | None) -> int:
@@ -696,7 +735,45 @@ def _collective(
         group_size=group_size,
         name=instr.name,
         op_name=_op_name(instr),
+        pairs=_pairs(instr) if kind == "collective-permute" else (),
+        group=() if kind == "collective-permute" else _first_group(instr),
     )
+
+
+_IOTA_FULL_RE = re.compile(r"\[\s*(\d+)\s*,\s*(\d+)\s*\]\s*<=\s*\[([\d,\s]+)\](?:\s*T\(([\d,\s]+)\))?")
+
+
+def _first_group(instr: _Instr) -> tuple[int, ...]:
+    """The device ids of the first replica group, from the explicit (`{{0,8},{1,9}}`), iota
+    (`[8,4]<=[4,8]T(1,0)`) or mesh form; () where not read. The groups are alike, so one tells
+    whether they cross hosts."""
+    m = re.search(r"\breplica_groups\s*=\s*", instr.attrs)
+    if m is None:
+        return ()
+    text = instr.attrs[m.end():]
+    if text.startswith("mesh"):
+        return _mesh_first_group(instr.attrs, m.end())
+    if text.startswith("{{"):
+        first = re.match(r"\{\{([\d,\s]*)\}", text)
+        return tuple(int(x) for x in first.group(1).split(",") if x.strip()) if first else ()
+    iota = _IOTA_FULL_RE.match(text)
+    if iota is None:
+        return ()
+    groups, size = int(iota.group(1)), int(iota.group(2))
+    dims = [int(x) for x in iota.group(3).split(",") if x.strip()]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if iota.group(4):
+        ids = ids.transpose([int(x) for x in iota.group(4).split(",") if x.strip()])
+    return tuple(int(x) for x in ids.reshape(groups, size)[0])
+
+
+_PAIRS_RE = re.compile(r"\bsource_target_pairs\s*=\s*\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def _pairs(instr: _Instr) -> tuple[tuple[int, int], ...]:
+    """A collective-permute's (source, target) pairs; () when the text does not list them."""
+    m = _PAIRS_RE.search(instr.attrs)
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))) if m else ()
 
 
 @dataclass(frozen=True)

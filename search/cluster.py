@@ -196,16 +196,18 @@ class MeshTopology:
     def num_devices(self) -> int:
         return int(np.prod(self.axis_sizes))
 
-    def link(self, axes: tuple[str, ...]) -> tuple[int, float, float]:
+    def link(self, axes: tuple[str, ...], pairwise: bool = False) -> tuple[int, float, float]:
         """(group size, bandwidth, latency) of a collective over these axes: the slowest link
         wins, and a host's network is shared by the groups that cross it at once (a host holding
-        8 of the mesh's devices and 1 member of each group runs 8 groups through its NICs)."""
+        8 of the mesh's devices and 1 member of each group runs 8 groups through its NICs).
+        `pairwise`: each device sends to one peer (a collective-permute), so every device of a
+        host may cross at once, however large the group."""
         idx = [self.axis_names.index(a) for a in axes]
         n = int(np.prod([self.axis_sizes[i] for i in idx]))
         bw = min(self.bandwidth[i] for i in idx)
         spanned = int(np.prod([self.hosts_spanned[i] for i in idx])) if self.hosts_spanned else 1
         if spanned > 1 and self.host_devices:
-            groups_per_host = max(1.0, self.host_devices * spanned / n)
+            groups_per_host = self.host_devices if pairwise else max(1.0, self.host_devices * spanned / n)
             bw = min(min(self.bandwidth[i] for i in idx if self.hosts_spanned[i] > 1) / groups_per_host,
                      min((self.bandwidth[i] for i in idx if self.hosts_spanned[i] == 1), default=np.inf))
         return n, bw, max(self.latency[i] for i in idx)

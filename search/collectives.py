@@ -34,10 +34,10 @@ class Collective:
         the whole buffer to one peer in one step. Priced as the backend compiles it (a CPU
         reduce-scatter is an all-reduce). `combined`: XLA merges it with independent others,
         so it pays only its share of the launch and latency (`Combiner.latency_share`)."""
-        n, bw, lat = topo.link(self.axes)
+        kind = topo.combiner.compiled_kind(self.kind)
+        n, bw, lat = topo.link(self.axes, pairwise=kind == "collective-permute")
         if n <= 1:
             return 0.0
-        kind = topo.combiner.compiled_kind(self.kind)
         if kind == "collective-permute":
             fixed, steps = topo.launch + lat, 1.0
         else:

@@ -63,6 +63,18 @@ def test_groups_beyond_a_host_take_the_inter_host_link():
                                                 cluster.intra_host_latency, cluster.collective_launch_s, 2))
 
 
+def test_strided_groups_of_an_outer_axis_cross_hosts_and_share_them():
+    """Only 'data' splits the batch on (2, 4) with hosts of 4: groups of 2 devices, {i, i + 4},
+    each one on two hosts. Read by size alone they would fit in a host; read by members they
+    cross, and the 4 groups share each host's network."""
+    cluster = dataclasses.replace(M8_V100, devices_per_host=4)
+    mesh = _mesh((2, 4), ("data", "model"))
+    cost = price_compiled(_compile(_grad_w, mesh, (P(), P("data")), P(), (K, N), (M, K)), cluster)
+    assert cost.collectives["all-reduce"] == (1, K * N * 4)
+    assert cost.comm_s == pytest.approx(_ring(2, K * N * 4, cluster.inter_host_bandwidth / 4,
+                                              cluster.inter_host_latency, cluster.collective_launch_s, 2))
+
+
 def test_all_gather_is_priced_one_ring_pass():
     mesh = _mesh((8,), ("d",))
     compiled = _compile(lambda x: x * 2.0, mesh, (P("d"),), P(), (M, K))

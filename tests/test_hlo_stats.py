@@ -346,7 +346,7 @@ def test_tuple_all_reduce_sums_elements():
     (ar,) = collective_stats(text).collectives
     assert ar == CompiledCollective(kind="all-reduce", bytes=4 * 8 * 4 + 16 * 2,
                                     shapes=("f32[4,8]", "bf16[16]"), group_size=2, name="ar",
-                                    op_name="jit(f)/psum")
+                                    op_name="jit(f)/psum", group=(0, 1))
 
 
 def test_long_tuple_with_index_comments():
@@ -630,3 +630,20 @@ def test_call_cycle_is_rejected():
     )
     with pytest.raises(ValueError, match="calls itself"):
         collective_stats(text)
+
+
+@pytest.mark.parametrize("groups,first", [("{{0,8,16,24},{1,9,17,25}}", (0, 8, 16, 24)),
+                                          ("[8,4]<=[4,8]T(1,0)", (0, 8, 16, 24)), ("[4,8]<=[32]", tuple(range(8))),
+                                          ("mesh['a'=4,'b'=8] {'a'}", (0, 8, 16, 24)),
+                                          ("mesh['a'=4,'b'=8], device_ids=([8,4]T(1,0)) {'b'}", (0, 4, 8, 12, 16, 20, 24, 28))])
+def test_replica_groups_and_permute_pairs_are_read(groups, first):
+    """Which devices a group holds (not only how many) tells whether it crosses hosts."""
+    text = _module(
+        "%p = f32[64]{0} parameter(0)",
+        f"%ag = f32[256]{{0}} all-gather(%p), channel_id=1, replica_groups={groups}, dimensions={{0}}, "
+        "use_global_device_ids=true",
+        "%cp = f32[256]{0} collective-permute(%ag), channel_id=2, source_target_pairs={{0,0},{1,8},{8,1}}",
+        "ROOT %r = f32[256]{0} copy(%cp)",
+    )
+    ag, cp = collective_stats(text).collectives
+    assert ag.group == first and cp.pairs == ((0, 0), (1, 8), (8, 1))
