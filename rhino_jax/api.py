@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from .multiprocess import agree
 from .pipelined import PipelinedLowered
 from .options import Options
 from .plan import Plan
+from .plan_target import PlanTarget
 
 
 def _signature(args) -> tuple:
@@ -144,12 +146,13 @@ class Parallelized:
     """What `rj.parallelize` returns: call it, or `.lower(*args)` for the plan."""
 
     def __init__(self, fn: Callable, mesh: Mesh | None, options: Options, donate_argnums: tuple[int, ...],
-                 devices: Sequence | None = None):
+                 devices: Sequence | None = None, plan: Plan | None = None):
         self._fn = fn
         self.mesh = mesh  # None: each lowering picks its mesh shape (then see `Lowered.mesh`)
         self.devices = devices  # with mesh=None: the devices to build meshes of (None: jax.devices())
         self.options = options
         self.donate_argnums = donate_argnums
+        self.given_plan = plan  # a saved plan to run instead of searching (`parallelize(plan=...)`)
         self._cache: dict = {}
         functools.update_wrapper(self, getattr(fn, "_fun", fn))
 
@@ -178,14 +181,18 @@ class Parallelized:
             mesh = self.mesh
             step = lower_on_mesh(self._fn, args, mesh, self.donate_argnums)
             graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
-            cluster = get_cluster(options.cluster)
-            topo = MeshTopology.from_mesh(mesh, cluster)
-            plan = plan_on(graph, topo, cluster, options)
+            if self.given_plan is not None:  # a saved plan: no search, once it is shown to fit
+                self.given_plan.check_matches(PlanTarget.of(step, mesh))
+                plan = self.given_plan
+            else:
+                cluster = get_cluster(options.cluster)
+                plan = plan_on(graph, MeshTopology.from_mesh(mesh, cluster), cluster, options)
         tree = jax.tree.structure(args)
         out_tree = step.lowered.out_tree
         named = lambda specs: [NamedSharding(mesh, s.to_partition_spec()) for s in specs]  # noqa: E731
         plan = dataclasses.replace(plan, input_shardings=jax.tree.unflatten(tree, named(plan.arg_specs)),
-                                   output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)))
+                                   output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)),
+                                   target=PlanTarget.of(step, mesh))
         return Lowered(plan, graph, mesh, step, key)
 
     def __call__(self, *args, **kwargs):
@@ -200,7 +207,7 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
                 num_micro_batches: int = 1, pipeline: str | int = "off", schedule: str = "1f1b",
                 donate_argnums: int | Sequence[int] | None = None, solver: str = "HIGHS",
                 solver_time_limit_s: float = 60.0, axis_names: Sequence[str] | None = None,
-                search_workers: int | None = None, strided_specs: bool = True):
+                search_workers: int | None = None, strided_specs: bool = True, plan: "Plan | str | None" = None):
     """Parallelize a train step over `mesh`. Usable as `parallelize(fn, mesh=...)` or as a
     decorator `@parallelize(mesh=...)`; `fn` may already be `jax.jit`-ed (its donation is kept).
 
@@ -213,7 +220,11 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
     infeasible. `search_workers`: processes searching candidates in parallel ('spawn'; None:
     only when the first search is slow enough to pay for them; 0: in this process). Progress
     is logged to the `rhino_jax` logger at INFO. `strided_specs=False` restricts the search to
-    maximum strides (each device holds one block per split dim), as most systems do."""
+    maximum strides (each device holds one block per split dim), as most systems do.
+
+    `plan`: a saved plan (`Plan.load(path)`, or the path) to run without a search; it must have
+    been made for this step and mesh (`Plan.check_matches`: PlanTargetError otherwise). SPMD
+    plans on a given mesh only: with `mesh=None`, micro-batches or pipelines, plan again."""
     options = Options(opt_level, memory_limit_bytes, cluster, num_micro_batches, pipeline, schedule,
                       solver, solver_time_limit_s, axis_names, search_workers, strided_specs)
     if mesh is not None and not isinstance(mesh, Mesh):
@@ -234,12 +245,21 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
         raise MeshError("the mesh has Explicit/Manual axes, which reject added shardings; build it with "
                         "rj.device_mesh(...) or jax.sharding.Mesh(..., axis_types=(AxisType.Auto, ...))")
 
+    if plan is not None:
+        if isinstance(plan, (str, os.PathLike)):
+            plan = Plan.load(plan)
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a rhino_jax.Plan or the path of a saved one, got {type(plan).__name__}")
+        if mesh is None or num_micro_batches > 1 or pipeline not in ("off", 1):
+            raise ValueError("plan= runs a saved SPMD plan on a given mesh: pass mesh=rj.device_mesh(...) as it was "
+                             "planned, without num_micro_batches or pipeline (those plans are searched again)")
+
     def wrap(f: Callable) -> Parallelized:
         donate = donate_argnums
         if donate is None:
             info = getattr(f, "_jit_info", None)
             donate = getattr(info, "donate_argnums", ()) or ()
         donate = (donate,) if isinstance(donate, int) else tuple(donate)
-        return Parallelized(f, mesh, options, donate, devices)
+        return Parallelized(f, mesh, options, donate, devices, plan)
 
     return wrap if fn is None else wrap(fn)

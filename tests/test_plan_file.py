@@ -11,6 +11,8 @@ from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import make_mlp_train_step, mlp_example
 from rhino_jax.plan_target import PlanTarget, PlanTargetError
 
+from helpers import assert_same_numbers
+
 WIDTHS = (16, 32, 32, 32, 16)
 
 
@@ -86,3 +88,25 @@ def test_a_file_that_is_not_a_plan_says_so(text, message, tmp_path):
     (tmp_path / "plan.json").write_text(text)
     with pytest.raises(ValueError, match=message):
         rj.Plan.load(tmp_path / "plan.json")
+
+
+def test_parallelize_records_the_target_and_runs_a_saved_plan_without_a_search(tmp_path, monkeypatch):
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8)
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    lowered = rj.parallelize(step, mesh=mesh).lower(*args)
+    assert lowered.plan.target == _target(step, args, mesh)  # what a saved plan is checked against
+    lowered.plan.save(tmp_path / "plan.json")
+
+    def no_search(*_args, **_kwargs):
+        raise AssertionError("searched although a plan was given")
+
+    monkeypatch.setattr(rj.api, "plan_on", no_search)
+    again = rj.parallelize(step, mesh=mesh, plan=tmp_path / "plan.json")
+    assert again.lower(*args).plan.value_specs == lowered.plan.value_specs
+    assert_same_numbers(jax.jit(step)(*args), again(*args))
+    with pytest.raises(PlanTargetError, match="program differs"):  # another step, same shapes
+        rj.parallelize(make_mlp_train_step(lr=0.5), mesh=mesh, plan=rj.Plan.load(tmp_path / "plan.json")).lower(*args)
+    with pytest.raises(ValueError, match="plan= runs a saved SPMD plan on a given mesh"):
+        rj.parallelize(step, plan=tmp_path / "plan.json")
+    with pytest.raises(TypeError, match="plan must be a rhino_jax.Plan"):
+        rj.parallelize(step, mesh=mesh, plan=42)
