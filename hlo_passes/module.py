@@ -5,6 +5,7 @@ of `entry_sites`), so both go through these functions on the same inlined module
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,9 +16,54 @@ from . import loops
 
 
 def copy_module(module: ir.Module) -> ir.Module:
-    """A deep copy that keeps source locations (the op names the report shows)."""
+    """A deep copy, made in memory: its ops are clones, with their source locations (the op names
+    the report shows); their attributes, large constants included, are shared (MLIR uniques
+    attributes per context), so a copy costs the ops, not the bytes of the constants they hold
+    (printing and parsing the text of a 512 MiB constant took 6 s and 2 GiB per copy)."""
+    source = module.operation
     with module.context:
-        return ir.Module.parse(module.operation.get_asm(enable_debug_info=True))
+        new = ir.Module.create(source.location)
+        for name in source.attributes:
+            new.operation.attributes[name] = source.attributes[name]
+        ip = ir.InsertionPoint(new.body)
+        for op in module.body.operations:
+            op.operation.clone(ip=ip)
+    return new
+
+
+# Constants with more elements than this are hashed from their bytes by `fingerprint`, not printed.
+_PRINTED_ELEMENTS = 64
+
+
+def fingerprint(module: ir.Module) -> str:
+    """sha256 of the module as printed without locations (so moving the user's code does not change
+    it), with every constant of more than `_PRINTED_ELEMENTS` elements hashed from its bytes in
+    place of its text: the same for the same program in any process, and cheap for a program that
+    closes over a large array (printing a 512 MiB constant as hex took 4 s and 2 GiB)."""
+    digest = hashlib.sha256(module.operation.get_asm(binary=True, large_elements_limit=_PRINTED_ELEMENTS))
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        for name in op.attributes:
+            try:
+                attr = op.attributes[name]  # downcast by the bindings: dense elements are DenseElementsAttr
+            except TypeError:  # an attribute the bindings cannot represent (complex elements): print the op
+                digest.update(op.get_asm(binary=True))
+                continue
+            if isinstance(attr, ir.DenseElementsAttr) and not attr.is_splat and len(attr) > _PRINTED_ELEMENTS:
+                digest.update(_element_bytes(attr))  # the printer elided it
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    return digest.hexdigest()
+
+
+def _element_bytes(dense: ir.DenseElementsAttr) -> memoryview | bytes:
+    """The constant's data as stored (no copy), or its text for element types MLIR gives no buffer
+    of (bfloat16, float8)."""
+    try:
+        return memoryview(dense)
+    except (BufferError, TypeError):
+        return str(dense).encode()
 
 
 def functions(module: ir.Module) -> dict[str, ir.Operation]:

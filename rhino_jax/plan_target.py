@@ -10,13 +10,13 @@ difference and what to change.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import jax
 from jax.sharding import Mesh
 
 from rhino_jax.hlo_passes.lowering import LoweredStep
+from rhino_jax.hlo_passes.module import fingerprint
 
 from .errors import RhinoError
 
@@ -27,7 +27,7 @@ class PlanTargetError(RhinoError, ValueError):
 
 @dataclass(frozen=True)
 class PlanTarget:
-    program: str  # sha256 of the step's StableHLO as the search read it
+    program: str  # sha256 of the step's StableHLO as the search read it (`module.fingerprint`)
     arg_paths: tuple[str, ...]
     arg_shapes: tuple[tuple[int, ...], ...]
     arg_dtypes: tuple[str, ...]
@@ -41,7 +41,7 @@ class PlanTarget:
         """The target of a step lowered on `mesh` for the search (`lowering.lower_on_mesh`)."""
         avals = jax.tree.leaves(step.lowered.in_avals)
         return PlanTarget(
-            program=hashlib.sha256(str(step.module).encode()).hexdigest(),
+            program=fingerprint(step.module),
             arg_paths=tuple(step.arg_paths),
             arg_shapes=tuple(tuple(int(d) for d in a.shape) for a in avals),
             arg_dtypes=tuple(str(a.dtype) for a in avals),
