@@ -192,7 +192,7 @@ def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int
                             host_devices=min(num_devices, cluster.devices_per_host))
         # The program is compiled: each op is priced as it stands (family 1, no combining left to
         # predict), once per execution (loop trips, `CompiledCollective.executions`).
-        out[c.kind] += c.executions * Collective(c.kind, ("group",), c.bytes).time(topo)
+        out[c.kind] += c.executions * Collective(c.kind, ("group",), c.bytes).time(topo, pairwise=permute)
     return out
 
 

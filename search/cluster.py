@@ -200,8 +200,8 @@ class MeshTopology:
         """(group size, bandwidth, latency) of a collective over these axes: the slowest link
         wins, and a host's network is shared by the groups that cross it at once (a host holding
         8 of the mesh's devices and 1 member of each group runs 8 groups through its NICs).
-        `pairwise`: each device sends to one peer (a collective-permute), so every device of a
-        host may cross at once, however large the group."""
+        `pairwise`: each device sends to one peer across hosts (a collective-permute whose pairs
+        cross, as compiled pricing reads them), so every device of a host crosses at once."""
         idx = [self.axis_names.index(a) for a in axes]
         n = int(np.prod([self.axis_sizes[i] for i in idx]))
         bw = min(self.bandwidth[i] for i in idx)

@@ -28,14 +28,17 @@ class Collective:
     axes: tuple[str, ...]
     bytes: int
 
-    def time(self, topo: MeshTopology, combined: bool = False) -> float:
+    def time(self, topo: MeshTopology, combined: bool = False, pairwise: bool = False) -> float:
         """Ring algorithms: all-reduce moves 2(n-1)/n of the buffer, the others (n-1)/n; each
         step pays the link latency and each collective one launch. A collective-permute sends
         the whole buffer to one peer in one step. Priced as the backend compiles it (a CPU
         reduce-scatter is an all-reduce). `combined`: XLA merges it with independent others,
-        so it pays only its share of the launch and latency (`Combiner.latency_share`)."""
+        so it pays only its share of the launch and latency (`Combiner.latency_share`).
+        `pairwise`: a permute whose pairs cross hosts, every device of a host at once (compiled
+        pricing reads the pairs; a planned permute's are not known, and it is priced as one
+        group over its axes: a known gap when its permutation crosses hosts device by device)."""
         kind = topo.combiner.compiled_kind(self.kind)
-        n, bw, lat = topo.link(self.axes, pairwise=kind == "collective-permute")
+        n, bw, lat = topo.link(self.axes, pairwise)
         if n <= 1:
             return 0.0
         if kind == "collective-permute":
