@@ -155,6 +155,9 @@ def _op_attrs(op: ir.Operation) -> dict:
         a["target"] = ir.StringAttr(op.attributes["call_target_name"]).value
     elif name == "sdy.sharding_constraint":
         a["sharding"] = str(op.attributes["sharding"])
+    if "has_side_effect" in op.attributes and ir.BoolAttr(op.attributes["has_side_effect"]).value:
+        # a host callback (io_callback, jax.debug.print): it runs once per step, which errors name
+        a["side_effect"] = f"{mod.source_name(op).rstrip(':') or name} at {mod.source_line(op) or 'an unknown line'}"
     return a
 
 
@@ -200,12 +203,16 @@ def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequen
                   output_paths: Sequence[str]) -> Graph:
     """Build the Graph IR of an inlined module (see `module.inline_calls`).
 
-    `arg_paths`/`arg_roles` describe @main's arguments in order (the flattened user pytree);
-    `output_paths` names its results."""
+    `arg_paths`/`arg_roles` describe @main's array arguments in order (the flattened user pytree);
+    `output_paths` names its array results. The tokens of ordered effects (`module.is_token`) are
+    values of the graph but neither arguments nor outputs: the rewrite leaves them where they are."""
     main = mod.entry_function(module)
     block = main.regions[0].blocks[0]
-    if len(block.arguments) != len(arg_paths):
-        raise ValueError(f"module has {len(block.arguments)} arguments, expected {len(arg_paths)}")
+    ret = mod.entry_return(module)
+    arrays, returned = mod.array_positions(block.arguments), mod.array_positions(ret.operands)
+    if len(arrays) != len(arg_paths):
+        raise ValueError(f"module has {len(arrays)} array arguments, expected {len(arg_paths)}")
+    output_of = {r: k for k, r in enumerate(returned)}  # @main's result index -> the output's
     values: list[Value] = []
     ids: dict = {}
 
@@ -218,14 +225,16 @@ def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequen
 
     arg_attrs = main.attributes["arg_attrs"] if "arg_attrs" in main.attributes else None
     args: list[Arg] = []
-    for i, (barg, path, role) in enumerate(zip(block.arguments, arg_paths, arg_roles)):
-        vid = new_value(barg, -1, False)
+    # Tokens (ordered effects) are values the ops thread through, but no argument of the user's.
+    for barg in block.arguments:
+        new_value(barg, -1, False)
+    for i, path, role in zip(arrays, arg_paths, arg_roles):
         donated = None
         if arg_attrs is not None:
             d = ir.DictAttr(arg_attrs[i])
             if "tf.aliasing_output" in d:
-                donated = _int(d["tf.aliasing_output"])
-        args.append(Arg(i, path, role, vid, donated))
+                donated = output_of[_int(d["tf.aliasing_output"])]
+        args.append(Arg(len(args), path, role, ids[block.arguments[i]], donated))
 
     nodes: list[Node] = []
     pins: list[Pin] = []
@@ -254,6 +263,5 @@ def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequen
         nodes.append(node)
         if op.name == "sdy.sharding_constraint":
             pins.append(Pin(results[0], parse_sdy_dims(attrs["sharding"]), node.name or f"%{nid}"))
-    ret = mod.entry_return(module)
-    outputs = tuple(ids[v] for v in ret.operands)
+    outputs = tuple(ids[ret.operands[r]] for r in returned)
     return Graph(tuple(nodes), tuple(values), tuple(args), outputs, tuple(output_paths), tuple(pins))

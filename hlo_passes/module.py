@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
 
 from . import loops
 
@@ -223,6 +224,18 @@ def value_table(module: ir.Module) -> list[ir.Value]:
     return table
 
 
+def is_token(value: ir.Value) -> bool:
+    """A token: what jax threads through a step with ordered effects (an argument and a result of
+    @main, then each ordered callback's operand and result), so that they run in program order."""
+    return hlo.TokenType.isinstance(value.type)
+
+
+def array_positions(values: Iterable[ir.Value]) -> list[int]:
+    """Positions of the arrays among @main's arguments or returned values (the user's pytree
+    leaves): all but the tokens."""
+    return [i for i, v in enumerate(values) if not is_token(v)]
+
+
 def entry_return(module: ir.Module) -> ir.Operation:
     ops = list(_block(entry_function(module)).operations)
     return ops[-1].operation
@@ -240,3 +253,12 @@ def source_name(op: ir.Operation) -> str:
     # Drop the outer jit(...) frames: they are the same for every op of the step.
     parts = [p for p in name.split("/") if not p.startswith("jit(")]
     return "/".join(parts)
+
+
+_LOC_LINE = re.compile(r'"([^"]+)":(\d+):\d+')
+
+
+def source_line(op: ir.Operation) -> str:
+    """'file.py:12': where in the user's code the op comes from (the innermost frame jax kept), or ''."""
+    m = _LOC_LINE.search(str(op.location))
+    return f"{m.group(1)}:{m.group(2)}" if m else ""

@@ -38,18 +38,21 @@ _LEFT_TO_XLA = {"sdy.sharding_constraint", "stablehlo.while", "stablehlo.case", 
 
 
 def mesh_name(module: ir.Module) -> str:
+    """The step's mesh; not the axis-less meshes that pin host callbacks to one device."""
     for op in module.body.operations:
-        if op.operation.name == "sdy.mesh":
+        if op.operation.name == "sdy.mesh" and not str(op.operation.attributes["mesh"]).startswith("#sdy.mesh<[]"):
             return ir.StringAttr(op.operation.attributes["sym_name"]).value
     raise ValueError("the module has no sdy.mesh; lower it with shardings on the mesh first")
 
 
-def _with_sharding(attrs: ir.ArrayAttr, specs: Sequence[ShardingSpec], name: str) -> ir.ArrayAttr:
-    out = []
-    for a, spec in zip(attrs, specs):
-        entries = {n.name: n.attr for n in ir.DictAttr(a)}
+def _with_sharding(attrs: ir.ArrayAttr, positions: Sequence[int], specs: Sequence[ShardingSpec],
+                   name: str) -> ir.ArrayAttr:
+    """`attrs` with `specs[k]` as the sharding of entry `positions[k]` (the others, tokens, as they were)."""
+    out = list(attrs)
+    for i, spec in zip(positions, specs):
+        entries = {n.name: n.attr for n in ir.DictAttr(attrs[i])}
         entries["sdy.sharding"] = ir.Attribute.parse(f"#sdy.sharding{spec.sdy(name)}")
-        out.append(ir.DictAttr.get(entries))
+        out[i] = ir.DictAttr.get(entries)
     return ir.ArrayAttr.get(out)
 
 
@@ -107,8 +110,8 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
             return sdy.ShardingConstraintOp(value, ir.Attribute.parse(f"#sdy.sharding{spec.sdy(name)}")).result
 
     def reshaped(value: ir.Value, shape: tuple[int, ...], before: ir.Operation) -> ir.Value:
-        if tuple(ir.RankedTensorType(value.type).shape) == shape:
-            return value
+        if not isinstance(value.type, ir.RankedTensorType) or tuple(value.type.shape) == shape:
+            return value  # tokens (ordered effects) pass as they are
         element = ir.RankedTensorType(value.type).element_type
         with ir.InsertionPoint(before), before.location:
             return hlo.ReshapeOp(ir.RankedTensorType.get(shape, element), value).result
@@ -125,10 +128,13 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
             source = reads[v, mid]
         return source
 
+    ret = mod.entry_return(module)
+    arrays = {"arg_attrs": mod.array_positions(main.regions[0].blocks[0].arguments),
+              "res_attrs": mod.array_positions(ret.operands)}  # the graph's args and outputs: not tokens
     with module.context:
         for key, specs in (("arg_attrs", arg_specs), ("res_attrs", out_specs)):
             if specs:  # a step without arguments (or results) has no such attribute
-                main.attributes[key] = _with_sharding(main.attributes[key], specs, name)
+                main.attributes[key] = _with_sharding(main.attributes[key], arrays[key], specs, name)
         loops: list[ir.Operation] = []  # the counted loops (while ops) the walk is inside
         for node, site in zip(graph.nodes, list(mod.entry_sites(module))):
             op = site.op
@@ -187,8 +193,7 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
                 c = constrain(result, split(r, spec)[1], op.operation)
                 c.owner.operation.move_after(op.operation)
                 result.replace_all_uses_except(c, c.owner.operation)
-        ret = mod.entry_return(module)
-        for k, v in enumerate(graph.outputs):
-            ret.operands[k] = pinned_path(v, out_specs[k], reshaped(ret.operands[k], graph.values[v].shape, ret),
+        for k, (v, r) in enumerate(zip(graph.outputs, arrays["res_attrs"])):
+            ret.operands[r] = pinned_path(v, out_specs[k], reshaped(ret.operands[r], graph.values[v].shape, ret),
                                           ret)
     return module

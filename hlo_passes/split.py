@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func
 
+from rhino_jax.errors import StagingError
+
 from ..search.specs import ShardingSpec
 from . import module as mod
 from .graph import Graph
@@ -23,6 +25,11 @@ def extract(module: ir.Module, graph: Graph, inputs: Sequence[int], outputs: Seq
     (values made inside it, which become arguments) and returns `outputs`; ops that no longer
     reach the return are erased. Donation is dropped (the outputs are new). `edit(table,
     arguments)` may change the copy first (value id → its ir.Value; input → its new argument)."""
+    callbacks = [n.attrs["side_effect"] for n in graph.nodes if "side_effect" in n.attrs]
+    if callbacks:
+        raise StagingError(f"the step calls back to the host ({'; '.join(callbacks)}): in micro-batches or "
+                           "pipeline stages each callback would run once per micro-batch, on part of the batch; "
+                           "use num_micro_batches=1 and pipeline='off', or take the callback out of the step")
     new = mod.copy_module(module)
     table = mod.value_table(new)
     main = mod.entry_function(new)
