@@ -15,6 +15,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 
+from rhino_jax.search import interrupt
 from rhino_jax.search.cluster import get_cluster
 
 from .errors import MemoryLimitError, MeshError, RhinoError
@@ -59,21 +60,42 @@ def choose(parallelized, args, key):
         raise MeshError("pipeline='auto' needs a mesh: pass mesh=rj.device_mesh(...)")
     options = parallelized.options
     limit = options.memory_limit_bytes or get_cluster(options.cluster).memory_per_device
+    with interrupt.session():
+        tried, errors = _lower_candidates(parallelized, args, key, limit)
+        return _choose(tried, errors, options, limit, interrupt.pressed())
+
+
+def _lower_candidates(parallelized, args, key, limit: int) -> tuple[list[tuple[Candidate, object]], list[RhinoError]]:
+    """Each candidate lowered, or why not. Ctrl-C: the candidates lowered so far (none: it propagates)."""
     tried: list[tuple[Candidate, object]] = []
     errors: list[RhinoError] = []
-    for cand in candidates(options, parallelized.mesh.devices.shape[0]):
+    for cand in candidates(parallelized.options, parallelized.mesh.devices.shape[0]):
+        if interrupt.pressed():  # a candidate's search answered Ctrl-C with its plan so far: no more
+            break
         try:
             lowered = parallelized.lower_with(cand, args, key)
         except RhinoError as e:
             errors.append(e)
             tried.append((Candidate(_label(cand), None, None, str(e).splitlines()[0][:160]), None))
             continue
+        except KeyboardInterrupt:
+            if not any(lowered is not None for _, lowered in tried):
+                raise
+            interrupt.press()
+            interrupt.warn("pipeline='auto': the comparison of SPMD and pipelined plans", stacklevel=5)
+            break
         cost = lowered.plan.cost
         over = cost.memory_bytes > limit
         why = f"needs {cost.memory_bytes / 2**30:.1f} GiB/device > {limit / 2**30:.1f} GiB" if over else ""
         tried.append((Candidate(_label(cand), cost.total_s, cost.memory_bytes, why), lowered))
         log.info("rhino_jax: pipeline='auto': %s predicted %.4g ms, %.1f GiB/device", _label(cand),
                  cost.total_s * 1e3, cost.memory_bytes / 2**30)
+    return tried, errors
+
+
+def _choose(tried: list[tuple[Candidate, object]], errors: list[RhinoError], options, limit: int, interrupted: bool):
+    """The fastest candidate that fits (see `choose`), its plan marked `interrupted` when Ctrl-C
+    cut the comparison short."""
     planned = [t for t in tried if t[1] is not None]
     if not planned:
         kind = MemoryLimitError if all(isinstance(e, MemoryLimitError) for e in errors) else RhinoError
@@ -92,6 +114,6 @@ def choose(parallelized, args, key):
     best = min(fitting, key=lambda t: t[0].step_s)
     chosen = best[1]
     table = tuple(c for c, _ in [best] + [t for t in tried if t is not best])
-    chosen.plan = dataclasses.replace(chosen.plan, search_stats=dict(chosen.plan.search_stats,
-                                                                     pipeline_candidates=table))
+    chosen.plan = dataclasses.replace(chosen.plan, search_stats=dict(chosen.plan.search_stats, pipeline_candidates=table),
+                                      interrupted=chosen.plan.interrupted or interrupted)
     return chosen

@@ -18,6 +18,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import time
 import warnings
@@ -30,6 +31,7 @@ from jax.sharding import Mesh
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
+from rhino_jax.search import interrupt
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster, host_ids
 from rhino_jax.search.meshes import candidate_meshes
 from rhino_jax.search.planner import search
@@ -68,7 +70,7 @@ class _Candidate:
 
 
 def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options) -> Plan:
-    """The search, with the user's options, on one mesh."""
+    """The search, with the user's options, on one mesh (Ctrl-C: `search.interrupt`)."""
     return search(graph, topo, cluster, opt_level=options.opt_level, backend=options.solver,
                   time_limit_s=options.solver_time_limit_s, memory_limit_bytes=options.memory_limit_bytes,
                   strided=options.strided_specs)
@@ -121,13 +123,28 @@ def _record(c: _Candidate, result, n: int) -> None:
 
 
 def _search_here(todo: list[_Candidate], cluster: Cluster, options: Options, n: int) -> None:
-    for k, c in enumerate(todo):
+    for c in todo:
+        if interrupt.pressed():  # Ctrl-C: the user wants a plan now
+            break
         log.info("rhino_jax: searching mesh [%s] (%d/%d)", c.label, c.index + 1, n)
         _record(c, search_worker(c.graph, c.topo, cluster, options), n)
-        if c.plan is not None and c.plan.search_stats["status"] == "interrupted":
-            for rest in todo[k + 1:]:  # Ctrl-C: the user wants a plan now
-                rest.error, rest.done = "not searched: the search was interrupted (Ctrl-C)", True
-            return
+
+
+def _interrupted(cands: list[_Candidate]) -> None:
+    """Ctrl-C outside a search's solver (in a search's cone building, or while waiting for the
+    workers): the candidates planned so far stand, the others are marked not searched; with
+    none planned, KeyboardInterrupt."""
+    if not any(c.plan is not None for c in cands):
+        raise KeyboardInterrupt("the mesh search was interrupted before any mesh shape had a plan")
+    interrupt.press()
+    interrupt.warn(f"mesh=None: the search over {len(cands)} mesh shapes", stacklevel=4)
+    _not_searched(cands)
+
+
+def _not_searched(cands: list[_Candidate]) -> None:
+    for c in cands:
+        if not c.done:
+            c.error, c.done = "not searched: the search was interrupted (Ctrl-C)", True
 
 
 def _main_is_spawn_safe() -> bool:
@@ -159,14 +176,36 @@ def _pool_size(options: Options, todo: int, first_s: float | None) -> int:
     return workers if pooled < 0.8 * todo * first_s else 0
 
 
+def _ignore_ctrl_c() -> None:
+    """A worker's start: Ctrl-C reaches the whole terminal's process group; the searching process
+    answers it and ends the workers (`_stop_workers`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End the pool's worker processes now, mid-search (their solver processes exit with them),
+    and wait until they are gone. (ProcessPoolExecutor.terminate_workers does this from Python 3.14.)"""
+    processes = list((pool._processes or {}).values())
+    for p in processes:
+        p.terminate()
+    for p in processes:
+        p.join()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _search_pool(todo: list[_Candidate], workers: int, cluster: Cluster, options: Options, n: int) -> None:
     log.info("rhino_jax: searching %d mesh shapes in %d worker processes: %s", len(todo), workers,
              ", ".join(f"[{c.label}]" for c in todo))
     try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_ignore_ctrl_c) as pool:
             futures = {pool.submit(search_worker, c.graph, c.topo, cluster, options): c for c in todo}
-            for future in as_completed(futures):
-                _record(futures[future], future.result(), n)
+            try:
+                for future in as_completed(futures):
+                    _record(futures[future], future.result(), n)
+            except KeyboardInterrupt:
+                _stop_workers(pool)
+                raise
     except (BrokenProcessPool, pickle.PicklingError) as e:
         rest = [c for c in todo if not c.done]
         warnings.warn(f"searching mesh shapes in worker processes failed ({type(e).__name__}: {e}); searching "
@@ -195,20 +234,25 @@ def search_meshes(fn, args, donate_argnums: tuple[int, ...], devices, options: O
     for c in cands:
         _lower(c, fn, args, donate_argnums, cluster)
     todo = [c for c in cands if not c.done]
-    workers = _pool_size(options, len(todo), None)
-    if not workers and todo:
-        # Search one here; if that was slow, search the rest in worker processes.
-        first, todo = todo[0], todo[1:]
-        _search_here([first], cluster, options, n)
-        workers = _pool_size(options, len(todo), first.search_s)
-    if workers:
-        _search_pool(todo, workers, cluster, options, n)
-    else:
-        _search_here(todo, cluster, options, n)
-    return _choose(cands)
+    with interrupt.session():
+        try:
+            workers = _pool_size(options, len(todo), None)
+            if not workers and todo:
+                # Search one here; if that was slow, search the rest in worker processes.
+                first, todo = todo[0], todo[1:]
+                _search_here([first], cluster, options, n)
+                workers = _pool_size(options, len(todo), first.search_s)
+            if workers and not interrupt.pressed():
+                _search_pool(todo, workers, cluster, options, n)
+            else:
+                _search_here(todo, cluster, options, n)
+        except KeyboardInterrupt:
+            _interrupted(cands)
+        _not_searched(cands)
+        return _choose(cands, interrupt.pressed())
 
 
-def _choose(cands: list[_Candidate]) -> tuple[Mesh, LoweredStep, Graph, Plan]:
+def _choose(cands: list[_Candidate], interrupted: bool) -> tuple[Mesh, LoweredStep, Graph, Plan]:
     key = lambda c: (c.plan.cost.total_s, len(c.shape), c.index)  # noqa: E731
     feasible = sorted((c for c in cands if c.plan is not None), key=key)
     if not feasible:
@@ -223,4 +267,5 @@ def _choose(cands: list[_Candidate]) -> tuple[Mesh, LoweredStep, Graph, Plan]:
     table = [MeshCandidate(c.shape, c.names, c.plan.cost, c.seconds, chosen=c is best) for c in feasible]
     table += [MeshCandidate(c.shape, c.names, None, c.seconds, error=c.error) for c in cands if c.plan is None]
     log.info("rhino_jax: chose mesh [%s]: predicted step %.4g ms", best.label, best.plan.cost.total_s * 1e3)
-    return best.mesh, best.step, best.graph, replace(best.plan, mesh_candidates=tuple(table))
+    return best.mesh, best.step, best.graph, replace(best.plan, mesh_candidates=tuple(table),
+                                                     interrupted=best.plan.interrupted or interrupted)

@@ -27,6 +27,7 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_program
+from rhino_jax.search import interrupt
 from rhino_jax.search.cluster import MeshTopology, get_cluster
 
 from .errors import MeshError
@@ -98,6 +99,7 @@ def split_step(fn, args, mesh: Mesh, k: int, donate_argnums: tuple[int, ...] = (
 class MicroBatchedLowered:
     """A step lowered for k micro-batches: `plan` sums up both programs; `programs` holds each."""
 
+    @interrupt.session()  # its searches stop together at Ctrl-C, every plan marked interrupted
     def __init__(self, fn, args, mesh: Mesh, donate_argnums: tuple[int, ...], options: Options, signature):
         k = options.num_micro_batches
         step = split_step(fn, args, mesh, k, donate_argnums)

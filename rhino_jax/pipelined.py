@@ -29,7 +29,7 @@ from rhino_jax.hlo_passes.compiled_cost import price_compiled
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph, transfer
-from rhino_jax.search import stager
+from rhino_jax.search import interrupt, stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
 from rhino_jax.search.memory import local_bytes
 
@@ -55,6 +55,7 @@ def sub_meshes(mesh: Mesh, p: int) -> list[Mesh]:
 class PipelinedLowered:
     """A step lowered for p stages and k micro-batches: `plan` sums it up, `stages` holds each stage."""
 
+    @interrupt.session()  # its searches stop together at Ctrl-C, every plan marked interrupted
     def __init__(self, fn, args, mesh: Mesh, donate_argnums: tuple[int, ...], options: Options, signature):
         p, k = options.pipeline, options.num_micro_batches
         meshes = sub_meshes(mesh, p)

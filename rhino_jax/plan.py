@@ -130,6 +130,8 @@ class Plan:
     stages: tuple[StagePlan, ...] = ()
     # What the plan was made for (program, arguments, mesh): a saved plan is checked against it.
     target: PlanTarget | None = None
+    # Ctrl-C stopped the search (`search.interrupt`): the best plan found by then, not optimal.
+    interrupted: bool = False
     # Set by `parallelize` when the plan belongs to a call: the user's pytrees and mesh.
     input_shardings: object = field(default=None, compare=False, repr=False)
     output_shardings: object = field(default=None, compare=False, repr=False)
@@ -215,6 +217,8 @@ class Plan:
             + (f" - {c.hidden_s * 1e3:.3f} ms of it hidden behind compute" if c.hidden_s else "")
             + f";  memory {c.memory_bytes / 2**20:.1f} MiB/device",
         ]
+        if self.interrupted:
+            lines.append("interrupted     Ctrl-C stopped the search: this is the best plan found by then, not optimal")
         if s:
             tied = f", {s['tied_segments']} repeats tied" if "tied_segments" in s else ""
             how = (f"each window optimal given the rest, {s['windows']} windows" if s["status"] == "windowed"

@@ -12,7 +12,7 @@ once. With x integral, f is integral too, so the relaxation stays as tight as be
 """
 from __future__ import annotations
 
-import threading
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +22,8 @@ import scipy.sparse
 from ortools.linear_solver.python import model_builder_helper as helper
 
 from rhino_jax.errors import SolverError
+
+from . import interrupt, solver_process
 
 SCALE = 1e6  # seconds → microseconds: keeps coefficients in a range MIP solvers like
 MIP_GAP = 1e-4  # relative gap at which a choice counts as optimal (HiGHS's and SCIP's default)
@@ -57,7 +59,7 @@ class Solution:
     choice: tuple[int, ...]
     objective_s: float
     bound_s: float
-    status: str  # "optimal" | "near-optimal" (within one combined launch) | "feasible" (time limit) | "interrupted"
+    status: str  # "optimal" | "near-optimal" (within one combined launch) | "feasible" (time limit) | "interrupted" (Ctrl-C)
     # | "windowed" (`windows`: each window optimal given the rest, no global bound)
     solve_s: float
     backend: str
@@ -248,9 +250,9 @@ def forbid(problem: Problem, forbidden: tuple[np.ndarray, ...]) -> Problem:
 class Model:
     """The ILP of a problem, built once and solved as often as needed with different strategies
     forbidden: the memory limit's search (Rhino §4.4) re-solves one problem with more and more
-    parameters kept off replication. Built as one sparse matrix (OR-Tools' model builder): a
-    window of `windows` is built in milliseconds, where one coefficient at a time took most of
-    its solve."""
+    parameters kept off replication. Built as one sparse matrix, which the solver process hands to
+    OR-Tools' model builder whole: a window of `windows` is built in milliseconds, where one
+    coefficient at a time took most of its solve."""
 
     def __init__(self, problem: Problem, backend: str = "HIGHS"):
         check_backend(backend)
@@ -313,8 +315,7 @@ class Model:
         lower = np.zeros(n_rows)
         lower[:len(sizes)] = 1.0
         upper = np.where(np.arange(n_rows) < first_at_least, lower, np.inf)
-        self._model = sparse_model(objective, matrix, lower, upper, np.zeros(n_vars), np.ones(n_vars))
-        self._integer = False
+        self._program = solver_process.Program(objective, matrix, lower, upper, np.zeros(n_vars), np.ones(n_vars))
 
     def solve(self, time_limit_s: float = 60.0, forbidden: tuple[np.ndarray, ...] | None = None,
               incumbent: tuple[int, ...] | None = None) -> Solution:
@@ -325,7 +326,9 @@ class Model:
         and its objective the bound, and branch-and-bound runs in the time left, unless that
         incumbent is already within the solvers' usual gap (`MIP_GAP`) or less time is left than
         the LP took (branch-and-bound starts by solving it again). `incumbent`: a known choice
-        (O3 starts from O2's), returned unless a better one is found."""
+        (O3 starts from O2's), returned unless a better one is found. Ctrl-C (KeyboardInterrupt)
+        anywhere in it stops the solver and returns the best choice found so far ("interrupted";
+        a greedy pass when there is none yet)."""
         start = time.perf_counter()
         if not self.problem.costs:  # nothing to decide (a step of constants alone)
             return Solution((), 0.0, 0.0, "optimal", 0.0, self.backend, 0, 0, relaxation_exact=True)
@@ -333,74 +336,93 @@ class Model:
         for g, c in enumerate(problem.costs):
             if np.isinf(c).all():
                 raise SolverError(f"group {g} has no allowed strategy")
-        allowed = np.isfinite(np.concatenate(problem.costs))
-        for i in range(len(allowed)):
-            self._model.set_var_upper_bound(i, float(allowed[i]))
-        size = (self.backend, self._model.num_variables(), self._model.num_constraints())
-        bound = sum(float(np.min(c)) for c in problem.costs)  # edges cost ≥ 0
-        status, run, interrupted = self._run(time_limit_s, integer=False)
-        if status == helper.SolveStatus.INFEASIBLE:
+        upper = np.ones(len(self._program.var_upper))
+        upper[:self._x_at[-1]] = np.isfinite(np.concatenate(problem.costs))
+        self._program.var_upper = upper
+        size = (self.backend, len(upper), self._program.matrix.shape[0])
+        best = _Best(problem, sum(float(np.min(c)) for c in problem.costs))  # edges cost ≥ 0
+        try:
+            return self._solve(problem, time_limit_s, incumbent, best, start, size)
+        except KeyboardInterrupt:
+            interrupt.press()
+            best.offer(incumbent)
+            choice = best.choice if best.choice is not None else greedy(problem)
+            obj = evaluate(problem, choice)
+            return Solution(choice, obj, min(best.bound, obj), "interrupted", time.perf_counter() - start, *size)
+
+    def _solve(self, problem: Problem, time_limit_s: float, incumbent: tuple[int, ...] | None, best: "_Best",
+               start: float, size: tuple) -> Solution:
+        lp = self._run(time_limit_s, integer=False)
+        if lp.status == "INFEASIBLE":
             raise SolverError("the strategy ILP is infeasible (the pins and limits leave no plan)")
-        solved = status == helper.SolveStatus.OPTIMAL and not interrupted
+        solved = lp.status == "OPTIMAL"
         if solved:
-            values = self._choices(run)
+            values = self._choices(lp.values)
             rounded = tuple(int(np.argmax(fs)) for fs in values)
+            best.offer(rounded)
             if all(np.all(np.abs(fs - np.round(fs)) < 1e-6) for fs in values):
-                exact = evaluate(problem, rounded)
-                if incumbent is not None and evaluate(problem, incumbent) < exact:  # within the LP's tolerance
-                    rounded, exact = incumbent, evaluate(problem, incumbent)
-                return Solution(rounded, exact, exact, "optimal", time.perf_counter() - start, *size,
-                                relaxation_exact=True)
-            bound = max(bound, run.objective_value() / SCALE)
-        # The incumbent: the relaxation's rounding, or without one (Ctrl-C, time limit) a greedy pass.
-        choice = polish(problem, rounded if solved else incumbent or greedy(problem))
-        obj = evaluate(problem, choice)
-        if incumbent is not None and evaluate(problem, incumbent) < obj:
-            choice, obj = incumbent, evaluate(problem, incumbent)
+                best.offer(incumbent)  # within the LP's tolerance
+                return Solution(best.choice, best.objective, best.objective, "optimal", time.perf_counter() - start,
+                                *size, relaxation_exact=True)
+            best.bound = max(best.bound, lp.objective / SCALE)
+        # The incumbent: the relaxation's rounding, or without one (time limit) a greedy pass.
+        best.offer(polish(problem, rounded if solved else incumbent or greedy(problem)))
+        best.offer(incumbent)
         if solved:
             spent = time.perf_counter() - start
-            if obj - bound <= MIP_GAP * obj:
-                return Solution(choice, obj, min(bound, obj), "optimal", spent, *size)
+            if best.objective - best.bound <= MIP_GAP * best.objective:
+                return best.solution("optimal", start, size)
             budget = time_limit_s - spent
-            if self._near(problem, obj, bound):
+            if self._near(problem, best.objective, best.bound):
                 # Within one combined launch of the bound: the family variables' relaxation is
                 # weak by about that much, and the plan's launch count is only as exact as the
                 # combiner's replay; branch-and-bound gets NEAR_BUDGET times the relaxation's time.
                 budget = min(budget, NEAR_BUDGET * spent)
             if budget > spent:  # branch-and-bound first solves this LP again
-                self._model.clear_hints()
-                if self.backend != "HIGHS":  # OR-Tools' HiGHS wrapper crashes on hints (seen with ortools 9.15)
-                    for g, j in enumerate(choice):
-                        self._model.add_hint(int(self._x_at[g] + j), 1.0)
-                status, run, interrupted = self._run(budget, integer=True)
-                if status in (helper.SolveStatus.OPTIMAL, helper.SolveStatus.FEASIBLE):  # the better incumbent
-                    bound = max(bound, run.best_objective_bound() / SCALE)
-                    found = tuple(int(np.argmax(fs)) for fs in self._choices(run))
-                    if evaluate(problem, found) < obj:
-                        choice, obj = found, evaluate(problem, found)
-                    if status == helper.SolveStatus.OPTIMAL and not interrupted:
-                        return Solution(choice, obj, min(bound, obj), "optimal", time.perf_counter() - start, *size)
-            if not interrupted and self._near(problem, obj, bound):
-                return Solution(choice, obj, min(bound, obj), "near-optimal", time.perf_counter() - start, *size)
-        return Solution(choice, obj, min(bound, obj), "interrupted" if interrupted else "feasible",
-                        time.perf_counter() - start, *size)
+                mip = self._run(budget, integer=True, hint=best.choice)
+                if mip.status in ("OPTIMAL", "FEASIBLE"):  # the better incumbent
+                    best.bound = max(best.bound, mip.bound / SCALE)
+                    best.offer(tuple(int(np.argmax(fs)) for fs in self._choices(mip.values)))
+                    if mip.status == "OPTIMAL":
+                        return best.solution("optimal", start, size)
+            if self._near(problem, best.objective, best.bound):
+                return best.solution("near-optimal", start, size)
+        return best.solution("feasible", start, size)
 
-    def _choices(self, run) -> list[np.ndarray]:
-        """Each group's x in the solver's solution."""
-        values = run.variable_values()
+    def _choices(self, values: np.ndarray) -> list[np.ndarray]:
+        """Each group's x in a solution's variable values."""
         return [values[self._x_at[g]:self._x_at[g + 1]] for g in range(len(self.problem.costs))]
 
     @staticmethod
     def _near(problem: Problem, obj: float, bound: float) -> bool:
         return obj - bound <= max(problem.fixed, default=0.0)
 
-    def _run(self, time_limit_s: float, integer: bool):
-        """(status or None when abandoned, the solver, whether interrupted)."""
-        if integer != self._integer:
-            for i in range(int(self._x_at[-1])):
-                self._model.set_var_integrality(i, integer)
-            self._integer = integer
-        return run(self._model, self.backend, time_limit_s, integer)
+    def _run(self, time_limit_s: float, integer: bool, hint: tuple[int, ...] | None = None) -> solver_process.Result:
+        """One solve of the model: the LP relaxation, or the ILP (x integral) from `hint`."""
+        program = dataclasses.replace(self._program, integer=np.arange(self._x_at[-1]) if integer else
+                                      np.zeros(0, dtype=np.int64))
+        if hint is not None and self.backend != "HIGHS":  # OR-Tools' HiGHS wrapper crashes on hints (ortools 9.15)
+            program.hint = (self._x_at[:-1] + np.asarray(hint), np.ones(len(hint)))
+        return run(program, self.backend, time_limit_s)
+
+
+@dataclass
+class _Best:
+    """The best choice a solve has found so far and its bound: what it returns, also at Ctrl-C."""
+
+    problem: Problem
+    bound: float
+    choice: tuple[int, ...] | None = None
+    objective: float = float("inf")
+
+    def offer(self, choice: tuple[int, ...] | None) -> None:
+        """Keep `choice` if it is cheaper than the best so far."""
+        if choice is not None and (obj := evaluate(self.problem, choice)) < self.objective:
+            self.choice, self.objective = choice, obj
+
+    def solution(self, status: str, start: float, size: tuple) -> Solution:
+        return Solution(self.choice, self.objective, min(self.bound, self.objective), status,
+                        time.perf_counter() - start, *size)
 
 
 def check_backend(backend: str) -> None:
@@ -408,50 +430,20 @@ def check_backend(backend: str) -> None:
         raise SolverError(f"OR-Tools has no MIP backend {backend!r}; use 'HIGHS', 'SCIP' or 'CP-SAT'")
 
 
-def sparse_model(objective: np.ndarray, matrix: scipy.sparse.csr_matrix, row_lower: np.ndarray,
-                 row_upper: np.ndarray, var_lower: np.ndarray, var_upper: np.ndarray) -> helper.ModelBuilderHelper:
-    """A linear program min objective·v, row_lower ≤ matrix v ≤ row_upper, var_lower ≤ v ≤ var_upper,
-    handed to OR-Tools' model builder whole (a coefficient at a time costs most of a solve)."""
-    model = helper.ModelBuilderHelper()
-    model.fill_model_from_sparse_data(np.asarray(var_lower, dtype=float), np.asarray(var_upper, dtype=float),
-                                      np.asarray(objective, dtype=float), np.asarray(row_lower, dtype=float),
-                                      np.asarray(row_upper, dtype=float), matrix)
-    return model
-
-
-def run(model: helper.ModelBuilderHelper, backend: str, time_limit_s: float, integer: bool):
-    """Solve `model` once: (status or None when abandoned, the solver, whether interrupted)."""
-    solver = helper.ModelSolverHelper(backend)
-    solver.enable_output(False)
+def run(program: solver_process.Program, backend: str, time_limit_s: float) -> solver_process.Result:
+    """Solve `program` once, in the helper process (`solver_process`: Ctrl-C stops it). Raises
+    KeyboardInterrupt at once when the session was interrupted (`interrupt`)."""
+    interrupt.check()
+    parameters = ""
     if backend == "HIGHS":
         # HiGHS's presolve made the LP end at another of its optimal vertices from run to run
         # under load (one model, same objective, another plan); without it the simplex takes
         # one path, so a plan does not depend on the machine's load (and LPs of ours with a
         # million variables solve faster without it). Its banner is off too.
-        solver.set_solver_specific_parameters("output_flag=false" + ("" if integer else "\npresolve=off"))
-    solver.set_time_limit_in_seconds(max(1e-3, time_limit_s))
-    status, interrupted = _solve_interruptibly(solver, model)
-    return status, solver, interrupted
+        parameters = "output_flag=false" + ("" if len(program.integer) else "\npresolve=off")
+    return solver_process.solve(program, backend, time_limit_s, parameters)
 
 
 def solve(problem: Problem, backend: str = "HIGHS", time_limit_s: float = 60.0) -> Solution:
     """Build the model of `problem` and solve it once."""
     return Model(problem, backend).solve(time_limit_s)
-
-
-def _solve_interruptibly(run: helper.ModelSolverHelper, model: helper.ModelBuilderHelper):
-    """Solve in a thread (OR-Tools releases the GIL) so Ctrl-C reaches Python: then stop the
-    solver and keep its incumbent where the backend can stop (SCIP), or leave it to finish at
-    its time limit in the background and go on without it (HiGHS cannot be interrupted).
-    Returns (status or None when abandoned, whether interrupted)."""
-    worker = threading.Thread(target=lambda: run.solve(model), daemon=True, name="rhino_jax-ilp")
-    worker.start()
-    try:
-        while worker.is_alive():
-            worker.join(0.05)
-    except KeyboardInterrupt:
-        if run.interrupt_solve():
-            worker.join()
-            return run.status(), True
-        return None, True
-    return run.status(), False

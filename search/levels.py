@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import ilp, windows
+from . import ilp, interrupt, windows
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ class Levels:
         """(each group's strategy, the last stage's solution, what the stages did: "stages", one
         (classes, status, objective_s, solve_s) per stage run, and "windows", how many windows
         the last one solved). `started`: when the time limit began (the search's start for the
-        first solve: the build counts)."""
+        first solve: the build counts). Ctrl-C ends it with the plan of the last stage solved (a
+        stage's solver returns its best so far; before any, a greedy plan), status "interrupted"."""
         choice: list[int] | None = None
         solution: ilp.Solution | None = None
         info: dict = {"stages": []}
@@ -104,7 +105,20 @@ class Levels:
             left = time_limit_s - (time.perf_counter() - started)
             if left <= 0 and solution is not None:  # out of time: the last stage's plan, as stopped at the limit
                 return choice, dataclasses.replace(solution, status="feasible"), info
-            solver = self._solver(k, weight_s, held)
+            if solution is not None and solution.status == "interrupted":  # Ctrl-C: the last stage's plan
+                return choice, solution, info
+            try:
+                solver = self._solver(k, weight_s, held)
+            except KeyboardInterrupt:  # while building a stage's model: the last stage's plan, or a greedy one
+                interrupt.press()
+                if solution is None:
+                    stage = ilp.forbid(tied.problem, tied.classes(forbidden))
+                    start = time.perf_counter()
+                    greedy = ilp.greedy(stage)
+                    solution = ilp.Solution(greedy, ilp.evaluate(stage, greedy), float("nan"), "interrupted",
+                                            time.perf_counter() - start, self.backend, 0, 0)
+                    choice = [greedy[c] for c in tied.index]
+                return choice, dataclasses.replace(solution, status="interrupted"), info
             left = time_limit_s - (time.perf_counter() - started)
             solution = solver.solve(max(1e-3, left), tied.classes(forbidden),
                                     incumbent=None if choice is None else tied.of_groups(choice))

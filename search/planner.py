@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverInterruptedWarning, SolverTimeLimitWarning
+from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverTimeLimitWarning
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
 from ..hlo_passes.graph import Graph, Pin
-from . import carried, ilp, levels
+from . import carried, ilp, interrupt, levels
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard_path
 from .combining import combined_time
@@ -203,20 +203,27 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, **options) -> Pla
     prices collectives off the compute chain at the share overlap leaves exposed, which holds
     only while there is compute to hide them behind: when the plan has more to hide than it
     computes, the search runs again with the overlap the plan can use (its compute over its
-    off-chain communication), and the best plan at its exact cost wins."""
-    plan = _search(graph, topo, cluster, **options)
-    tried, overlap = [plan], topo.overlap
-    while overlap and len(tried) < OVERLAP_ROUNDS:
-        usable = min(topo.overlap, plan.cost.compute_s / max(plan.search_stats["off_chain_comm_s"], 1e-30))
-        if usable >= overlap * 0.99:
-            break
-        overlap = usable
-        log.info("rhino_jax: overlap: %.3g s of compute hides %.3g s of communication; searching again with "
-                 "overlap %.3g", plan.cost.compute_s, plan.search_stats["off_chain_comm_s"], overlap)
-        plan = _search(graph, dataclasses.replace(topo, overlap=overlap), cluster, **options)
-        plan = dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, **_hidden(plan, topo.overlap)))
-        tried.append(plan)
-    return min(tried, key=lambda p: p.cost.total_s)
+    off-chain communication), and the best plan at its exact cost wins. Ctrl-C: before the first
+    plan, KeyboardInterrupt; after it, the best plan so far, `interrupted` (`interrupt`)."""
+    with interrupt.session():
+        plan = _search(graph, topo, cluster, **options)
+        tried, overlap = [plan], topo.overlap
+        try:
+            while overlap and len(tried) < OVERLAP_ROUNDS and not interrupt.pressed():
+                usable = min(topo.overlap, plan.cost.compute_s / max(plan.search_stats["off_chain_comm_s"], 1e-30))
+                if usable >= overlap * 0.99:
+                    break
+                overlap = usable
+                log.info("rhino_jax: overlap: %.3g s of compute hides %.3g s of communication; searching again "
+                         "with overlap %.3g", plan.cost.compute_s, plan.search_stats["off_chain_comm_s"], overlap)
+                plan = _search(graph, dataclasses.replace(topo, overlap=overlap), cluster, **options)
+                plan = dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, **_hidden(plan, topo.overlap)))
+                tried.append(plan)
+        except KeyboardInterrupt:  # before the next round's plan: the plans so far
+            interrupt.press()
+            interrupt.warn("the search for how much communication compute hides")
+        best = min(tried, key=lambda p: p.cost.total_s)
+        return dataclasses.replace(best, interrupted=True) if interrupt.pressed() else best
 
 
 def _hidden(plan: Plan, overlap: float) -> dict:
@@ -278,26 +285,31 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: st
                  "plan so far)", len(solvers.stages[-1][0].problem.costs),
                  f", {len(forced)} arguments not replicated" if forced else "", time_limit_s)
         started = clock.pop() if clock else time.perf_counter()
+        answered = interrupt.pressed()  # a Ctrl-C before this solve: told already, this plan is greedy
         choice, solution, info = solvers.solve(time_limit_s, forbidden, started, weight_s,
                                                held_bytes() if weight_s else None)
         log.info("rhino_jax: ILP %s in %.2f s%s: predicted %.4g ms", solution.status, solution.solve_s,
                  " (its LP relaxation was integral)" if solution.relaxation_exact else "",
                  solution.objective_s * 1e3)
-        gap = "no bound (solved by windows)" if np.isnan(solution.gap) else f"a gap of {solution.gap:.1%}"
-        if solution.status == "interrupted":
-            warnings.warn(f"strategy search interrupted after {solution.solve_s:.1f} s; the plan is the best "
-                          f"found so far ({gap})", SolverInterruptedWarning, stacklevel=4)
-        if solution.status == "feasible":
-            warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with {gap}; the plan is "
-                          "feasible but may not be optimal (raise solver_time_limit_s for a better one)",
-                          SolverTimeLimitWarning, stacklevel=4)
         st = dict(stats, **info, ilp_groups=len(solvers.stages[-1][0].problem.costs), ilp_vars=solution.num_vars,
                   ilp_constraints=solution.num_constraints, solve_s=sum(st[3] for st in info["stages"]),
                   backend=solution.backend, status=solution.status, gap=solution.gap,
                   objective_s=solution.objective_s, relaxation_exact=solution.relaxation_exact,
                   not_replicated=tuple(units[groups[g].root].name for g in forced), memory_weight_s=weight_s)
-        return _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st,
-                          prices)
+        try:
+            plan = _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st, prices)
+        except KeyboardInterrupt:  # while the plan is assembled: assembled again, as the plan so far
+            interrupt.press()
+            st["status"] = "interrupted"
+            plan = _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st, prices)
+        gap = "no bound (solved by windows)" if np.isnan(solution.gap) else f"a gap of {solution.gap:.1%}"
+        if st["status"] == "interrupted" and not answered:
+            interrupt.warn(f"strategy search ({solution.solve_s:.1f} s of solving, {gap})", stacklevel=4)
+        if st["status"] == "feasible":
+            warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with {gap}; the plan is "
+                          "feasible but may not be optimal (raise solver_time_limit_s for a better one)",
+                          SolverTimeLimitWarning, stacklevel=4)
+        return dataclasses.replace(plan, interrupted=st["status"] == "interrupted" or interrupt.pressed())
 
     plan = plan_with([])
     if memory_limit_bytes is not None and plan.cost.memory_bytes > memory_limit_bytes:

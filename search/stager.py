@@ -27,7 +27,7 @@ import scipy.sparse
 from rhino_jax.errors import SolverError, StagingError
 
 from ..hlo_passes.graph import Graph
-from . import ilp
+from . import ilp, solver_process
 from .critical import backbone
 
 
@@ -166,24 +166,24 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
     objective[f_at:] = weight / max(weight.max(initial=0.0), 1.0)
     matrix = scipy.sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
                                      shape=(len(row_lo), n_vars))
-    model = ilp.sparse_model(objective, matrix, np.array(row_lo), np.array(row_hi), np.zeros(n_vars), np.ones(n_vars))
-    for v in range(n_vars):
-        model.set_var_integrality(v, True)
+    program = solver_process.Program(objective, matrix, np.array(row_lo), np.array(row_hi), np.zeros(n_vars),
+                                     np.ones(n_vars), integer=np.arange(n_vars))
     ilp.check_backend(backend)
-    status, run, interrupted = ilp.run(model, backend, time_limit_s - (time.perf_counter() - start), integer=True)
-    if status == ilp.helper.SolveStatus.INFEASIBLE:
+    # Ctrl-C propagates: no plan exists before the stages are chosen.
+    result = ilp.run(program, backend, time_limit_s - (time.perf_counter() - start))
+    if result.status == "INFEASIBLE":
         raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share; "
                            "raise epsilon or use fewer stages")
-    if interrupted or status not in (ilp.helper.SolveStatus.OPTIMAL, ilp.helper.SolveStatus.FEASIBLE):
+    if result.status not in ("OPTIMAL", "FEASIBLE"):
         raise SolverError(f"the stage ILP found no division within its {time_limit_s:g} s time limit "
-                          f"({'interrupted' if interrupted else status.name}); raise the time limit or epsilon")
-    values = run.variable_values()
+                          f"({result.status}); raise the time limit or epsilon")
+    values = result.values
     assignment = tuple(int(lo[i] + np.argmax(values[x_at[i]:x_at[i + 1]])) for i in range(n))
     per_stage = np.zeros(d)
     np.add.at(per_stage, list(assignment), c)
     cut = float(sum(b for s, t, b in g.edges if assignment[s] != assignment[t]))
     return Staging(assignment, cut, tuple(per_stage.tolist()),
-                   "optimal" if status == ilp.helper.SolveStatus.OPTIMAL else "feasible",
+                   "optimal" if result.status == "OPTIMAL" else "feasible",
                    time.perf_counter() - start, n_vars, len(row_lo))
 
 

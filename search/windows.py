@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from . import ilp
+from . import ilp, interrupt
 
 log = logging.getLogger("rhino_jax")
 
@@ -165,7 +165,7 @@ class Windowed:
         """Windows in program order, sweep after sweep, until none changes (at most `SWEEPS`
         after the first); from `incumbent` when given, else from nothing decided. A window
         whose members, neighbours and paid families are as when it was last solved is skipped:
-        its answer would be the same."""
+        its answer would be the same. Ctrl-C keeps the windows solved so far (the rest greedily)."""
         start = time.perf_counter()
         problem = self.problem if forbidden is None else ilp.forbid(self.problem, forbidden)
         choice: list[int | None] = list(incumbent) if incumbent is not None else [None] * len(problem.costs)
@@ -173,40 +173,44 @@ class Windowed:
         users = family_users(problem, choice)
         status, biggest = "windowed", (0, 0)
         solved: list[tuple | None] = [None] * len(self.windows)  # each window's inputs when last solved
-        for sweep in range(SWEEPS + 1):
-            changed = False
-            for w, members in enumerate(self.windows):
-                left = time_limit_s - (time.perf_counter() - start)
-                if left <= 0 and not undecided:
-                    status = "feasible"
+        try:
+            for sweep in range(SWEEPS + 1):
+                changed = False
+                for w, members in enumerate(self.windows):
+                    left = time_limit_s - (time.perf_counter() - start)
+                    if left <= 0 and not undecided:
+                        status = "feasible"
+                        break
+                    before = share(problem, members, choice, self._incidence)
+                    key = (tuple(choice[g] for g in members + self._around[w]), tuple(users - before > 0))
+                    if key == solved[w]:
+                        continue
+                    sub = restrict(problem, members, choice, self._incidence, users - before)
+                    solution = ilp.Model(sub, self.backend).solve(max(left, 1e-3))
+                    biggest = max(biggest, (solution.num_vars, solution.num_constraints))
+                    current = tuple(choice[g] for g in members)
+                    if None in current or ilp.evaluate(sub, solution.choice) < ilp.evaluate(sub, current):
+                        changed = True
+                        undecided -= current.count(None)
+                        for g, j in zip(members, solution.choice):
+                            choice[g] = j
+                        after = share(problem, members, choice, self._incidence)
+                        users += after - before
+                        before = after
+                    solved[w] = (tuple(choice[g] for g in members + self._around[w]), tuple(users - before > 0))
+                    if solution.status == "interrupted":
+                        status = "interrupted"
+                        break
+                if status != "windowed":
                     break
-                before = share(problem, members, choice, self._incidence)
-                key = (tuple(choice[g] for g in members + self._around[w]), tuple(users - before > 0))
-                if key == solved[w]:
-                    continue
-                sub = restrict(problem, members, choice, self._incidence, users - before)
-                solution = ilp.Model(sub, self.backend).solve(max(left, 1e-3))
-                biggest = max(biggest, (solution.num_vars, solution.num_constraints))
-                current = tuple(choice[g] for g in members)
-                if None in current or ilp.evaluate(sub, solution.choice) < ilp.evaluate(sub, current):
-                    changed = True
-                    undecided -= current.count(None)
-                    for g, j in zip(members, solution.choice):
-                        choice[g] = j
-                    after = share(problem, members, choice, self._incidence)
-                    users += after - before
-                    before = after
-                solved[w] = (tuple(choice[g] for g in members + self._around[w]), tuple(users - before > 0))
-                if solution.status == "interrupted":
-                    status = "interrupted"
+                log.info("rhino_jax: sweep %d over %d windows (at most %d variables each) in %.2f s: predicted %.4g ms",
+                         sweep + 1, len(self.windows), biggest[0], time.perf_counter() - start,
+                         ilp.evaluate(problem, tuple(choice)) * 1e3)
+                if not changed:
                     break
-            if status != "windowed":
-                break
-            log.info("rhino_jax: sweep %d over %d windows (at most %d variables each) in %.2f s: predicted %.4g ms",
-                     sweep + 1, len(self.windows), biggest[0], time.perf_counter() - start,
-                     ilp.evaluate(problem, tuple(choice)) * 1e3)
-            if not changed:
-                break
+        except KeyboardInterrupt:  # in this loop's own work: the windows solved so far stand
+            interrupt.press()
+            status = "interrupted"
         final = ilp.greedy(problem, choice)  # groups an interruption left undecided: greedily
         return ilp.Solution(final, ilp.evaluate(problem, final), float("nan"), status,
                             time.perf_counter() - start, self.backend, *biggest)

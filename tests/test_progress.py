@@ -1,6 +1,5 @@
 """A long search reports its progress and stops at Ctrl-C with the best plan found so far."""
 import logging
-import threading
 
 import jax
 import numpy as np
@@ -12,26 +11,10 @@ from rhino_jax.models import make_mlp_train_step, mlp_example
 from rhino_jax.search import ilp
 
 from helpers import assert_same_numbers
+from test_interrupt import ctrl_c  # noqa: F401 (the fixture)
 
 
-@pytest.fixture
-def ctrl_c(monkeypatch):
-    """Press Ctrl-C while the solver runs: the first wait on the solver thread raises
-    KeyboardInterrupt, as SIGINT does in the main thread."""
-    class Interrupted(threading.Thread):
-        pressed = False
-
-        def join(self, timeout=None):
-            if not Interrupted.pressed and self.name == "rhino_jax-ilp":
-                Interrupted.pressed = True
-                raise KeyboardInterrupt
-            return super().join(timeout)
-
-    monkeypatch.setattr(ilp.threading, "Thread", Interrupted)
-    return Interrupted
-
-
-@pytest.mark.parametrize("backend", ["HIGHS", "SCIP"])  # HiGHS cannot stop; SCIP can
+@pytest.mark.parametrize("backend", ["HIGHS", "SCIP"])
 def test_interrupted_solve_returns_a_valid_incumbent(ctrl_c, backend):
     rng = np.random.default_rng(0)
     costs = tuple(rng.uniform(0, 1, 4) for _ in range(30))
