@@ -1,13 +1,18 @@
 """Every use of jax's private API in rhino_jax, in one place.
 
 The MLIR bindings (`ir`, the func/stablehlo/sdy dialects) are public in `jax.extend.mlir` and
-imported from there. Three things have no public equivalent in jax 0.10.2 through 0.12.x:
+imported from there. Two things have no public equivalent in jax 0.10.2 through 0.12.x (their
+layout is the same in all three):
 
 - compiling a StableHLO module we edited into a `jax.stages.Compiled` (`compile_replacing_module`):
-  `jax.stages.Lowered` is only built by jax itself, from the private `Lowering` it keeps;
+  `jax.stages.Lowered` is only built by jax itself, from the private `Lowering` it keeps. The
+  public alternatives fall short: `jax.extend.backend` compiles a module into a bare executable
+  (no pytrees, shardings or donation), and `jax.export` only calls modules that it exported itself;
 - XLA's cost analysis of an HLO module given as text (`hlo_cost_analysis`), for while-loop bodies
-  priced on their own;
-- an MLIR context with jax's dialects registered (`ir_context`), to parse StableHLO text.
+  priced on their own.
+
+A third, an MLIR context with jax's dialects (`ir_context`), is made from public calls, but relies
+on what `Lowered.compiler_ir` returns, which jax leaves unspecified.
 
 Each lookup that fails raises `UnsupportedJaxError` naming the jax range rhino_jax supports;
 tests/test_jax_versions.py exercises every one, so a jax that lays them out differently fails
@@ -49,8 +54,14 @@ def _private(module: str, name: str) -> Any:
 
 
 def ir_context() -> ir.Context:
-    """A new MLIR context with the dialects of jax's modules (func, stablehlo, sdy, chlo, ...)."""
-    return _private("jax._src.interpreters.mlir", "make_ir_context")()
+    """A new MLIR context with the dialects of jax's modules (func, stablehlo, sdy, chlo, ...):
+    the one jax made for lowering a trivial function (jax's own maker of such contexts is private;
+    this relies only on `compiler_ir` returning an `ir.Module`, as hlo_passes.lowering does)."""
+    module = jax.jit(lambda: 0).lower().compiler_ir("stablehlo")
+    if not isinstance(module, ir.Module):
+        raise _unsupported("Lowered.compiler_ir", TypeError(f"it returned a {type(module).__name__}, "
+                                                            "not an MLIR module"))
+    return module.context
 
 
 def hlo_cost_analysis(hlo_text: str, device: jax.Device) -> Any:

@@ -67,12 +67,18 @@ def test_ir_context_parses_jax_stablehlo():
     assert "stablehlo.dot_general" in names, names
 
 
-def test_ir_context_names_the_supported_range_when_jax_moves_it(monkeypatch):
-    from jax._src.interpreters import mlir  # the internal that jax_internals looks up
-
-    monkeypatch.delattr(mlir, "make_ir_context")
+def test_ir_context_names_the_supported_range_when_jax_gives_no_module(monkeypatch):
+    monkeypatch.setattr(jax.stages.Lowered, "compiler_ir", lambda self, dialect=None: None)
     with pytest.raises(UnsupportedJaxError, match=re.escape(f"jax{internals.SUPPORTED_JAX}")):
         internals.ir_context()
+
+
+def test_hlo_cost_analysis_names_the_supported_range_when_jaxlib_moves_it(monkeypatch):
+    import jaxlib._jax  # the internal that jax_internals looks up
+
+    monkeypatch.delattr(jaxlib._jax, "hlo_module_cost_analysis")
+    with pytest.raises(UnsupportedJaxError, match=re.escape(f"jax{internals.SUPPORTED_JAX}")):
+        internals.hlo_cost_analysis("HloModule m", jax.devices()[0])
 
 
 def test_hlo_cost_analysis_counts_a_matmul():
