@@ -117,7 +117,7 @@ class PipelinedLowered:
         a = self._apply_plan
         fwd, bwd = [s.forward_s for s in self.stages], [s.backward_s for s in self.stages]
         per_boundary: dict[tuple[int, int], float] = {}
-        for (src, dst, _), move in self.transfers.items():
+        for (src, dst, _, _), move in self.transfers.items():
             per_boundary[src, dst] = per_boundary.get((src, dst), 0.0) + move.makespan_s
         transfer_s = max(per_boundary.values(), default=0.0)  # a micro-batch's tensors across one boundary
         pipeline_s = self.schedule.makespan(fwd, bwd, transfer_s) + sum(self.moves_s)
@@ -140,10 +140,12 @@ class PipelinedLowered:
         return self._compiled
 
 
-def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, int], resharding.ReshardPlan]:
-    """(source stage, destination stage, value) → its cross-mesh resharding (seeds/004), for every
-    tensor one stage's program hands another's: from the producer's output layout on its mesh to
-    the consumer's argument layout on its mesh, load-balanced under the host-level model."""
+def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, int, str], resharding.ReshardPlan]:
+    """(source stage, destination stage, value, destination program "F" or "B") → its cross-mesh
+    resharding (seeds/004), for every tensor one stage's program hands another's: from the
+    producer's output layout on its mesh to the consumer's argument layout on its mesh,
+    load-balanced under the host-level model. A stage's forward and backward programs may take
+    the same value in different layouts: each gets its own move."""
     made = {v: (prog, plan) for prog, _, plan in plans.values() for v in prog.outputs}
     hosts = _hosts(cluster)
     found = {}
@@ -158,7 +160,7 @@ def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, i
             dst = NamedSharding(meshes[prog.stage], plan.arg_specs[n_args + k].to_partition_spec())
             tasks = resharding.unit_tasks(resharding.sharding_map(src, shape), resharding.sharding_map(dst, shape),
                                           np.dtype(cg.values[v].dtype).itemsize)
-            found[src_prog.stage, prog.stage, v] = resharding.plan(tasks, hosts)
+            found[src_prog.stage, prog.stage, v, prog.kind] = resharding.plan(tasks, hosts)
     return found
 
 
@@ -280,7 +282,7 @@ class PipelinedCompiled:
             n = len(prog.args)
             ins = [put(i, task.micro_batch, task.stage, sharding) for i, sharding in zip(prog.args, shardings)]
             for k, v in enumerate(prog.inputs):  # across meshes by cross-mesh resharding, else device_put
-                key = (self._stage_of[v], task.stage, v)
+                key = (self._stage_of[v], task.stage, v, prog.kind)
                 ins.append(move(made[task.micro_batch, v], self._stage_of[v], shardings[n + k], low.transfers.get(key)))
             outs = run(*ins)
             for v, out in zip(prog.outputs, outs):
