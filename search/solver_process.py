@@ -135,7 +135,7 @@ def _main() -> None:
     while True:
         try:
             request = pickle.load(requests)
-        except EOFError:
+        except (EOFError, pickle.UnpicklingError):  # gone, perhaps mid-request
             os._exit(0)
         threading.Thread(target=_answer, args=(request, out), daemon=True).start()
 
