@@ -98,8 +98,12 @@ def _masked_flax_lm():
 def test_a_flax_lm_with_a_padding_mask_keeps_its_numbers(pipeline):
     step, args = _masked_flax_lm()
     mesh = rj.device_mesh((2, 4), ("data", "model"))
-    out = rj.parallelize(step, mesh=mesh, num_micro_batches=2, pipeline=pipeline)(*args)
-    assert_same_numbers(jax.jit(step)(*args), out, rtol=1e-3, atol=1e-4)
+    (params, opt_state, loss) = rj.parallelize(step, mesh=mesh, num_micro_batches=2, pipeline=pipeline)(*args)
+    ref_params, ref_opt_state, ref_loss = jax.jit(step)(*args)
+    # the optimizer state holds the clipped gradient (Adam's moments): float noise only
+    assert_same_numbers((ref_opt_state, ref_loss), (opt_state, loss), rtol=1e-4, atol=1e-8)
+    # Adam's first update is lr * g / (|g| + eps): a gradient at float-noise size moves by up to lr
+    assert_same_numbers(ref_params, params, rtol=1e-3, atol=0.25 * 1e-3)
 
 
 def test_two_losses_averaged_over_different_counts_are_refused():
