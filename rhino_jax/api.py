@@ -1,8 +1,10 @@
 """rj.parallelize: a single-device train step in, a step that runs on the mesh out.
 
-`step.lower(*args)` imports the step, searches a plan (cached per argument shapes, like jit),
-and returns a `Lowered`; `.compile()` rewrites the module with the plan and compiles it with
-XLA's SPMD partitioner; calling `step(*args)` does both once per signature and runs it.
+`step.lower(*args, **kwargs)` imports the step, searches a plan (cached per argument shapes and
+static values, like jit), and returns a `Lowered`; `.compile()` rewrites the module with the plan
+and compiles it with XLA's SPMD partitioner; calling `step(*args, **kwargs)` does both once per
+signature and runs it. A call whose structure, avals and static values were seen before goes
+straight to the compiled program, putting only arrays not yet in its layouts.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_module
 from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 
+from .arguments import ArgSpec, Call, call_tree
 from .errors import MeshError
 from .mesh_search import plan_on, search_meshes
 from .controller import choose
@@ -36,33 +39,79 @@ from .plan import Plan
 from .plan_target import PlanTarget
 
 
-def _signature(args) -> tuple:
-    leaves, tree = jax.tree.flatten_with_path(args)
-    for path, x in leaves:
-        if not isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, int, float, complex, bool)):
-            raise TypeError(f"argument arg{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an array: a "
-                            "parallelized step takes arrays and numbers; close over other values (functools.partial)")
-    return jax.tree.structure(args), tuple((tuple(np.shape(x)), str(jax.numpy.result_type(x))) for _, x in leaves)
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, int, float, complex, bool)
+
+
+def _signature(call: Call) -> tuple:
+    """The plan cache's key of a call: its dynamic arguments' structure, shapes and dtypes, and its
+    static values. A dynamic argument that is no array is a TypeError naming it."""
+    tops = [(f"arg[{p}]", f"static_argnums=({p},)", a) for p, a in zip(call.positions, call.args)]
+    tops += [(f"arg[{k!r}]", f"static_argnames=({k!r},)", v) for k, v in call.kwargs.items()]
+    for label, option, value in tops:
+        for path, x in jax.tree_util.tree_flatten_with_path(value)[0]:
+            if not isinstance(x, _ARRAYS):
+                raise TypeError(f"argument {label}{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an array: "
+                                "a parallelized step traces its arguments as arrays, as jax.jit does; pass "
+                                f"{option} to rj.parallelize to make {label} a static Python value (hashed into the "
+                                "plan cache), or close over it (functools.partial)")
+    leaves, tree = jax.tree.flatten((call.args, call.kwargs))
+    return tree, call.static, tuple((tuple(np.shape(x)), str(jax.numpy.result_type(x))) for x in leaves)
+
+
+def _leaf_key(x):
+    """A leaf's part of the fast cache key: a jax.Array's aval (shape, dtype, weak type; hashed by
+    jax once), else its type, shape and dtype (a number's type is its dtype)."""
+    aval = getattr(x, "aval", None)
+    return aval if aval is not None else (type(x), np.shape(x), getattr(x, "dtype", None))
+
+
+def _interrupted(plan: Plan) -> bool:
+    """Was a search behind the plan cut short (Ctrl-C)? Its plan is the best found so far."""
+    if getattr(plan, "interrupted", False):
+        return True
+    stats = [plan.search_stats, plan.search_stats.get("compute_gradients") or {}]
+    stats += [p.search_stats for st in plan.stages for p in (st.forward, st.backward)]
+    return any(s.get("status") == "interrupted" for s in stats)
 
 
 class Compiled:
-    """The step compiled for the mesh; call it like the function (same pytrees)."""
+    """The step compiled for the mesh; call it like `jax.stages.Compiled`: with the dynamic
+    arguments only (static ones were fixed when lowering)."""
 
     def __init__(self, lowered: "Lowered", executable: jax.stages.Compiled):
         self._lowered = lowered
         self._executable = executable
         self.plan = lowered.plan
+        self._in = tuple(jax.tree.leaves(executable.input_shardings))
 
     @property
     def input_shardings(self):
-        """The compiled program's argument shardings (the user's pytree structure)."""
-        return self._executable.input_shardings[0]
+        """The compiled program's argument shardings, as jax gives them: ((args...), {kwargs})."""
+        return self._executable.input_shardings
 
     @property
     def output_shardings(self):
+        """The compiled program's result shardings, in the structure of the step's result."""
         return self._executable.output_shardings
 
+    @property
+    def in_tree(self):
+        return self._executable.in_tree
+
+    @property
+    def out_tree(self):
+        return self._executable.out_tree
+
+    @property
+    def out_info(self):
+        return self._executable.out_info
+
+    @property
+    def args_info(self):
+        return self._executable.args_info
+
     def as_text(self) -> str:
+        """The post-partitioning HLO text."""
         return self._executable.as_text()
 
     def memory_analysis(self):
@@ -81,15 +130,29 @@ class Compiled:
     def memory(self) -> CompiledMemory:
         return compiled_memory(self._executable)
 
-    def __call__(self, *args):
-        tree, avals = _signature(args)
-        if (tree, avals) != self._lowered._signature:
-            want_tree, want = self._lowered._signature
+    def __call__(self, *args, **kwargs):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        avals = tuple((tuple(np.shape(x)), str(jax.numpy.result_type(x))) for x in leaves)
+        want_tree, _, want = self._lowered._signature
+        if (tree, avals) != (want_tree, want):
             raise TypeError(
                 "function compiled for arguments of structure/shapes\n"
                 f"  {want_tree} {list(want)}\ncalled with\n  {tree} {list(avals)}")
-        args = jax.device_put(args, self.plan.input_shardings)
-        return self._executable(*args)
+        return self._dispatch(args, kwargs, leaves)
+
+    def _dispatch(self, args: tuple, kwargs: dict, leaves: list):
+        """Run the executable on a call's dynamic arguments (`leaves`: flattened; their shapes
+        already checked): the arrays not yet in the program's layouts are put there, in one
+        device_put; when all are, the call goes straight to the executable."""
+        shardings = self._in
+        moved = [i for i, (x, s) in enumerate(zip(leaves, shardings)) if getattr(x, "sharding", None) != s]
+        if moved:
+            put = jax.device_put([leaves[i] for i in moved], [shardings[i] for i in moved])
+            leaves = list(leaves)
+            for i, x in zip(moved, put):
+                leaves[i] = x
+            args, kwargs = jax.tree.unflatten(self._executable.in_tree, leaves)
+        return self._executable(*args, **kwargs)
 
     def report(self) -> str:
         """The plan's report, then its predicted communication beside the compiled HLO's (the
@@ -116,7 +179,7 @@ class Compiled:
 
 @dataclass
 class Lowered:
-    """A step lowered and planned for one argument signature."""
+    """A step lowered and planned for one argument signature; like `jax.stages.Lowered`."""
 
     plan: Plan
     graph: Graph
@@ -125,9 +188,38 @@ class Lowered:
     _signature: tuple
     _compiled: Compiled | None = None
 
-    def as_text(self) -> str:
-        """The StableHLO the search read (inlined, before the plan's shardings)."""
-        return str(self._step.module)
+    def as_text(self, dialect: str | None = None) -> str:
+        """The StableHLO the search read (inlined, before the plan's shardings); dialect="hlo":
+        jax's HLO text of the same step (arguments replicated)."""
+        if dialect in (None, "stablehlo"):
+            return str(self._step.module)
+        if dialect == "hlo":
+            return self._step.lowered.as_text("hlo")
+        raise ValueError(f"dialect must be 'stablehlo' or 'hlo', got {dialect!r}")
+
+    def cost_analysis(self):
+        """XLA's cost analysis of the step before partitioning, as `jax.stages.Lowered` gives it."""
+        return self._step.lowered.cost_analysis()
+
+    @property
+    def in_tree(self):
+        """The structure of the dynamic arguments, ((args...), {kwargs}), as jax gives it."""
+        return self._step.lowered.in_tree
+
+    @property
+    def out_tree(self):
+        return self._step.lowered.out_tree
+
+    @property
+    def out_info(self):
+        """The result's shapes, dtypes and the plan's shardings (ShapeDtypeStructs in the
+        result's structure)."""
+        return jax.tree.map(lambda i, s: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=s),
+                            self._step.lowered.out_info, self.plan.output_shardings)
+
+    @property
+    def args_info(self):
+        return self._step.lowered.args_info
 
     def compile(self) -> Compiled:
         if self._compiled is None:
@@ -143,43 +235,54 @@ class Lowered:
 
 
 class Parallelized:
-    """What `rj.parallelize` returns: call it, or `.lower(*args)` for the plan."""
+    """What `rj.parallelize` returns: call it like a jitted function, or `.lower(...)` for the plan."""
 
-    def __init__(self, fn: Callable, mesh: Mesh | None, options: Options, donate_argnums: tuple[int, ...],
+    def __init__(self, fn: Callable, mesh: Mesh | None, options: Options, arguments: ArgSpec,
                  devices: Sequence | None = None, plan: Plan | None = None):
         self._fn = fn
         self.mesh = mesh  # None: each lowering picks its mesh shape (then see `Lowered.mesh`)
         self.devices = devices  # with mesh=None: the devices to build meshes of (None: jax.devices())
         self.options = options
-        self.donate_argnums = donate_argnums
+        self.arguments = arguments  # static and donated arguments
         self.given_plan = plan  # a saved plan to run instead of searching (`parallelize(plan=...)`)
-        self._cache: dict = {}
+        self._cache: dict = {}  # `_signature` → Lowered
+        self._hits: dict = {}  # (structure, static values, leaf avals) → compiled: the call's fast path
         functools.update_wrapper(self, getattr(fn, "_fun", fn))
 
-    def lower(self, *args) -> Lowered:
-        key = _signature(args)
-        if key not in self._cache:
-            if self.options.pipeline == "auto":
-                lowered = choose(self, args, key)
-            else:
-                lowered = self.lower_with(self.options, args, key)
-            agree(lowered.plan)  # the processes of a distributed job must compile one plan
-            self._cache[key] = lowered
-        return self._cache[key]
+    @property
+    def donate_argnums(self) -> tuple[int, ...]:
+        return self.arguments.donate_argnums
 
-    def lower_with(self, options: Options, args, key):
+    def lower(self, *args, **kwargs) -> Lowered:
+        """The step lowered and planned for these arguments (the search runs here; cached per
+        shapes, dtypes, structure and static values, as jax.jit caches)."""
+        call = self.arguments.call(self._fn, args, kwargs)
+        key = _signature(call)
+        lowered = self._cache.get(key)
+        if lowered is None:
+            if self.options.pipeline == "auto":
+                lowered = choose(self, call, key)
+            else:
+                lowered = self.lower_with(self.options, call, key)
+            agree(lowered.plan)  # the processes of a distributed job must compile one plan
+            if not _interrupted(lowered.plan):  # Ctrl-C: use this plan once, search again next time
+                self._cache[key] = lowered
+        return lowered
+
+    def lower_with(self, options: Options, call: Call, key):
         """The step lowered and planned under `options` (one candidate of `pipeline="auto"`)."""
         pipelined = options.pipeline not in ("off", 1)
         if options.num_micro_batches > 1 or pipelined:
             if self.mesh is None:
                 raise MeshError("num_micro_batches > 1 and pipeline need a mesh: pass mesh=rj.device_mesh(...)")
             kind = PipelinedLowered if pipelined else MicroBatchedLowered
-            return kind(self._fn, args, self.mesh, self.donate_argnums, options, key)
+            return kind(call, self.mesh, options, key)
         if self.mesh is None:
-            mesh, step, graph, plan = search_meshes(self._fn, args, self.donate_argnums, self.devices, options)
+            mesh, step, graph, plan = search_meshes(call, self.devices, options)
         else:
             mesh = self.mesh
-            step = lower_on_mesh(self._fn, args, mesh, self.donate_argnums)
+            step = lower_on_mesh(call.fn, call.args, mesh, call.donate_argnums, call.kwargs, call.donate_argnames,
+                                 call.positions)
             graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
             if self.given_plan is not None:  # a saved plan: no search, once it is shown to fit
                 self.given_plan.check_matches(PlanTarget.of(step, mesh))
@@ -187,29 +290,41 @@ class Parallelized:
             else:
                 cluster = get_cluster(options.cluster)
                 plan = plan_on(graph, MeshTopology.from_mesh(mesh, cluster), cluster, options)
-        tree = jax.tree.structure(args)
+        tree = jax.tree.structure((call.args, call.kwargs))
         out_tree = step.lowered.out_tree
         named = lambda specs: [NamedSharding(mesh, s.to_partition_spec()) for s in specs]  # noqa: E731
-        plan = dataclasses.replace(plan, input_shardings=jax.tree.unflatten(tree, named(plan.arg_specs)),
+        plan = dataclasses.replace(plan, input_shardings=call_tree(tree, named(plan.arg_specs)),
                                    output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)),
                                    target=PlanTarget.of(step, mesh))
         return Lowered(plan, graph, mesh, step, key)
 
     def __call__(self, *args, **kwargs):
-        if kwargs:
-            raise TypeError("a parallelized step takes positional arguments only; "
-                            f"pass {sorted(kwargs)} positionally")
-        return self.lower(*args).compile()(*args)
+        dyn_args, dyn_kwargs, static = self.arguments.split(args, kwargs)
+        leaves, tree = jax.tree.flatten((dyn_args, dyn_kwargs))
+        key = (tree, static, *map(_leaf_key, leaves))
+        compiled = self._hits.get(key)
+        if compiled is None:
+            lowered = self.lower(*args, **kwargs)
+            compiled = lowered.compile()
+            if lowered is self._cache.get(lowered._signature):
+                self._hits[key] = compiled
+        return compiled._dispatch(dyn_args, dyn_kwargs, leaves)
 
 
 def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices: Sequence | None = None,
                 opt_level: str = "O2", memory_limit_bytes: int | None = None, cluster=None,
                 num_micro_batches: int = 1, pipeline: str | int = "off", schedule: str = "1f1b",
-                donate_argnums: int | Sequence[int] | None = None, solver: str = "HIGHS",
+                donate_argnums: int | Sequence[int] | None = None,
+                static_argnums: int | Sequence[int] | None = None,
+                static_argnames: str | Sequence[str] | None = None, solver: str = "HIGHS",
                 solver_time_limit_s: float = 60.0, axis_names: Sequence[str] | None = None,
                 search_workers: int | None = None, strided_specs: bool = True, plan: "Plan | str | None" = None):
     """Parallelize a train step over `mesh`. Usable as `parallelize(fn, mesh=...)` or as a
-    decorator `@parallelize(mesh=...)`; `fn` may already be `jax.jit`-ed (its donation is kept).
+    decorator `@parallelize(mesh=...)`; `fn` may already be `jax.jit`-ed (its donation and static
+    arguments are kept).
+
+    `static_argnums`/`static_argnames` as in `jax.jit`: those arguments are Python values (hashable;
+    a new value plans and compiles again), the rest arrays; the step takes keyword arguments.
 
     `mesh=None` searches over mesh shapes of `devices` (default: all): every 1-, 2- and 3-axis
     shape whose inner axes stay inside one host (`cluster.devices_per_host`), axes of size >= 2,
@@ -255,11 +370,7 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
                              "planned, without num_micro_batches or pipeline (those plans are searched again)")
 
     def wrap(f: Callable) -> Parallelized:
-        donate = donate_argnums
-        if donate is None:
-            info = getattr(f, "_jit_info", None)
-            donate = getattr(info, "donate_argnums", ()) or ()
-        donate = (donate,) if isinstance(donate, int) else tuple(donate)
-        return Parallelized(f, mesh, options, donate, devices, plan)
+        arguments = ArgSpec.of(f, static_argnums, static_argnames, donate_argnums)
+        return Parallelized(f, mesh, options, arguments, devices, plan)
 
     return wrap if fn is None else wrap(fn)

@@ -50,7 +50,7 @@ class Candidate:
     why: str = ""  # why it has no plan, or does not fit
 
 
-def choose(parallelized, args, key):
+def choose(parallelized, call, key):
     """The candidate with the least predicted step among those that fit the devices' memory
     (`memory_limit_bytes`, else the cluster's `memory_per_device`); `plan.search_stats[
     "pipeline_candidates"]` lists each (`Candidate`), the chosen one first. When none fits, a
@@ -61,11 +61,11 @@ def choose(parallelized, args, key):
     options = parallelized.options
     limit = options.memory_limit_bytes or get_cluster(options.cluster).memory_per_device
     with interrupt.session():
-        tried, errors = _lower_candidates(parallelized, args, key, limit)
+        tried, errors = _lower_candidates(parallelized, call, key, limit)
         return _choose(tried, errors, options, limit, interrupt.pressed())
 
 
-def _lower_candidates(parallelized, args, key, limit: int) -> tuple[list[tuple[Candidate, object]], list[RhinoError]]:
+def _lower_candidates(parallelized, call, key, limit: int) -> tuple[list[tuple[Candidate, object]], list[RhinoError]]:
     """Each candidate lowered, or why not. Ctrl-C: the candidates lowered so far (none: it propagates)."""
     tried: list[tuple[Candidate, object]] = []
     errors: list[RhinoError] = []
@@ -73,7 +73,7 @@ def _lower_candidates(parallelized, args, key, limit: int) -> tuple[list[tuple[C
         if interrupt.pressed():  # a candidate's search answered Ctrl-C with its plan so far: no more
             break
         try:
-            lowered = parallelized.lower_with(cand, args, key)
+            lowered = parallelized.lower_with(cand, call, key)
         except RhinoError as e:
             errors.append(e)
             tried.append((Candidate(_label(cand), None, None, str(e).splitlines()[0][:160]), None))

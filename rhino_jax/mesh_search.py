@@ -36,6 +36,7 @@ from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster, host_id
 from rhino_jax.search.meshes import candidate_meshes
 from rhino_jax.search.planner import search
 
+from .arguments import Call
 from .errors import NoFeasibleMeshError, RhinoError
 from .mesh import device_mesh
 from .options import Options
@@ -93,11 +94,12 @@ def search_worker(graph: Graph, topo: MeshTopology, cluster: Cluster, options: O
     return plan, error, [(str(w.message), w.category) for w in caught], time.perf_counter() - t0
 
 
-def _lower(c: _Candidate, fn, args, donate_argnums, cluster: Cluster) -> None:
+def _lower(c: _Candidate, call: Call, cluster: Cluster) -> None:
     t0 = time.perf_counter()
     log.info("rhino_jax: lowering on mesh [%s]", c.label)
     try:
-        c.step = lower_on_mesh(fn, args, c.mesh, donate_argnums)
+        c.step = lower_on_mesh(call.fn, call.args, c.mesh, call.donate_argnums, call.kwargs, call.donate_argnames,
+                               call.positions)
     except RhinoError as e:  # rj.annotate: unknown axis, or a size this mesh does not divide
         c.error, c.done = f"{type(e).__name__}: {e}", True
     except ValueError as e:  # jax.lax.with_sharding_constraint naming an axis this mesh lacks
@@ -214,10 +216,9 @@ def _search_pool(todo: list[_Candidate], workers: int, cluster: Cluster, options
         _search_here(rest, cluster, options, n)
 
 
-def search_meshes(fn, args, donate_argnums: tuple[int, ...], devices, options: Options
-                  ) -> tuple[Mesh, LoweredStep, Graph, Plan]:
-    """Lower and search `fn` on every candidate mesh over `devices`; the best one's mesh, lowered
-    step, graph and plan (with `mesh_candidates` filled in)."""
+def search_meshes(call: Call, devices, options: Options) -> tuple[Mesh, LoweredStep, Graph, Plan]:
+    """Lower and search the call's step on every candidate mesh over `devices`; the best one's
+    mesh, lowered step, graph and plan (with `mesh_candidates` filled in)."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise RuntimeError("rhino_jax: a mesh search started while a worker process was starting up: the "
                            "script runs again in each worker. Put its top-level code under `if __name__ == "
@@ -232,7 +233,7 @@ def search_meshes(fn, args, donate_argnums: tuple[int, ...], devices, options: O
              ", ".join(str(s) for s, _ in shapes))
     cands = [_Candidate(i, s, names, device_mesh(s, names, devices)) for i, (s, names) in enumerate(shapes)]
     for c in cands:
-        _lower(c, fn, args, donate_argnums, cluster)
+        _lower(c, call, cluster)
     todo = [c for c in cands if not c.done]
     with interrupt.session():
         try:

@@ -30,6 +30,7 @@ from rhino_jax.runtime.executable import compile_program
 from rhino_jax.search import interrupt
 from rhino_jax.search.cluster import MeshTopology, get_cluster
 
+from .arguments import Call, call_tree
 from .errors import MeshError
 from .mesh_search import plan_on
 from .options import Options
@@ -46,12 +47,12 @@ def micro_batch_args(args, roles: Sequence[str], k: int, paths: Sequence[str]) -
     return [[_piece(x, i, k) if role == "batch" else x for x, role in zip(leaves, roles)] for i in range(k)]
 
 
-def micro_batches_of(lowered, args) -> list[list]:
+def micro_batches_of(lowered, args: tuple, kwargs: dict) -> list[list]:
     """The flat arguments of each micro-batch of a call, after checking the call's pytree."""
-    tree = lowered._trees[0]
-    if jax.tree.structure(args) != tree:
-        raise TypeError(f"function compiled for arguments of structure {tree}, called with {jax.tree.structure(args)}")
-    return micro_batch_args(args, lowered.plan.arg_roles, lowered.k, lowered.plan.arg_paths)
+    tree, given = lowered._trees[0], jax.tree.structure((args, kwargs))
+    if given != tree:
+        raise TypeError(f"function compiled for arguments of structure {tree}, called with {given}")
+    return micro_batch_args((args, kwargs), lowered.plan.arg_roles, lowered.k, lowered.plan.arg_paths)
 
 
 def named(mesh: Mesh, specs) -> list[NamedSharding]:
@@ -80,13 +81,15 @@ class SplitStep:
     apply_graph: Graph  # apply-gradients': the step's arguments and the sums → the outputs
 
 
-def split_step(fn, args, mesh: Mesh, k: int, donate_argnums: tuple[int, ...] = ()) -> SplitStep:
-    if donate_argnums:
-        warnings.warn(f"donate_argnums={donate_argnums} is not used with micro-batches or pipeline stages yet: "
+def split_step(call: Call, mesh: Mesh, k: int) -> SplitStep:
+    if call.donate_argnums or call.donate_argnames:
+        warnings.warn(f"donate_argnums={call.donate_argnums} is not used with micro-batches or pipeline stages yet: "
                       "the updated state comes back in new buffers (more memory, same numbers)", stacklevel=4)
-    whole = lower_on_mesh(fn, args, mesh, ())
-    flat_micro = micro_batch_args(jax.tree.map(_abstract, args), whole.arg_roles, k, whole.arg_paths)[0]  # shapes
-    micro = lower_on_mesh(fn, jax.tree.unflatten(jax.tree.structure(args), flat_micro), mesh, ())
+    whole = lower_on_mesh(call.fn, call.args, mesh, (), call.kwargs, (), call.positions)
+    inputs = (call.args, call.kwargs)
+    flat_micro = micro_batch_args(jax.tree.map(_abstract, inputs), whole.arg_roles, k, whole.arg_paths)[0]  # shapes
+    args, kwargs = jax.tree.unflatten(jax.tree.structure(inputs), flat_micro)
+    micro = lower_on_mesh(call.fn, args, mesh, (), kwargs, (), call.positions)
     graph = import_module(whole.module, whole.arg_paths, whole.arg_roles, whole.output_paths)
     micro_graph = import_module(micro.module, micro.arg_paths, micro.arg_roles, micro.output_paths)
     parts = micro_batch.split(whole.module, graph, micro.module, micro_graph)
@@ -96,13 +99,94 @@ def split_step(fn, args, mesh: Mesh, k: int, donate_argnums: tuple[int, ...] = (
                                    whole.arg_roles + ["other"] * len(names), whole.output_paths))
 
 
-class MicroBatchedLowered:
+class SeveralProgramsLowered:
+    """The `jax.stages.Lowered` surface of a step lowered to several programs (micro-batches,
+    pipeline stages): its arguments' and result's trees; no one module to show or analyse."""
+
+    _step: SplitStep
+    _trees: tuple
+    plan: Plan
+
+    def _several(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"{what}: this step runs as several programs ({type(self).__name__}); compile it "
+                                   f"and call {what} on one of compiled.programs[name]")
+
+    def as_text(self, dialect: str | None = None) -> str:
+        raise self._several("as_text()")
+
+    def cost_analysis(self):
+        raise self._several("cost_analysis()")
+
+    @property
+    def in_tree(self):
+        """The structure of the dynamic arguments, ((args...), {kwargs}), as jax gives it."""
+        return self._trees[0]
+
+    @property
+    def out_tree(self):
+        return self._trees[1]
+
+    @property
+    def out_info(self):
+        """The result's shapes, dtypes and the plan's shardings, in the result's structure."""
+        return jax.tree.map(lambda i, s: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=s),
+                            self._step.whole.lowered.out_info, self.plan.output_shardings)
+
+
+class SeveralPrograms:
+    """The `jax.stages.Compiled` surface of a step compiled to several programs: the step's
+    argument and result shardings; XLA's text and analyses per program (`programs`)."""
+
+    _lowered: SeveralProgramsLowered
+    plan: Plan
+    programs: dict[str, jax.stages.Compiled]
+
+    def _several(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"{what}: this step compiles to several programs ({', '.join(self.programs)}); call "
+                                   f"{what} on one of compiled.programs[name]")
+
+    def as_text(self) -> str:
+        raise self._several("as_text()")
+
+    def cost_analysis(self):
+        raise self._several("cost_analysis()")
+
+    def memory_analysis(self):
+        raise self._several("memory_analysis()")
+
+    @property
+    def input_shardings(self):
+        """The step's argument shardings, as jax gives them: ((args...), {kwargs})."""
+        return jax.tree.unflatten(self._lowered.in_tree, jax.tree.leaves(self.plan.input_shardings))
+
+    @property
+    def output_shardings(self):
+        return self.plan.output_shardings
+
+    @property
+    def in_tree(self):
+        return self._lowered.in_tree
+
+    @property
+    def out_tree(self):
+        return self._lowered.out_tree
+
+    @property
+    def out_info(self):
+        return self._lowered.out_info
+
+    def _dispatch(self, args: tuple, kwargs: dict, leaves: list):
+        """Call the step on a call's dynamic arguments (`Parallelized.__call__`)."""
+        return self(*args, **kwargs)
+
+
+class MicroBatchedLowered(SeveralProgramsLowered):
     """A step lowered for k micro-batches: `plan` sums up both programs; `programs` holds each."""
 
     @interrupt.session()  # its searches stop together at Ctrl-C, every plan marked interrupted
-    def __init__(self, fn, args, mesh: Mesh, donate_argnums: tuple[int, ...], options: Options, signature):
+    def __init__(self, call: Call, mesh: Mesh, options: Options, signature):
         k = options.num_micro_batches
-        step = split_step(fn, args, mesh, k, donate_argnums)
+        step = split_step(call, mesh, k)
         whole, parts, compute_graph, apply_graph = step.whole, step.parts, step.compute_graph, step.apply_graph
         cluster = get_cluster(options.cluster)
         topo = MeshTopology.from_mesh(mesh, cluster)
@@ -111,8 +195,8 @@ class MicroBatchedLowered:
             apply_graph, compute_graph, compute_plan))
         apply_plan = plan_on(apply_graph, topo, cluster, options)
         self.mesh, self.k, self._signature, self.cluster = mesh, k, signature, cluster
-        self._parts, self._graphs = parts, (compute_graph, apply_graph)
-        self._trees = (jax.tree.structure(args), whole.lowered.out_tree)
+        self._step, self._parts, self._graphs = step, parts, (compute_graph, apply_graph)
+        self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.programs = {"compute_gradients": compute_plan, "apply_gradients": apply_plan}
         self.plan = _summary(compute_plan, apply_plan, k, compute_graph, mesh, self._trees)
         self._compiled: MicroBatchedCompiled | None = None
@@ -150,11 +234,11 @@ def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mes
     return dataclasses.replace(
         apply, arg_paths=apply.arg_paths[:n], arg_roles=apply.arg_roles[:n], arg_shapes=apply.arg_shapes[:n],
         arg_dtypes=apply.arg_dtypes[:n], arg_specs=specs, cost=cost, collectives=compute.collectives * k + apply.collectives,
-        search_stats=stats, input_shardings=jax.tree.unflatten(trees[0], named(mesh, specs)),
+        search_stats=stats, input_shardings=call_tree(trees[0], named(mesh, specs)),
         output_shardings=jax.tree.unflatten(trees[1], named(mesh, apply.output_specs)))
 
 
-class MicroBatchedCompiled:
+class MicroBatchedCompiled(SeveralPrograms):
     """The two programs compiled; call it like the step (same pytrees, the whole batch)."""
 
     def __init__(self, lowered: MicroBatchedLowered):
@@ -168,14 +252,15 @@ class MicroBatchedCompiled:
                             donate_argnums=0)
         self._compute_in = named(mesh, compute_plan.arg_specs)
         self._apply_in = named(mesh, apply_plan.arg_specs)
+        self.programs = {"compute_gradients": self._compute, "apply_gradients": self._apply}
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         low = self._lowered
         total = None
-        for flat in micro_batches_of(low, args):
+        for flat in micro_batches_of(low, args, kwargs):
             part = self._compute(*jax.device_put(flat, self._compute_in))
             total = list(part) if total is None else self._add(total, list(part))
-        whole = jax.tree.leaves(args)
+        whole = jax.tree.leaves((args, kwargs))
         n = len(whole)
         out = self._apply(*jax.device_put(whole, self._apply_in[:n]), *total)
         return jax.tree.unflatten(low._trees[1], list(out))

@@ -35,7 +35,8 @@ from rhino_jax.search.memory import local_bytes
 
 from .errors import MemoryLimitError, MeshError
 from .mesh_search import plan_on
-from .micro_batched import _compile, micro_batches_of, named, split_step
+from .arguments import Call, call_tree
+from .micro_batched import SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of, named, split_step
 from .options import Options
 from .plan import Plan, PlanCost, StagePlan
 
@@ -52,14 +53,14 @@ def sub_meshes(mesh: Mesh, p: int) -> list[Mesh]:
     return [Mesh(mesh.devices[i * size:(i + 1) * size], mesh.axis_names, axis_types=mesh.axis_types) for i in range(p)]
 
 
-class PipelinedLowered:
+class PipelinedLowered(SeveralProgramsLowered):
     """A step lowered for p stages and k micro-batches: `plan` sums it up, `stages` holds each stage."""
 
     @interrupt.session()  # its searches stop together at Ctrl-C, every plan marked interrupted
-    def __init__(self, fn, args, mesh: Mesh, donate_argnums: tuple[int, ...], options: Options, signature):
+    def __init__(self, call: Call, mesh: Mesh, options: Options, signature):
         p, k = options.pipeline, options.num_micro_batches
         meshes = sub_meshes(mesh, p)
-        step = split_step(fn, args, mesh, k, donate_argnums)
+        step = split_step(call, mesh, k)
         cg = step.compute_graph
         loss = _loss_sum(cg)
         coarse, node_of = stager.forward_stage_graph(cg, loss)
@@ -106,7 +107,7 @@ class PipelinedLowered:
         self.transfers = _transfers(plans, meshes, cg, cluster)
         self.moves_s = _step_moves(plans, meshes, mesh, apply_plan, step, cluster)
         self._step, self._programs, self._apply_plan = step, plans, apply_plan
-        self._trees = (jax.tree.structure(args), whole.lowered.out_tree)
+        self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.stages = tuple(stages)
         self.plan = self._summary(staging)
         self._compiled: PipelinedCompiled | None = None
@@ -131,7 +132,7 @@ class PipelinedLowered:
         return dataclasses.replace(
             a, arg_paths=a.arg_paths[:n], arg_roles=a.arg_roles[:n], arg_shapes=a.arg_shapes[:n],
             arg_dtypes=a.arg_dtypes[:n], arg_specs=a.arg_specs[:n], cost=cost, search_stats=stats, stages=self.stages,
-            input_shardings=jax.tree.unflatten(self._trees[0], named(self.mesh, a.arg_specs[:n])),
+            input_shardings=call_tree(self._trees[0], named(self.mesh, a.arg_specs[:n])),
             output_shardings=jax.tree.unflatten(self._trees[1], named(self.mesh, a.output_specs)))
 
     def compile(self) -> "PipelinedCompiled":
@@ -231,7 +232,7 @@ def _loss_sum(cg) -> int:
     return max(scalars, key=lambda v: len(stage_programs.ancestors(cg, v)))
 
 
-class PipelinedCompiled:
+class PipelinedCompiled(SeveralPrograms):
     """The stage programs and apply-gradients compiled; call it like the step."""
 
     def __init__(self, lowered: PipelinedLowered):
@@ -245,10 +246,13 @@ class PipelinedCompiled:
         self._apply_in = named(lowered.mesh, apply.arg_specs)
         self._add = jax.jit(lambda a, b: a + b)
         self._stage_of = {v: prog.stage for prog, _, _ in lowered._programs.values() for v in prog.outputs}
+        self.programs = {f"{'forward' if kind == 'F' else 'backward'}[{stage}]": run
+                         for (kind, stage), (_, run, _) in sorted(self._run.items(), key=lambda kv: kv[0][::-1])}
+        self.programs["apply_gradients"] = self._apply
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         low = self._lowered
-        micro = micro_batches_of(low, args)
+        micro = micro_batches_of(low, args, kwargs)
         sums_of = set(low._step.compute_graph.outputs)
         made: dict[tuple[int, int], jax.Array] = {}  # (micro-batch, value) → array
         sums: dict[int, jax.Array] = {}
@@ -289,7 +293,7 @@ class PipelinedCompiled:
                 made[task.micro_batch, v] = out
                 if v in sums_of:
                     sums[v] = out if v not in sums else self._add(sums[v], out)
-        whole = jax.device_put(jax.tree.leaves(args), self._apply_in[:len(micro[0])])
+        whole = jax.device_put(jax.tree.leaves((args, kwargs)), self._apply_in[:len(micro[0])])
         totals = [move(sums[v], self._stage_of[v], sharding, None)
                   for v, sharding in zip(low._step.compute_graph.outputs, self._apply_in[len(whole):])]
         out = self._apply(*whole, *totals)

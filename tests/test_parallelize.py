@@ -100,7 +100,7 @@ def test_plan_input_shardings_follow_argument_pytree():
     assert jax.tree.structure(shardings) == jax.tree.structure(args)
     assert all(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings))
     compiled = lowered.compile()
-    assert jax.tree.structure(compiled.input_shardings) == jax.tree.structure(args)
+    assert jax.tree.structure(compiled.input_shardings) == jax.tree.structure((args, {}))  # as jax: (args, kwargs)
     assert all(c.is_equivalent_to(s, len(s.spec) + 1)
                for c, s in zip(jax.tree.leaves(compiled.input_shardings), jax.tree.leaves(shardings)))
     assert "HloModule" in compiled.as_text()

@@ -1,0 +1,197 @@
+"""rj.parallelize behaves like jax.jit at its surface: static arguments, keyword arguments, the
+jax.stages Lowered/Compiled methods, a cache hit that moves nothing, and no caching of a plan
+whose search was interrupted."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rhino_jax as rj
+from rhino_jax import api
+
+from helpers import assert_same_numbers
+
+MESH = ((2, 4), ("data", "model"))
+
+
+def _step(params, batch, mode="sgd", *, scale=1.0):
+    """A small MLP step whose update depends on two Python values."""
+    def loss(p):
+        h = jnp.tanh(batch["x"] @ p["w1"])
+        return jnp.mean((h @ p["w2"] - batch["y"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    lr = 0.1 if mode == "sgd" else 0.5
+    return jax.tree.map(lambda p, g: p - lr * scale * g, params, grads), value
+
+
+def _args():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(k1, (16, 32)), "w2": jax.random.normal(k2, (32, 8))}
+    batch = {"x": jax.random.normal(k3, (16, 16)), "y": jnp.zeros((16, 8))}
+    return params, batch
+
+
+def _mesh():
+    return rj.device_mesh(*MESH)
+
+
+def test_static_argnums_and_argnames_give_jax_jit_numbers_and_their_own_plans():
+    params, batch = _args()
+    step = rj.parallelize(_step, mesh=_mesh(), static_argnums=(2,), static_argnames=("scale",))
+    reference = jax.jit(_step, static_argnums=(2,), static_argnames=("scale",))
+    results = {}
+    for mode in ("sgd", "fast"):
+        results[mode] = step(params, batch, mode, scale=2.0)
+        assert_same_numbers(reference(params, batch, mode, scale=2.0), results[mode])
+    assert not np.allclose(results["sgd"][0]["w1"], results["fast"][0]["w1"])  # the static value was used
+    sgd = step.lower(params, batch, "sgd", scale=2.0)
+    assert step.lower(params, batch, "sgd", scale=2.0) is sgd
+    assert step.lower(params, batch, "fast", scale=2.0) is not sgd
+    assert step.lower(params, batch, "sgd", scale=3.0) is not sgd
+    assert sgd.plan.arg_paths == ("arg[0]['w1']", "arg[0]['w2']", "arg[1]['x']", "arg[1]['y']")
+
+
+def test_static_argnames_infer_positions_like_jax_jit():
+    """static_argnames=("mode",) makes `mode` static passed by position too (and the reverse)."""
+    params, batch = _args()
+    by_name = rj.parallelize(_step, mesh=_mesh(), static_argnames=("mode",))
+    assert by_name.arguments.static_argnums == (2,)
+    assert_same_numbers(jax.jit(_step, static_argnums=2)(params, batch, "fast"), by_name(params, batch, "fast"))
+    assert rj.parallelize(_step, mesh=_mesh(), static_argnums=2).arguments.static_argnames == ("mode",)
+
+
+def test_a_jitted_step_keeps_its_static_arguments():
+    params, batch = _args()
+    jitted = jax.jit(_step, static_argnums=(2,))
+    step = rj.parallelize(jitted, mesh=_mesh())
+    assert_same_numbers(jitted(params, batch, "fast"), step(params, batch, "fast"))
+
+
+def test_bad_static_arguments_are_named():
+    params, batch = _args()
+    step = rj.parallelize(_step, mesh=_mesh(), static_argnums=(2,))
+    with pytest.raises(TypeError, match=r"static argument arg\[2\] of _step is a list, which cannot be hashed"):
+        step(params, batch, ["sgd"])
+    with pytest.raises(TypeError, match=r"argument arg\[2\] is a str, not an array.*static_argnums=\(2,\)"):
+        rj.parallelize(_step, mesh=_mesh())(params, batch, "sgd")
+    with pytest.raises(TypeError, match=r"argument arg\['mode'\] is a str.*static_argnames=\('mode',\)"):
+        rj.parallelize(_step, mesh=_mesh())(params, batch, mode="sgd")
+    with pytest.raises(ValueError, match="_step takes 3 positional arguments"):
+        rj.parallelize(_step, mesh=_mesh(), static_argnums=(5,))
+    with pytest.raises(ValueError, match="_step has no parameter 'lr'"):
+        rj.parallelize(_step, mesh=_mesh(), static_argnames=("lr",))
+    with pytest.raises(ValueError, match="both static and donated"):
+        rj.parallelize(_step, mesh=_mesh(), static_argnums=(0,), donate_argnums=(0,))
+
+
+def test_keyword_arguments_like_jax_jit():
+    params, batch = _args()
+    step = rj.parallelize(_step, mesh=_mesh())
+    assert_same_numbers(jax.jit(_step)(params, batch=batch), step(params, batch=batch))
+    lowered = step.lower(params, batch=batch)
+    assert lowered.plan.arg_paths[2:] == ("arg['batch']['x']", "arg['batch']['y']")
+    assert lowered.plan.arg_roles[2:] == ("batch", "batch")
+    shardings = lowered.plan.input_shardings  # (args, kwargs) for a call with keyword arguments
+    assert jax.tree.structure(shardings) == jax.tree.structure(((params,), {"batch": batch}))
+    jax_compiled = jax.jit(_step).lower(params, batch=batch).compile()
+    compiled = lowered.compile()
+    assert jax.tree.structure(compiled.input_shardings) == jax.tree.structure(jax_compiled.input_shardings)
+    assert_same_numbers(jax_compiled(params, batch=batch), compiled(params, batch=batch))
+
+
+def test_keyword_and_static_arguments_with_micro_batches():
+    params, batch = _args()
+    step = rj.parallelize(_step, mesh=_mesh(), num_micro_batches=2, static_argnames=("mode",))
+    reference = jax.jit(_step, static_argnames=("mode",))(params, batch=batch, mode="fast")
+    assert_same_numbers(reference, step(params, batch=batch, mode="fast"), rtol=1e-4, atol=1e-5)
+    lowered = step.lower(params, batch=batch, mode="fast")
+    assert lowered.plan.arg_roles[2:] == ("batch", "batch")
+    assert jax.tree.structure(lowered.compile().input_shardings) == jax.tree.structure(((params,), {"batch": batch}))
+
+
+def test_lowered_and_compiled_answer_like_jax_stages():
+    params, batch = _args()
+    lowered = rj.parallelize(_step, mesh=_mesh()).lower(params, batch)
+    jax_lowered = jax.jit(_step).lower(params, batch)
+    assert "stablehlo" in lowered.as_text() and "HloModule" in lowered.as_text("hlo")
+    assert lowered.cost_analysis()["flops"] == pytest.approx(jax_lowered.cost_analysis()["flops"], rel=1e-3)
+    assert lowered.in_tree == jax_lowered.in_tree and lowered.out_tree == jax_lowered.out_tree
+    assert jax.tree.structure(lowered.out_info) == jax.tree.structure(jax_lowered.out_info)
+    compiled, jax_compiled = lowered.compile(), jax_lowered.compile()
+    assert "HloModule" in compiled.as_text()
+    for mine, theirs in ((compiled.input_shardings, jax_compiled.input_shardings),
+                         (compiled.output_shardings, jax_compiled.output_shardings)):
+        assert jax.tree.structure(mine) == jax.tree.structure(theirs)
+    assert [i.shape for i in jax.tree.leaves(compiled.out_info)] == [i.shape for i in jax.tree.leaves(jax_compiled.out_info)]
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
+    assert compiled.cost_analysis()["flops"] > 0
+    assert compiled.in_tree == jax_compiled.in_tree
+
+
+def test_micro_batched_stages_name_what_they_cannot_show():
+    params, batch = _args()
+    lowered = rj.parallelize(_step, mesh=_mesh(), num_micro_batches=2).lower(params, batch)
+    with pytest.raises(NotImplementedError, match="several programs"):
+        lowered.as_text()
+    with pytest.raises(NotImplementedError, match="several programs"):
+        lowered.cost_analysis()
+    assert lowered.in_tree == jax.jit(_step).lower(params, batch).in_tree
+    compiled = lowered.compile()
+    assert set(compiled.programs) == {"compute_gradients", "apply_gradients"}
+    assert "HloModule" in compiled.programs["apply_gradients"].as_text()
+    for method in (compiled.as_text, compiled.memory_analysis, compiled.cost_analysis):
+        with pytest.raises(NotImplementedError, match=r"compute_gradients, apply_gradients.*compiled.programs"):
+            method()
+    assert jax.tree.structure(compiled.output_shardings) == jax.tree.structure(compiled(params, batch))
+
+
+def test_a_cache_hit_moves_no_array_already_in_place(monkeypatch):
+    params, batch = _args()
+    step = rj.parallelize(_step, mesh=_mesh())
+    placed = jax.device_put((params, batch), step.lower(params, batch).plan.input_shardings)
+    reference = step(params, batch)
+    puts = []
+    real_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(a) or real_put(*a, **k))
+    assert_same_numbers(reference, step(*placed))
+    assert puts == []
+    step(params, batch)  # arrays on one device: moved, in one call
+    assert len(puts) == 1
+
+
+def test_a_plan_whose_search_was_interrupted_is_not_cached(monkeypatch):
+    params, batch = _args()
+    searches = []
+    real_plan_on = api.plan_on
+
+    def interrupted(*a, **k):
+        searches.append(1)
+        plan = real_plan_on(*a, **k)
+        return dataclasses.replace(plan, search_stats=dict(plan.search_stats, status="interrupted"))
+
+    monkeypatch.setattr(api, "plan_on", interrupted)
+    step = rj.parallelize(_step, mesh=_mesh())
+    assert_same_numbers(jax.jit(_step)(params, batch), step(params, batch))
+    step(params, batch)
+    step.lower(params, batch)
+    assert len(searches) == 3  # searched again each time
+    monkeypatch.setattr(api, "plan_on", lambda *a, **k: searches.append(1) or real_plan_on(*a, **k))
+    step(params, batch)
+    step(params, batch)
+    assert len(searches) == 4
+
+
+def test_donation_follows_the_arguments_around_static_ones():
+    """donate_argnums name the user's positions; with a static argument before them, the donated
+    arguments are still the ones the user named (and one passed by keyword is donated by name)."""
+    def step(params, mode, batch):
+        return _step(params, batch, mode)
+
+    params, batch = _args()
+    parallel = rj.parallelize(step, mesh=_mesh(), static_argnums=(1,), donate_argnums=(0,))
+    for lowered in (parallel.lower(params, "sgd", batch), parallel.lower(params=params, mode="sgd", batch=batch)):
+        donated = {a.path for a in lowered.graph.args if a.donated_to is not None}
+        assert donated == {p for p in lowered.plan.arg_paths if "w" in p} and len(donated) == 2
