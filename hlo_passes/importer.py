@@ -71,13 +71,10 @@ def _window_attrs(op: ir.Operation) -> dict:
                 base_dilations=_ints(_attr(op, "base_dilations")) or [1] * rank)
 
 
-def _zero_splat(value: ir.Attribute) -> bool:
-    """A dense constant whose every element is 0 (micro-batching checks that carried sums start there)."""
-    try:
-        dense = ir.DenseElementsAttr(value)
-    except ValueError:
-        return False
-    if not dense.is_splat:
+def _zero_splat(dense: ir.DenseElementsAttr | None) -> bool:
+    """A dense constant whose every element is 0 (micro-batching checks that carried sums start
+    there); complex constants (None) are not known to be."""
+    if dense is None or not dense.is_splat:
         return False
     element = dense.get_splat_value()
     for kind in (ir.FloatAttr, ir.IntegerAttr):
@@ -110,7 +107,7 @@ def _op_attrs(op: ir.Operation) -> dict:
     elif name == "stablehlo.broadcast_in_dim":
         a["dims"] = _ints(op.attributes["broadcast_dimensions"])
     elif name == "stablehlo.constant":
-        a["zero"] = _zero_splat(op.attributes["value"])
+        a["zero"] = _zero_splat(mod.constant_value(op))
     elif name == "stablehlo.transpose":
         a["perm"] = _ints(op.attributes["permutation"])
     elif name == "stablehlo.reduce":

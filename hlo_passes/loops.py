@@ -29,7 +29,10 @@ def _constant(value: ir.Value) -> int | None:
     owner = value.owner
     if isinstance(owner, ir.Block) or owner.name != "stablehlo.constant":
         return None
-    attr = owner.attributes["value"]
+    try:
+        attr = owner.attributes["value"]
+    except TypeError:  # complex elements, which the bindings cannot represent: no trip count
+        return None
     if not isinstance(attr, ir.DenseIntElementsAttr):
         return None
     data = np.array(attr)

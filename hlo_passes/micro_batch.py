@@ -167,11 +167,10 @@ def _with_whole_constants(micro_module: ir.Module, whole_module: ir.Module, micr
             if n.op != "stablehlo.constant":
                 continue
             op, whole_op = ours[n.results[0]].owner, theirs[n.results[0]].owner
-            value, whole_value = op.attributes["value"], whole_op.attributes["value"]
-            if str(value) == str(whole_value):
+            if mod.same_constant(op, whole_op):
                 continue
-            dense, whole_dense = ir.DenseElementsAttr(value), ir.DenseElementsAttr(whole_value)
-            if not (dense.is_splat and whole_dense.is_splat):
+            dense, whole_dense = mod.constant_value(op), mod.constant_value(whole_op)
+            if dense is None or whole_dense is None or not (dense.is_splat and whole_dense.is_splat):
                 raise StagingError(f"{n.name or 'a constant'} depends on the batch size element by element; "
                                    "micro-batching cannot give it the whole batch's values. Use num_micro_batches=1")
             element = ir.Attribute.parse(str(whole_dense.get_splat_value()))  # into this module's context

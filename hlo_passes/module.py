@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
@@ -65,6 +66,29 @@ def _element_bytes(dense: ir.DenseElementsAttr) -> memoryview | bytes:
         return memoryview(dense)
     except (BufferError, TypeError):
         return str(dense).encode()
+
+
+def constant_value(op: ir.Operation) -> ir.DenseElementsAttr | None:
+    """The value of a `stablehlo.constant`, or None where the bindings cannot represent its
+    elements (complex numbers: reading the attribute raises)."""
+    try:
+        value = op.attributes["value"]
+    except TypeError:
+        return None
+    return value if isinstance(value, ir.DenseElementsAttr) else None
+
+
+def same_constant(a: ir.Operation, b: ir.Operation) -> bool:
+    """Do two `stablehlo.constant` ops (of any modules) hold the same value? Large constants are
+    compared by their bytes, not their text (see `fingerprint`)."""
+    x, y = constant_value(a), constant_value(b)
+    if x is None or y is None:  # complex elements: only the printed op tells
+        return x is None and y is None and str(a).split("=", 1)[-1] == str(b).split("=", 1)[-1]
+    if str(x.type) != str(y.type):
+        return False
+    if x.is_splat or y.is_splat or len(x) <= _PRINTED_ELEMENTS:
+        return str(x) == str(y)
+    return np.array_equal(np.frombuffer(_element_bytes(x), np.uint8), np.frombuffer(_element_bytes(y), np.uint8))
 
 
 def functions(module: ir.Module) -> dict[str, ir.Operation]:

@@ -50,3 +50,44 @@ def test_the_program_fingerprint_reads_the_elements_it_does_not_print(changed):
     first = PlanTarget.of(lower_on_mesh(_step(_constant()), args, mesh, ()), mesh)
     second = PlanTarget.of(lower_on_mesh(_step(_constant(changed)), args, mesh, ()), mesh)
     assert (first.program != second.program) == changed
+
+
+def test_micro_batches_compare_the_large_constants_of_their_two_lowerings_by_bytes(monkeypatch):
+    """Micro-batching lowers the step twice (whole batch, one micro-batch) and checks that their
+    constants agree but for the batch size; a large one is compared by its data, not printed."""
+    constant = _constant()[0]
+
+    def step(w, x):
+        value, grad = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh((x @ constant) * w) ** 2))(w)
+        return w - 0.1 * grad, value
+
+    w, x = jnp.float32(0.5), jnp.asarray(np.random.default_rng(0).normal(size=(16, SHAPE[1])), jnp.float32)
+    expected = jax.jit(step)(w, x)
+    printed = ir.DenseElementsAttr.__str__
+
+    def small_only(attr):
+        assert attr.is_splat or len(attr) <= 64, "a large constant was printed"
+        return printed(attr)
+
+    monkeypatch.setattr(ir.DenseElementsAttr, "__str__", small_only)
+    out = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), num_micro_batches=2)(w, x)
+    assert_same_numbers(expected, out)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_complex_constant_is_imported_and_kept(micro_batches):
+    """MLIR's Python bindings cannot read complex dense elements (reading the attribute raises):
+    such a constant is still imported, compared and run."""
+    phases = np.exp(1j * np.arange(16)).astype(np.complex64)
+
+    def step(w, x):
+        def loss(w):
+            return jnp.mean(jnp.abs(jnp.fft.fft(jnp.tanh(x @ w), axis=-1) * phases) ** 2)
+        value, grad = jax.value_and_grad(loss)(w)
+        return w - 0.01 * grad, value
+
+    w = jnp.full((16, 16), 0.1, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(32, 16)), jnp.float32)
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    out = rj.parallelize(step, mesh=mesh, num_micro_batches=micro_batches)(w, x)
+    assert_same_numbers(jax.jit(step)(w, x), out)
