@@ -9,6 +9,15 @@ def assert_same_numbers(reference, result, rtol=1e-4, atol=1e-5):
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=rtol, atol=atol)
 
 
+def assert_same_adam_step(reference, result, lr: float):
+    """A train step's (params, opt_state, *rest) after one Adam update: the optimizer state (Adam's
+    moments: the gradient) and the rest to float noise, the parameters to lr/4. Adam's first update
+    is lr * g / (|g| + eps), so float noise in a near-zero gradient moves its parameter by up to lr."""
+    (params_ref, *rest_ref), (params, *rest) = reference, result
+    assert_same_numbers(tuple(rest_ref), tuple(rest), rtol=1e-4, atol=1e-8)
+    assert_same_numbers(params_ref, params, rtol=1e-3, atol=lr / 4)
+
+
 def topology(**sizes):
     """A mesh as the cost model sees it, every axis on the same link (M8's NVLink figures)."""
     from rhino_jax.search.cluster import M8_V100, MeshTopology

@@ -15,7 +15,7 @@ from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 
 from benchmarks.third_party_models import GPT, _tokens, linen_clip_adamw, linen_scan_remat
-from helpers import assert_same_numbers
+from helpers import assert_same_adam_step, assert_same_numbers
 
 MESHES = [((8,), ("data",)), ((2, 4), ("data", "model"))]
 
@@ -36,7 +36,7 @@ def test_a_gpt_with_adam_keeps_the_whole_batchs_numbers(shape, names, k):
 def test_flax_with_global_norm_clipping_keeps_its_numbers():
     case = linen_clip_adamw()  # optax.clip_by_global_norm + adamw: the norm is taken after the sums
     step = rj.parallelize(case.step, mesh=rj.device_mesh((2, 4), ("data", "model")), num_micro_batches=2)
-    assert_same_numbers(jax.jit(case.step)(*case.args), step(*case.args), rtol=1e-3, atol=1e-4)
+    assert_same_adam_step(jax.jit(case.step)(*case.args), step(*case.args), lr=1e-3)
 
 
 def _masked_step(normalize: str):
@@ -98,12 +98,8 @@ def _masked_flax_lm():
 def test_a_flax_lm_with_a_padding_mask_keeps_its_numbers(pipeline):
     step, args = _masked_flax_lm()
     mesh = rj.device_mesh((2, 4), ("data", "model"))
-    (params, opt_state, loss) = rj.parallelize(step, mesh=mesh, num_micro_batches=2, pipeline=pipeline)(*args)
-    ref_params, ref_opt_state, ref_loss = jax.jit(step)(*args)
-    # the optimizer state holds the clipped gradient (Adam's moments): float noise only
-    assert_same_numbers((ref_opt_state, ref_loss), (opt_state, loss), rtol=1e-4, atol=1e-8)
-    # Adam's first update is lr * g / (|g| + eps): a gradient at float-noise size moves by up to lr
-    assert_same_numbers(ref_params, params, rtol=1e-3, atol=0.25 * 1e-3)
+    out = rj.parallelize(step, mesh=mesh, num_micro_batches=2, pipeline=pipeline)(*args)
+    assert_same_adam_step(jax.jit(step)(*args), out, lr=1e-3)
 
 
 def test_two_losses_averaged_over_different_counts_are_refused():
@@ -172,7 +168,7 @@ def test_a_scan_over_layers_keeps_its_numbers(shape, names):
 def test_flax_scan_with_remat_keeps_its_numbers():
     case = linen_scan_remat()
     step = rj.parallelize(case.step, mesh=rj.device_mesh((2, 4), ("data", "model")), num_micro_batches=2)
-    assert_same_numbers(jax.jit(case.step)(*case.args), step(*case.args), rtol=1e-3, atol=1e-4)
+    assert_same_adam_step(jax.jit(case.step)(*case.args), step(*case.args), lr=1e-3)
 
 
 def test_a_loop_sum_that_does_not_start_at_zero_is_refused():
