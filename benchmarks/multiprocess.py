@@ -4,11 +4,13 @@ vs 1 and what comparing the processes' plans costs.
 
 Part 1 plans GPT-Medium (Rhino Table 1: 24 layers, d 1024, batch 64 per 2 hosts) on a (hosts, 8)
 mesh of emulated devices in one process under each multi-host preset, SPMD only and with
-`pipeline=2` (8 micro-batches): search seconds and the plan's JSON size (what a plan file or a
-broadcast would carry). Part 2 launches `python -m rhino_jax.launch` with 1 process of 8 CPU
-devices and with 2 processes of 4, each running a 4-layer GPT (d 256) Adam step on a (2, 4)
-mesh, and reports, from process 0: launch to the job joined, planning, the cross-process plan
-check (`multiprocess.agree`), compilation, the first step, launch to first step.
+`pipeline=2` (8 micro-batches): search seconds, the plan's JSON size (what a plan file or a
+broadcast would carry), and the seconds to lower the step again from the saved file
+(`parallelize(plan=path)`: load, check, cut into programs, no search). Part 2 launches
+`python -m rhino_jax.launch` with 1 process of 8 CPU devices and with 2 processes of 4, each
+running a 4-layer GPT (d 256) Adam step on a (2, 4) mesh, and reports, from process 0: launch
+to the job joined, planning, the cross-process plan check (`multiprocess.agree`), compilation,
+the first step, launch to first step.
 
 Run: python -m benchmarks.multiprocess  (about 10 min on 2 cores) → benchmarks/multiprocess.md
 """
@@ -19,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,14 +38,21 @@ def plan_sizes(hosts: int) -> list[dict]:
     step, args = gpt.make_train_step(config), gpt.example(config, abstract=True)
     mesh = rj.device_mesh((hosts, 8), ("data", "model"))
     rows = []
-    for preset in [p for p in PRESETS if p.endswith(f"{hosts}hosts")]:
-        for pipeline in ("off", 2):
-            start = time.perf_counter()
-            lowered = rj.parallelize(step, mesh=mesh, cluster=preset, pipeline=pipeline,
-                                     num_micro_batches=8).lower(*args)
-            rows.append(dict(preset=preset, pipeline=pipeline, search_s=time.perf_counter() - start,
-                             plan_kib=len(lowered.plan.to_json().encode()) / 1024,
-                             step_ms=lowered.plan.cost.total_s * 1e3))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        for preset in [p for p in PRESETS if p.endswith(f"{hosts}hosts")]:
+            for pipeline in ("off", 2):
+                options = dict(mesh=mesh, cluster=preset, pipeline=pipeline, num_micro_batches=8)
+                start = time.perf_counter()
+                lowered = rj.parallelize(step, **options).lower(*args)
+                search_s = time.perf_counter() - start
+                lowered.plan.save(path)
+                start = time.perf_counter()
+                again = rj.parallelize(step, plan=path, **options).lower(*args)
+                assert again.plan == lowered.plan
+                rows.append(dict(preset=preset, pipeline=pipeline, search_s=search_s,
+                                 from_file_s=time.perf_counter() - start, plan_kib=path.stat().st_size / 1024,
+                                 step_ms=lowered.plan.cost.total_s * 1e3))
     return rows
 
 
@@ -108,9 +118,10 @@ def main() -> None:
         sizes += json.loads(done.stdout.strip().splitlines()[-1])
     jobs = [_launch(n) for n in (1, 2)]
     lines = ["## Planning GPT-Medium on the multi-host presets (one process, emulated devices)", "",
-             "| preset | pipeline | search s | plan JSON KiB | predicted step ms |", "|---|---|---|---|---|"]
-    lines += [f"| {r['preset']} | {r['pipeline']} | {r['search_s']:.1f} | {r['plan_kib']:.0f} | {r['step_ms']:.1f} |"
-              for r in sizes]
+             "| preset | pipeline | search s | from the plan file s | plan JSON KiB | predicted step ms |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['preset']} | {r['pipeline']} | {r['search_s']:.1f} | {r['from_file_s']:.1f} | {r['plan_kib']:.0f} "
+              f"| {r['step_ms']:.1f} |" for r in sizes]
     lines += ["", "## A job on this machine: 4-layer GPT (d 256) Adam step on a (2, 4) CPU mesh", "",
               "| processes x devices | launch to joined s | plan s | plan check ms | compile s | first step s | "
               "launch to first step s |", "|---|---|---|---|---|---|---|"]

@@ -260,6 +260,24 @@ def array_positions(values: Iterable[ir.Value]) -> list[int]:
     return [i for i, v in enumerate(values) if not is_token(v)]
 
 
+def set_aliases(module: ir.Module, aliases: dict[int, int]) -> None:
+    """Mark, in place, @main's array argument i as overwritten by its array result aliases[i]
+    (`tf.aliasing_output`, as jax marks a donated argument), beside the attributes it has.
+    Positions count arrays only: a token argument or result is skipped, as jax skips them."""
+    main = entry_function(module)
+    args = array_positions(main.regions[0].blocks[0].arguments)
+    results = array_positions(entry_return(module).operands)
+    with module.context:
+        attrs = list(main.attributes["arg_attrs"])
+        i32 = ir.IntegerType.get_signless(32)
+        for i, k in aliases.items():
+            d = ir.DictAttr(attrs[args[i]])
+            merged = {d[j].name: d[j].attr for j in range(len(d))}
+            merged["tf.aliasing_output"] = ir.IntegerAttr.get(i32, results[k])
+            attrs[args[i]] = ir.DictAttr.get(merged)
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+
+
 def entry_return(module: ir.Module) -> ir.Operation:
     ops = list(_block(entry_function(module)).operations)
     return ops[-1].operation

@@ -27,7 +27,7 @@ from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_module
 from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 
-from .arguments import ArgSpec, Call, call_tree
+from .arguments import ArgSpec, Call, call_tree, donated_leaves
 from .errors import MeshError
 from .mesh_search import plan_on, search_meshes
 from .controller import choose
@@ -265,7 +265,8 @@ class Parallelized:
             else:
                 lowered = self.lower_with(self.options, call, key)
             agree(lowered.plan)  # the processes of a distributed job must compile one plan
-            if not _interrupted(lowered.plan):  # Ctrl-C: use this plan once, search again next time
+            # Ctrl-C: use this plan once, search again next time (a saved plan is what it is)
+            if self.given_plan is not None or not _interrupted(lowered.plan):
                 self._cache[key] = lowered
         return lowered
 
@@ -276,7 +277,7 @@ class Parallelized:
             if self.mesh is None:
                 raise MeshError("num_micro_batches > 1 and pipeline need a mesh: pass mesh=rj.device_mesh(...)")
             kind = PipelinedLowered if pipelined else MicroBatchedLowered
-            return kind(call, self.mesh, options, key)
+            return kind(call, self.mesh, options, key, self.given_plan)
         if self.mesh is None:
             mesh, step, graph, plan = search_meshes(call, self.devices, options)
         else:
@@ -285,7 +286,7 @@ class Parallelized:
                                  call.positions)
             graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
             if self.given_plan is not None:  # a saved plan: no search, once it is shown to fit
-                self.given_plan.check_matches(PlanTarget.of(step, mesh))
+                self.given_plan.check_matches(PlanTarget.of(step, mesh, donated_leaves(call)))
                 plan = self.given_plan
             else:
                 cluster = get_cluster(options.cluster)
@@ -295,7 +296,7 @@ class Parallelized:
         named = lambda specs: [NamedSharding(mesh, s.to_partition_spec()) for s in specs]  # noqa: E731
         plan = dataclasses.replace(plan, input_shardings=call_tree(tree, named(plan.arg_specs)),
                                    output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)),
-                                   target=PlanTarget.of(step, mesh))
+                                   target=PlanTarget.of(step, mesh, donated_leaves(call)))
         return Lowered(plan, graph, mesh, step, key)
 
     def __call__(self, *args, **kwargs):
@@ -338,8 +339,8 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
     maximum strides (each device holds one block per split dim), as most systems do.
 
     `plan`: a saved plan (`Plan.load(path)`, or the path) to run without a search; it must have
-    been made for this step and mesh (`Plan.check_matches`: PlanTargetError otherwise). SPMD
-    plans on a given mesh only: with `mesh=None`, micro-batches or pipelines, plan again."""
+    been made for this step and mesh (`Plan.check_matches`: PlanTargetError otherwise), and is
+    given with the mesh, micro-batches, stages and schedule it was made for."""
     options = Options(opt_level, memory_limit_bytes, cluster, num_micro_batches, pipeline, schedule,
                       solver, solver_time_limit_s, axis_names, search_workers, strided_specs)
     if mesh is not None and not isinstance(mesh, Mesh):
@@ -365,12 +366,26 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
             plan = Plan.load(plan)
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a rhino_jax.Plan or the path of a saved one, got {type(plan).__name__}")
-        if mesh is None or num_micro_batches > 1 or pipeline not in ("off", 1):
-            raise ValueError("plan= runs a saved SPMD plan on a given mesh: pass mesh=rj.device_mesh(...) as it was "
-                             "planned, without num_micro_batches or pipeline (those plans are searched again)")
+        _runs_as_planned(plan, mesh, options)
 
     def wrap(f: Callable) -> Parallelized:
         arguments = ArgSpec.of(f, static_argnums, static_argnames, donate_argnums)
         return Parallelized(f, mesh, options, arguments, devices, plan)
 
     return wrap if fn is None else wrap(fn)
+
+
+def _runs_as_planned(plan: Plan, mesh: Mesh | None, options: Options) -> None:
+    """A saved plan runs on a mesh, with the micro-batches, stages and schedule it was made for:
+    otherwise a ValueError says what to pass."""
+    stats = plan.search_stats
+    planned = {"num_micro_batches": stats.get("micro_batches", 1), "pipeline": stats.get("pipeline", "off")}
+    given = {"num_micro_batches": options.num_micro_batches,
+             "pipeline": "off" if options.pipeline == 1 else options.pipeline}
+    if "pipeline" in stats:
+        planned["schedule"], given["schedule"] = stats["schedule"], options.schedule
+    if mesh is None or given != planned:
+        where = plan.target and f"rj.device_mesh({plan.target.mesh_shape}, {plan.target.axis_names})"
+        wanted = ", ".join([f"mesh={where or 'rj.device_mesh(...)'}"] + [f"{k}={v!r}" for k, v in planned.items()])
+        got = ([] if mesh is not None else ["mesh=None"]) + [f"{k}={v!r}" for k, v in given.items() if planned[k] != v]
+        raise ValueError(f"plan= runs a saved plan as it was made: pass {wanted} (got {', '.join(got)})")

@@ -98,6 +98,14 @@ class ArgSpec:
                     tuple(n for n in self.donate_argnames if n not in self.static_argnames))
 
 
+def donated_leaves(call: Call) -> tuple[int, ...]:
+    """The positions, among a call's flat dynamic arguments (as jax flattens (args, kwargs)), of
+    the leaves of its donated arguments."""
+    marks = (tuple(jax.tree.map(lambda _, i=i: i in call.donate_argnums, a) for i, a in enumerate(call.args)),
+             {k: jax.tree.map(lambda _, k=k: k in call.donate_argnames, v) for k, v in call.kwargs.items()})
+    return tuple(i for i, donated in enumerate(jax.tree.leaves(marks)) if donated)
+
+
 def call_tree(tree, leaves: Sequence):
     """`leaves` (one per leaf of a call's dynamic arguments, flattened as jax flattens (args,
     kwargs)) in the structure `plan.input_shardings` takes: the args tuple, or (args, kwargs) for

@@ -13,7 +13,6 @@ first builds its backend (importing jax does not), so setting it after parsing i
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import importlib.util
 import math
@@ -23,13 +22,10 @@ from pathlib import Path
 
 import jax
 
-from rhino_jax.hlo_passes.lowering import lower_on_mesh
-
 from .api import parallelize
 from .errors import RhinoError
 from .mesh import device_mesh
 from .plan import Plan
-from .plan_target import PlanTarget
 
 DEFAULT_AXES = ("data", "model", "extra")  # as parallelize(mesh=None) names enumerated meshes
 
@@ -102,10 +98,7 @@ def _plan(args: argparse.Namespace) -> int:
     step, step_args = _load_step(args.target)
     where = f"mesh {args.mesh} ({','.join(names)})" if shape else "every mesh shape"
     print(f"rhino_jax: planning {args.target} on {where} of {jax.devices()[0].platform} devices", flush=True)
-    lowered = parallelize(step, **options).lower(*step_args)
-    mesh = lowered.mesh
-    target = PlanTarget.of(lower_on_mesh(step, step_args, mesh, donate), mesh)
-    plan = dataclasses.replace(lowered.plan, target=target)
+    plan = parallelize(step, **options).lower(*step_args).plan  # records its target: the program and mesh
     print(plan.report())
     plan.save(args.out)
     print(f"\nplan written to {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)")

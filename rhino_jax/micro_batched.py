@@ -11,7 +11,6 @@ outputs fed back to the next step keep those layouts too.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,11 +29,12 @@ from rhino_jax.runtime.executable import compile_program
 from rhino_jax.search import interrupt
 from rhino_jax.search.cluster import MeshTopology, get_cluster
 
-from .arguments import Call, call_tree
+from .arguments import Call, call_tree, donated_leaves
 from .errors import MeshError
 from .mesh_search import plan_on
 from .options import Options
 from .plan import Plan, PlanCost
+from .plan_target import PlanTarget
 
 
 def micro_batch_args(args, roles: Sequence[str], k: int, paths: Sequence[str]) -> list[list]:
@@ -79,12 +79,12 @@ class SplitStep:
     parts: micro_batch.MicroSplit
     compute_graph: Graph  # compute-gradients' graph: the step's arguments → the sums
     apply_graph: Graph  # apply-gradients': the step's arguments and the sums → the outputs
+    # the step's flat arguments the user donates: apply-gradients, the last program to read them,
+    # may overwrite them with its outputs
+    donated: tuple[int, ...] = ()
 
 
 def split_step(call: Call, mesh: Mesh, k: int) -> SplitStep:
-    if call.donate_argnums or call.donate_argnames:
-        warnings.warn(f"donate_argnums={call.donate_argnums} is not used with micro-batches or pipeline stages yet: "
-                      "the updated state comes back in new buffers (more memory, same numbers)", stacklevel=4)
     whole = lower_on_mesh(call.fn, call.args, mesh, (), call.kwargs, (), call.positions)
     inputs = (call.args, call.kwargs)
     flat_micro = micro_batch_args(jax.tree.map(_abstract, inputs), whole.arg_roles, k, whole.arg_paths)[0]  # shapes
@@ -94,9 +94,26 @@ def split_step(call: Call, mesh: Mesh, k: int) -> SplitStep:
     micro_graph = import_module(micro.module, micro.arg_paths, micro.arg_roles, micro.output_paths)
     parts = micro_batch.split(whole.module, graph, micro.module, micro_graph)
     names = [f"sum[{i}]" for i in range(len(parts.boundary))]
+    donated = donated_leaves(call)
+    apply_graph = import_module(parts.apply, whole.arg_paths + names, whole.arg_roles + ["other"] * len(names),
+                                whole.output_paths)
     return SplitStep(whole, parts, import_module(parts.compute, whole.arg_paths, whole.arg_roles, names),
-                     import_module(parts.apply, whole.arg_paths + names,
-                                   whole.arg_roles + ["other"] * len(names), whole.output_paths))
+                     _with_donation(apply_graph, donated), donated)
+
+
+def _with_donation(graph: Graph, donated: Sequence[int]) -> Graph:
+    """`graph` with each donated argument aliasing the first output left of its shape and dtype,
+    as jax pairs them, so that the search ties their layouts (the buffer is reused only then) and
+    counts one buffer for both."""
+    args, free = list(graph.args), list(range(len(graph.outputs)))
+    for i in donated:
+        value = graph.values[args[i].value]
+        k = next((k for k in free if (graph.values[graph.outputs[k]].shape, graph.values[graph.outputs[k]].dtype)
+                  == (value.shape, value.dtype)), None)
+        if k is not None:
+            free.remove(k)
+            args[i] = dataclasses.replace(args[i], donated_to=k)
+    return dataclasses.replace(graph, args=tuple(args))
 
 
 class SeveralProgramsLowered:
@@ -184,21 +201,30 @@ class MicroBatchedLowered(SeveralProgramsLowered):
     """A step lowered for k micro-batches: `plan` sums up both programs; `programs` holds each."""
 
     @interrupt.session()  # its searches stop together at Ctrl-C, every plan marked interrupted
-    def __init__(self, call: Call, mesh: Mesh, options: Options, signature):
+    def __init__(self, call: Call, mesh: Mesh, options: Options, signature, given: Plan | None = None):
+        """`given`: a saved plan of this step to run instead of searching (`parallelize(plan=...)`)."""
         k = options.num_micro_batches
         step = split_step(call, mesh, k)
         whole, parts, compute_graph, apply_graph = step.whole, step.parts, step.compute_graph, step.apply_graph
+        target = PlanTarget.of(whole, mesh, step.donated)
+        if given is not None:
+            given.check_matches(target)
         cluster = get_cluster(options.cluster)
         topo = MeshTopology.from_mesh(mesh, cluster)
-        compute_plan = plan_on(compute_graph, topo, cluster, options)
+
+        def plan(name: str, graph: Graph) -> Plan:
+            return given.program(name, graph) if given is not None else plan_on(graph, topo, cluster, options)
+
+        compute_plan = plan("compute_gradients", compute_graph)
         apply_graph = dataclasses.replace(apply_graph, pins=apply_graph.pins + _same_layouts(
             apply_graph, compute_graph, compute_plan))
-        apply_plan = plan_on(apply_graph, topo, cluster, options)
+        apply_plan = plan("apply_gradients", apply_graph)
         self.mesh, self.k, self._signature, self.cluster = mesh, k, signature, cluster
         self._step, self._parts, self._graphs = step, parts, (compute_graph, apply_graph)
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.programs = {"compute_gradients": compute_plan, "apply_gradients": apply_plan}
-        self.plan = _summary(compute_plan, apply_plan, k, compute_graph, mesh, self._trees)
+        self.plan = dataclasses.replace(_summary(compute_plan, apply_plan, k, compute_graph, mesh, self._trees),
+                                        programs=self.programs, target=target)
         self._compiled: MicroBatchedCompiled | None = None
 
     def compile(self) -> "MicroBatchedCompiled":
@@ -247,7 +273,7 @@ class MicroBatchedCompiled(SeveralPrograms):
         compute_plan, apply_plan = lowered.programs["compute_gradients"], lowered.programs["apply_gradients"]
         compute_graph, apply_graph = lowered._graphs
         self._compute = _compile(lowered._parts.compute, compute_graph, compute_plan, mesh)
-        self._apply = _compile(lowered._parts.apply, apply_graph, apply_plan, mesh)
+        self._apply = _compile(lowered._parts.apply, apply_graph, apply_plan, mesh, lowered._step.donated)
         self._add = jax.jit(lambda a, b: [x + y for x, y in zip(a, b)], out_shardings=named(mesh, compute_plan.output_specs),
                             donate_argnums=0)
         self._compute_in = named(mesh, compute_plan.arg_specs)
@@ -279,11 +305,15 @@ class MicroBatchedCompiled(SeveralPrograms):
                                 f"(predicted {self.plan.cost.total_s * 1e3:.3f} ms)"])
 
 
-def _compile(module, graph: Graph, plan: Plan, mesh: Mesh) -> jax.stages.Compiled:
-    """A program of the step with its plan's shardings, compiled for the mesh."""
+def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int] = ()) -> jax.stages.Compiled:
+    """A program of the step with its plan's shardings, compiled for the mesh. A donated argument
+    (positions `donated`) is overwritten by the output the graph pairs it with (`Arg.donated_to`)
+    where the plan gives both one layout, as the search does when it knew of the donation."""
+    aliases = {a.index: a.donated_to for a in graph.args if a.index in donated and a.donated_to is not None
+               and plan.arg_specs[a.index] == plan.output_specs[a.donated_to]}
     rewritten = rewrite_pass.rewrite(copy_module(module), graph, plan.value_specs, plan.read_specs, plan.read_paths,
                                      plan.arg_specs, plan.output_specs, plan.mesh_axes)
     aval = lambda v: jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype)  # noqa: E731
     return compile_program(rewritten, [aval(a.value) for a in graph.args], [aval(v) for v in graph.outputs],
-                           named(mesh, plan.arg_specs), named(mesh, plan.output_specs))
+                           named(mesh, plan.arg_specs), named(mesh, plan.output_specs), aliases)
 

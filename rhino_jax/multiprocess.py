@@ -25,7 +25,7 @@ class PlanMismatchError(RhinoError, RuntimeError):
 
 
 def digest(plan: Plan) -> str:
-    """A hash of what the plan decides (every layout, the mesh, the stages), not of how long the
+    """A hash of what the plan decides (every layout, the mesh, the stages and programs), not of how long the
     search took: equal digests compile to the same program."""
     h = hashlib.sha256()
     for part in _decisions(plan):
@@ -40,6 +40,8 @@ def _decisions(plan: Plan):
     yield sorted(plan.read_paths.items())
     for st in plan.stages:
         yield st.stage, st.devices, digest(st.forward), digest(st.backward)
+    yield sorted((name, digest(program)) for name, program in plan.programs.items())
+    yield sorted(plan.placement.items())
 
 
 def agree(plan: Plan) -> None:

@@ -38,7 +38,8 @@ from .mesh_search import plan_on
 from .arguments import Call, call_tree
 from .micro_batched import SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of, named, split_step
 from .options import Options
-from .plan import Plan, PlanCost, StagePlan
+from .plan import Plan, PlanCost, StagePlan, program_name
+from .plan_target import PlanTarget, PlanTargetError
 
 EPSILON = 0.25  # the stages' compute may differ from a balanced share by this much
 
@@ -57,15 +58,23 @@ class PipelinedLowered(SeveralProgramsLowered):
     """A step lowered for p stages and k micro-batches: `plan` sums it up, `stages` holds each stage."""
 
     @interrupt.session()  # its searches stop together at Ctrl-C, every plan marked interrupted
-    def __init__(self, call: Call, mesh: Mesh, options: Options, signature):
+    def __init__(self, call: Call, mesh: Mesh, options: Options, signature, given: Plan | None = None):
+        """`given`: a saved plan of this step to run instead of searching (`parallelize(plan=...)`):
+        its placement of the ops and its programs' plans."""
         p, k = options.pipeline, options.num_micro_batches
         meshes = sub_meshes(mesh, p)
         step = split_step(call, mesh, k)
+        target = PlanTarget.of(step.whole, mesh, step.donated)
         cg = step.compute_graph
-        loss = _loss_sum(cg)
-        coarse, node_of = stager.forward_stage_graph(cg, loss)
-        staging = stager.stage(coarse, p, EPSILON, backend=options.solver, time_limit_s=options.solver_time_limit_s)
-        place = stage_programs.assign(cg, loss, {i: staging.stage[node_of[i]] for i in node_of})
+        if given is None:
+            loss = _loss_sum(cg)
+            coarse, node_of = stager.forward_stage_graph(cg, loss)
+            staging = stager.stage(coarse, p, EPSILON, backend=options.solver, time_limit_s=options.solver_time_limit_s)
+            place = stage_programs.assign(cg, loss, {i: staging.stage[node_of[i]] for i in node_of})
+            staged = {"stage_cut_bytes": staging.cut_bytes, "stage_flops": staging.stage_compute}
+        else:
+            given.check_matches(target)
+            place, staged = _saved_placement(given, cg, p)
         programs = stage_programs.programs(step.parts.compute, cg, place)
         cluster = get_cluster(options.cluster)
         whole = step.whole
@@ -77,7 +86,9 @@ class PipelinedLowered(SeveralProgramsLowered):
             graph = import_module(prog.module, [whole.arg_paths[i] for i in prog.args] + [f"in[{v}]" for v in prog.inputs],
                                   [whole.arg_roles[i] for i in prog.args] + ["other"] * len(prog.inputs),
                                   [f"out[{v}]" for v in prog.outputs])
-            plans[prog.kind, prog.stage] = (prog, graph, plan_on(graph, topology[prog.stage], cluster, options))
+            plan = (given.program(program_name(prog.kind, prog.stage), graph) if given is not None
+                    else plan_on(graph, topology[prog.stage], cluster, options))
+            plans[prog.kind, prog.stage] = (prog, graph, plan)
         self.schedule = schedules.make(options.schedule, p, k)
         in_flight = self.schedule.in_flight()
         sums = set(cg.outputs)
@@ -90,7 +101,7 @@ class PipelinedLowered(SeveralProgramsLowered):
                              _summed_bytes(plans, s, meshes[s], sums))
 
         stages = [stage_plan(s) for s in range(p)]
-        limit = options.memory_limit_bytes
+        limit = options.memory_limit_bytes if given is None else None  # a saved plan's stages are final
         for s, st in enumerate(stages):  # what the programs do not see (other micro-batches, the sums) off their limit
             extra = st.memory_bytes - max(st.forward.cost.memory_bytes, st.backward.cost.memory_bytes)
             if limit and st.memory_bytes > limit and extra < limit:
@@ -102,19 +113,22 @@ class PipelinedLowered(SeveralProgramsLowered):
                     except MemoryLimitError:
                         pass  # keeps the first plan; pipeline='auto' reports the stage over the limit
                 stages[s] = stage_plan(s)
-        apply_plan = plan_on(step.apply_graph, MeshTopology.from_mesh(mesh, cluster), cluster, options)
+        apply_plan = (given.program("apply_gradients", step.apply_graph) if given is not None
+                      else plan_on(step.apply_graph, MeshTopology.from_mesh(mesh, cluster), cluster, options))
         self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
         self.transfers = _transfers(plans, meshes, cg, cluster)
         self.moves_s = _step_moves(plans, meshes, mesh, apply_plan, step, cluster)
         self._step, self._programs, self._apply_plan = step, plans, apply_plan
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.stages = tuple(stages)
-        self.plan = self._summary(staging)
+        self.plan = dataclasses.replace(self._summary(staged), programs={"apply_gradients": apply_plan},
+                                        placement=place, target=target)
         self._compiled: PipelinedCompiled | None = None
 
-    def _summary(self, staging: stager.Staging) -> Plan:
+    def _summary(self, staged: dict) -> Plan:
         """apply-gradients' plan, for the step's arguments and outputs, with the pipeline's cost:
-        the schedule's time for its stages' programs, then apply-gradients."""
+        the schedule's time for its stages' programs, then apply-gradients. `staged`: the stager's
+        bytes cut and FLOPs per stage."""
         a = self._apply_plan
         fwd, bwd = [s.forward_s for s in self.stages], [s.backward_s for s in self.stages]
         per_boundary: dict[tuple[int, int], float] = {}
@@ -126,8 +140,7 @@ class PipelinedLowered(SeveralProgramsLowered):
                         max([a.cost.memory_bytes] + [s.memory_bytes for s in self.stages]), a.cost.hidden_s)
         n = len(self._step.compute_graph.args)
         stats = dict(a.search_stats, pipeline=len(self.stages), schedule=self.schedule.name, micro_batches=self.k,
-                     stage_cut_bytes=staging.cut_bytes, stage_flops=staging.stage_compute, transfer_s=transfer_s,
-                     arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1])
+                     **staged, transfer_s=transfer_s, arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1])
         stats.pop("compute_gradients", None)
         return dataclasses.replace(
             a, arg_paths=a.arg_paths[:n], arg_roles=a.arg_roles[:n], arg_shapes=a.arg_shapes[:n],
@@ -139,6 +152,19 @@ class PipelinedLowered(SeveralProgramsLowered):
         if self._compiled is None:
             self._compiled = PipelinedCompiled(self)
         return self._compiled
+
+
+def _saved_placement(plan: Plan, cg, p: int) -> tuple[dict[int, tuple[str, int]], dict]:
+    """A saved plan's stage of each op of compute-gradients, and the stager's figures, once they
+    are shown to fit this step's compute-gradients and p stages."""
+    place = plan.placement
+    wrong = [(n, at) for n, at in place.items() if at[0] not in ("F", "B") or not 0 <= at[1] < p]
+    stats = {key: plan.search_stats.get(key) for key in ("stage_cut_bytes", "stage_flops")}
+    if set(place) != {n.id for n in cg.nodes} or wrong or None in stats.values():
+        raise PlanTargetError(f"the plan places {len(place)} ops in {p} stages (e.g. {wrong[:1] or 'none misplaced'}), "
+                              f"compute-gradients cut from this step has {len(cg.nodes)} ops: it was saved by another "
+                              "version of rhino_jax or edited; plan again")
+    return place, stats
 
 
 def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, int, str], resharding.ReshardPlan]:
@@ -242,11 +268,12 @@ class PipelinedCompiled(SeveralPrograms):
             sub = lowered.meshes[prog.stage]
             self._run[key] = (prog, _compile(prog.module, graph, plan, sub), named(sub, plan.arg_specs))
         apply = lowered._apply_plan
-        self._apply = _compile(lowered._step.parts.apply, lowered._step.apply_graph, apply, lowered.mesh)
+        self._apply = _compile(lowered._step.parts.apply, lowered._step.apply_graph, apply, lowered.mesh,
+                               lowered._step.donated)
         self._apply_in = named(lowered.mesh, apply.arg_specs)
         self._add = jax.jit(lambda a, b: a + b)
         self._stage_of = {v: prog.stage for prog, _, _ in lowered._programs.values() for v in prog.outputs}
-        self.programs = {f"{'forward' if kind == 'F' else 'backward'}[{stage}]": run
+        self.programs = {program_name(kind, stage): run
                          for (kind, stage), (_, run, _) in sorted(self._run.items(), key=lambda kv: kv[0][::-1])}
         self.programs["apply_gradients"] = self._apply
 

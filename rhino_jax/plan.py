@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rhino_jax.hlo_passes.graph import dtype_size
+from rhino_jax.hlo_passes.graph import Graph, dtype_size
 from rhino_jax.runtime.schedules import make as make_schedule
 from rhino_jax.runtime.task_graph import TaskGraph, build as build_task_graph
 from rhino_jax.search.cluster import combiner_for
@@ -128,6 +128,12 @@ class Plan:
     mesh_candidates: tuple[MeshCandidate, ...] = ()
     # With `pipeline`: each stage (the programs' plans); the plan itself is apply-gradients'.
     stages: tuple[StagePlan, ...] = ()
+    # With micro-batches or `pipeline`: the plans of the step's programs that `stages` does not
+    # hold, by their names in `compiled.programs` ("compute_gradients", "apply_gradients"), and
+    # where each op of compute-gradients runs (node → ("F" | "B", stage)): what a saved plan
+    # needs to run without a search.
+    programs: dict[str, "Plan"] = field(default_factory=dict, repr=False)
+    placement: dict[int, tuple[str, int]] = field(default_factory=dict, repr=False)
     # What the plan was made for (program, arguments, mesh): a saved plan is checked against it.
     target: PlanTarget | None = None
     # Ctrl-C stopped the search (`search.interrupt`): the best plan found by then, not optimal.
@@ -203,6 +209,35 @@ class Plan:
         why = self.target.mismatch(target)
         if why:
             raise PlanTargetError(why)
+
+    def program_plans(self) -> dict[str, "Plan"]:
+        """Every program's plan by its name in `compiled.programs` (a step run as several programs;
+        empty for one SPMD program)."""
+        out = {program_name(kind, st.stage): getattr(st, attr) for st in self.stages
+               for kind, attr in (("F", "forward"), ("B", "backward"))}
+        return dict(out, **self.programs)
+
+    def program(self, name: str, graph: Graph) -> "Plan":
+        """The saved plan of program `name`, checked against `graph`, the program cut from the step
+        now (its arguments' shapes and dtypes, its outputs' ranks, its values): PlanTargetError
+        when it does not fit, as when another version of rhino_jax cut the step differently."""
+        found = self.program_plans().get(name)
+        if found is None:
+            held = ", ".join(self.program_plans())
+            raise PlanTargetError(f"the plan holds no plan of the program {name} ("
+                                  + (f"it holds {held}" if held else "it was saved by a rhino_jax that did not keep "
+                                     "the plans of a step's programs") + "); plan again")
+        values = [graph.values[a.value] for a in graph.args]
+        mine = (tuple(v.shape for v in values), tuple(v.dtype for v in values),
+                tuple(len(graph.values[o].shape) for o in graph.outputs))
+        saved = (found.arg_shapes, found.arg_dtypes, tuple(s.rank for s in found.output_specs))
+        if mine != saved or any(v >= len(graph.values) for v in found.value_specs):
+            raise PlanTargetError(f"the plan of the program {name} does not fit the program cut from this step "
+                                  f"({len(values)} arguments, {len(graph.outputs)} outputs, {len(graph.values)} "
+                                  f"values; the plan has {len(found.arg_shapes)}, {len(found.output_specs)} and values "
+                                  f"up to {max(found.value_specs, default=-1) + 1}, or other shapes): another version "
+                                  "of rhino_jax cut the step differently; plan again")
+        return found
 
     def report(self, max_tensors: int = 12) -> str:
         mesh = _axes(self.mesh_axes)
@@ -282,6 +317,11 @@ class Plan:
             if len(self.fallback_ops) > 10:
                 lines.append(f"  ... and {len(self.fallback_ops) - 10} more")
         return "\n".join(lines)
+
+
+def program_name(kind: str, stage: int) -> str:
+    """The name of a stage's forward ("F") or backward ("B") program in `compiled.programs`."""
+    return f"{'forward' if kind == 'F' else 'backward'}[{stage}]"
 
 
 def _axes(mesh_axes: dict[str, int]) -> str:

@@ -4,7 +4,7 @@ A plan names values by their position in the imported module and layouts by mesh
 only means something for the program it was searched on and a mesh of the same axes; laid on
 other devices it would also move data the user did not expect. `PlanTarget.of` records a hash of
 the step's StableHLO (as lowered for the search, before the plan's shardings), its arguments'
-paths, shapes and dtypes, and the mesh's shape, axis names and device ids. A consumer builds the
+paths, shapes and dtypes, which are donated, and the mesh's shape, axis names and device ids. A consumer builds the
 target of what it is about to run and calls `Plan.check_matches`, which names the first
 difference and what to change.
 """
@@ -35,10 +35,14 @@ class PlanTarget:
     axis_names: tuple[str, ...]
     device_ids: tuple[int, ...]  # the mesh's devices, row-major
     jax_version: str  # the program's text may change with jax: named in the error when it differs
+    # the flat arguments donated (`arguments.donated_leaves`): the search ties a donated
+    # argument's layout to its output's, so a plan made otherwise would not reuse the buffers
+    donated: tuple[int, ...] = ()
 
     @staticmethod
-    def of(step: LoweredStep, mesh: Mesh) -> "PlanTarget":
-        """The target of a step lowered on `mesh` for the search (`lowering.lower_on_mesh`)."""
+    def of(step: LoweredStep, mesh: Mesh, donated: tuple[int, ...] = ()) -> "PlanTarget":
+        """The target of a step lowered on `mesh` for the search (`lowering.lower_on_mesh`),
+        with these flat arguments donated."""
         avals = jax.tree.leaves(step.lowered.in_avals)
         return PlanTarget(
             program=fingerprint(step.module),
@@ -48,7 +52,8 @@ class PlanTarget:
             mesh_shape=tuple(int(n) for n in mesh.devices.shape),
             axis_names=tuple(mesh.axis_names),
             device_ids=tuple(int(d.id) for d in mesh.devices.flat),
-            jax_version=jax.__version__)
+            jax_version=jax.__version__,
+            donated=tuple(donated))
 
     def mismatch(self, other: "PlanTarget") -> str | None:
         """Why a plan made for this target cannot run on `other`, or None when it can."""
@@ -69,6 +74,9 @@ class PlanTarget:
             if (path, shape, dtype) != (p, s, d):
                 return (f"argument {p} is {d}{list(s)}, the plan was made for {path} {dtype}{list(shape)}; pass "
                         "arguments of the planned shapes or plan again for these")
+        if self.donated != other.donated:
+            return (f"the plan was made with the arguments {_paths(self)} donated and is applied with "
+                    f"{_paths(other)} donated; pass the same donate_argnums or plan again")
         if self.program != other.program:
             version = (f" (the plan was made under jax {self.jax_version}, this is jax {other.jax_version})"
                        if self.jax_version != other.jax_version else "")
@@ -79,3 +87,7 @@ class PlanTarget:
 
 def _axes(axes: dict[str, int]) -> str:
     return "(" + ", ".join(f"{a}={n}" for a, n in axes.items()) + ")"
+
+
+def _paths(target: PlanTarget) -> str:
+    return "[" + ", ".join(target.arg_paths[i] for i in target.donated) + "]"

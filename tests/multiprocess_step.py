@@ -1,5 +1,7 @@
 """A step of a distributed job, run by tests/test_multiprocess.py under `rhino_jax.launch`:
-`python -m rhino_jax.launch -n 2 --local-devices 4 tests/multiprocess_step.py run|die|pipeline`."""
+`python -m rhino_jax.launch -n 2 --local-devices 4 tests/multiprocess_step.py run|die|pipeline [PLAN_FILE]`.
+With `pipeline`, process 0 saves the plan the job found to PLAN_FILE and every process runs the
+step from that file, searching nothing: how a job plans once and reuses the plan."""
 import os
 import sys
 
@@ -26,7 +28,21 @@ with jax.default_device(jax.local_devices()[0]):
     want = jax.jit(step)(*args)
 stages = {"pipeline": dict(pipeline=2, num_micro_batches=2)}.get(sys.argv[1], {})  # a stage per process
 lowered = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")), **stages).lower(*args)
-print("plan digest", digest(lowered.plan), flush=True)
+print(f"plan digest {digest(lowered.plan)}", flush=True)  # one write: C++ logs may come between writes
+if sys.argv[1] == "pipeline":
+    from jax.experimental import multihost_utils
+
+    if jax.process_index() == 0:
+        lowered.plan.save(sys.argv[2])
+    multihost_utils.sync_global_devices("plan saved")
+
+    def no_search(*_args, **_kwargs):
+        raise AssertionError("searched although a plan was given")
+
+    rj.pipelined.plan_on = rj.pipelined.stager.stage = no_search
+    lowered = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")), plan=sys.argv[2],
+                             **stages).lower(*args)
+    print(f"plan digest {digest(lowered.plan)} (loaded)", flush=True)
 params, opt_state, batch = args
 shardings = lowered.plan.input_shardings
 state = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: np.asarray(x)[i]),

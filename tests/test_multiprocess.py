@@ -72,11 +72,13 @@ def test_plans_that_differ_across_processes_are_refused(monkeypatch):
     multiprocess.agree(plan)  # the same digest everywhere: nothing to say
 
 
-def test_a_pipeline_stage_per_process_matches_one_device():
+def test_a_pipeline_stage_per_process_matches_one_device(tmp_path):
     """pipeline=2 on a (2, 4) mesh: each stage on one process's 4 devices; every move between
-    the processes is an SPMD program over the whole mesh (`runtime.transfer`)."""
-    done, _ = _launch(str(STEP), "pipeline")
+    the processes is an SPMD program over the whole mesh (`runtime.transfer`). The step runs
+    from the plan process 0 saved, loaded by both without a search."""
+    done, _ = _launch(str(STEP), "pipeline", str(tmp_path / "plan.json"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     digests = _digests(done.stdout)
-    assert len(digests) == 2 and len(set(digests)) == 1
+    assert len(digests) == 4 and len(set(digests)) == 1  # searched and loaded, on both processes
+    assert done.stdout.count("(loaded)") == 2
     assert _processes_saying(done.stdout, "same numbers as one device") == {"0", "1"}

@@ -106,7 +106,72 @@ def test_parallelize_records_the_target_and_runs_a_saved_plan_without_a_search(t
     assert_same_numbers(jax.jit(step)(*args), again(*args))
     with pytest.raises(PlanTargetError, match="program differs"):  # another step, same shapes
         rj.parallelize(make_mlp_train_step(lr=0.5), mesh=mesh, plan=rj.Plan.load(tmp_path / "plan.json")).lower(*args)
-    with pytest.raises(ValueError, match="plan= runs a saved SPMD plan on a given mesh"):
+    with pytest.raises(ValueError, match=r"plan= runs a saved plan as it was made: pass mesh=rj.device_mesh\(\(2, 4\), "
+                       r"\('data', 'model'\)\), num_micro_batches=1, pipeline='off' \(got mesh=None\)"):
         rj.parallelize(step, plan=tmp_path / "plan.json")
     with pytest.raises(TypeError, match="plan must be a rhino_jax.Plan"):
         rj.parallelize(step, mesh=mesh, plan=42)
+
+
+def _no_search(monkeypatch):
+    """Make every search (SPMD programs, the stager) fail the test."""
+    def no_search(*_args, **_kwargs):
+        raise AssertionError("searched although a plan was given")
+
+    for module in (rj.api, rj.micro_batched, rj.pipelined):
+        monkeypatch.setattr(module, "plan_on", no_search)
+    monkeypatch.setattr(rj.pipelined.stager, "stage", no_search)
+
+
+@pytest.mark.parametrize("options", [dict(num_micro_batches=2), dict(num_micro_batches=4, pipeline=2)],
+                         ids=["micro-batches", "pipeline"])
+def test_a_saved_plan_of_several_programs_runs_without_a_search(options, tmp_path, monkeypatch):
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8)
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    searched = rj.parallelize(step, mesh=mesh, **options).lower(*args)
+    assert searched.plan.target is not None and searched.plan.programs
+    searched.plan.save(tmp_path / "plan.json")
+    _no_search(monkeypatch)
+    again = rj.parallelize(step, mesh=mesh, plan=tmp_path / "plan.json", **options)
+    plan = again.lower(*args).plan
+    assert plan == searched.plan  # every program's plan, the placement of the ops, the predicted cost
+    assert plan.program_plans().keys() == searched.compile().programs.keys()
+    assert_same_numbers(jax.jit(step)(*args), again(*args))
+
+
+def test_a_saved_pipelined_plan_is_refused_for_other_options_or_another_program(tmp_path, monkeypatch):
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    rj.parallelize(step, mesh=mesh, num_micro_batches=4, pipeline=2).lower(*args).plan.save(tmp_path / "plan.json")
+    _no_search(monkeypatch)
+    path = tmp_path / "plan.json"
+    wanted = r"pass mesh=rj.device_mesh\(\(2, 4\), \('data', 'model'\)\), num_micro_batches=4, pipeline=2, " \
+             r"schedule='1f1b'"
+    with pytest.raises(ValueError, match=wanted + r" \(got num_micro_batches=1, pipeline='off'\)"):
+        rj.parallelize(step, mesh=mesh, plan=path)
+    with pytest.raises(ValueError, match=wanted + r" \(got pipeline='auto'\)"):
+        rj.parallelize(step, mesh=mesh, plan=path, num_micro_batches=4, pipeline="auto")
+    with pytest.raises(ValueError, match=r"\(got schedule='gpipe'\)"):
+        rj.parallelize(step, mesh=mesh, plan=path, num_micro_batches=4, pipeline=2, schedule="gpipe")
+    with pytest.raises(ValueError, match=wanted + r" \(got mesh=None\)"):
+        rj.parallelize(step, plan=path, num_micro_batches=4, pipeline=2)
+    with pytest.raises(PlanTargetError, match="program differs"):
+        rj.parallelize(make_mlp_train_step(lr=0.5), mesh=mesh, plan=path, num_micro_batches=4, pipeline=2).lower(*args)
+    with pytest.raises(PlanTargetError, match=r"made with the arguments \[\] donated and is applied with "
+                                              r"\[arg\[1\]\['count'\], .*\] donated; pass the same donate_argnums"):
+        rj.parallelize(step, mesh=mesh, plan=path, num_micro_batches=4, pipeline=2, donate_argnums=1).lower(*args)
+    edited = dataclasses.replace(rj.Plan.load(path), placement={})
+    with pytest.raises(PlanTargetError, match="places 0 ops in 2 stages"):
+        rj.parallelize(step, mesh=mesh, plan=edited, num_micro_batches=4, pipeline=2).lower(*args)
+
+
+def test_a_saved_program_plan_that_does_not_fit_its_program_is_refused(tmp_path, monkeypatch):
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    plan = rj.parallelize(step, mesh=mesh, num_micro_batches=2).lower(*args).plan
+    apply = plan.programs["apply_gradients"]
+    cut = dataclasses.replace(plan, programs=dict(plan.programs, apply_gradients=dataclasses.replace(
+        apply, arg_shapes=apply.arg_shapes[:-1])))  # as if another version had cut the step otherwise
+    _no_search(monkeypatch)
+    with pytest.raises(PlanTargetError, match="plan of the program apply_gradients does not fit the program cut"):
+        rj.parallelize(step, mesh=mesh, plan=cut, num_micro_batches=2).lower(*args)
