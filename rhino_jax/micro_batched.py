@@ -11,7 +11,7 @@ outputs fed back to the next step keep those layouts too.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -212,13 +212,13 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         cluster = get_cluster(options.cluster)
         topo = MeshTopology.from_mesh(mesh, cluster)
 
-        def plan(name: str, graph: Graph) -> Plan:
-            return given.program(name, graph) if given is not None else plan_on(graph, topo, cluster, options)
+        def plan(name: str, module, graph: Graph) -> Plan:
+            return program_plan(name, module, graph, mesh, given, lambda: plan_on(graph, topo, cluster, options))
 
-        compute_plan = plan("compute_gradients", compute_graph)
+        compute_plan = plan("compute_gradients", parts.compute, compute_graph)
         apply_graph = dataclasses.replace(apply_graph, pins=apply_graph.pins + _same_layouts(
             apply_graph, compute_graph, compute_plan))
-        apply_plan = plan("apply_gradients", apply_graph)
+        apply_plan = plan("apply_gradients", parts.apply, apply_graph)
         self.mesh, self.k, self._signature, self.cluster = mesh, k, signature, cluster
         self._step, self._parts, self._graphs = step, parts, (compute_graph, apply_graph)
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
@@ -231,6 +231,16 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         if self._compiled is None:
             self._compiled = MicroBatchedCompiled(self)
         return self._compiled
+
+
+def program_plan(name: str, module, graph: Graph, mesh: Mesh, given: Plan | None, search: Callable[[], Plan]) -> Plan:
+    """The plan of one program of the step (`name` as in `compiled.programs`): the saved plan's
+    (`given`), once it is shown to be made for this program, else `search()`'s, recording the
+    program it was made for."""
+    target = PlanTarget.of_program(module, graph, mesh)
+    if given is not None:
+        return given.program(name, target)
+    return dataclasses.replace(search(), target=target)
 
 
 def _same_layouts(apply_graph: Graph, compute_graph: Graph, compute_plan: Plan) -> tuple[Pin, ...]:

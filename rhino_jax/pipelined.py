@@ -36,7 +36,8 @@ from rhino_jax.search.memory import local_bytes
 from .errors import MemoryLimitError, MeshError
 from .mesh_search import plan_on
 from .arguments import Call, call_tree
-from .micro_batched import SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of, named, split_step
+from .micro_batched import (SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of, named,
+                            program_plan, split_step)
 from .options import Options
 from .plan import Plan, PlanCost, StagePlan, program_name
 from .plan_target import PlanTarget, PlanTargetError
@@ -86,9 +87,9 @@ class PipelinedLowered(SeveralProgramsLowered):
             graph = import_module(prog.module, [whole.arg_paths[i] for i in prog.args] + [f"in[{v}]" for v in prog.inputs],
                                   [whole.arg_roles[i] for i in prog.args] + ["other"] * len(prog.inputs),
                                   [f"out[{v}]" for v in prog.outputs])
-            plan = (given.program(program_name(prog.kind, prog.stage), graph) if given is not None
-                    else plan_on(graph, topology[prog.stage], cluster, options))
-            plans[prog.kind, prog.stage] = (prog, graph, plan)
+            plans[prog.kind, prog.stage] = (prog, graph, program_plan(
+                program_name(prog.kind, prog.stage), prog.module, graph, meshes[prog.stage], given,
+                lambda: plan_on(graph, topology[prog.stage], cluster, options)))
         self.schedule = schedules.make(options.schedule, p, k)
         in_flight = self.schedule.in_flight()
         sums = set(cg.outputs)
@@ -109,12 +110,15 @@ class PipelinedLowered(SeveralProgramsLowered):
                 for kind in ("F", "B"):
                     prog, graph, _ = plans[kind, s]
                     try:
-                        plans[kind, s] = (prog, graph, plan_on(graph, topology[s], cluster, tighter))
+                        plans[kind, s] = (prog, graph, program_plan(
+                            program_name(kind, s), prog.module, graph, meshes[s], None,
+                            lambda: plan_on(graph, topology[s], cluster, tighter)))
                     except MemoryLimitError:
                         pass  # keeps the first plan; pipeline='auto' reports the stage over the limit
                 stages[s] = stage_plan(s)
-        apply_plan = (given.program("apply_gradients", step.apply_graph) if given is not None
-                      else plan_on(step.apply_graph, MeshTopology.from_mesh(mesh, cluster), cluster, options))
+        apply_plan = program_plan("apply_gradients", step.parts.apply, step.apply_graph, mesh, given,
+                                  lambda: plan_on(step.apply_graph, MeshTopology.from_mesh(mesh, cluster), cluster,
+                                                  options))
         self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
         self.transfers = _transfers(plans, meshes, cg, cluster)
         self.moves_s = _step_moves(plans, meshes, mesh, apply_plan, step, cluster)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rhino_jax.hlo_passes.graph import Graph, dtype_size
+from rhino_jax.hlo_passes.graph import dtype_size
 from rhino_jax.runtime.schedules import make as make_schedule
 from rhino_jax.runtime.task_graph import TaskGraph, build as build_task_graph
 from rhino_jax.search.cluster import combiner_for
@@ -217,26 +217,20 @@ class Plan:
                for kind, attr in (("F", "forward"), ("B", "backward"))}
         return dict(out, **self.programs)
 
-    def program(self, name: str, graph: Graph) -> "Plan":
-        """The saved plan of program `name`, checked against `graph`, the program cut from the step
-        now (its arguments' shapes and dtypes, its outputs' ranks, its values): PlanTargetError
-        when it does not fit, as when another version of rhino_jax cut the step differently."""
+    def program(self, name: str, target: PlanTarget) -> "Plan":
+        """The saved plan of program `name`, once it is shown to be made for `target`, the program
+        cut from the step now (`PlanTarget.of_program`): PlanTargetError otherwise, as when another
+        version of rhino_jax cut the step into programs differently."""
         found = self.program_plans().get(name)
         if found is None:
             held = ", ".join(self.program_plans())
             raise PlanTargetError(f"the plan holds no plan of the program {name} ("
                                   + (f"it holds {held}" if held else "it was saved by a rhino_jax that did not keep "
                                      "the plans of a step's programs") + "); plan again")
-        values = [graph.values[a.value] for a in graph.args]
-        mine = (tuple(v.shape for v in values), tuple(v.dtype for v in values),
-                tuple(len(graph.values[o].shape) for o in graph.outputs))
-        saved = (found.arg_shapes, found.arg_dtypes, tuple(s.rank for s in found.output_specs))
-        if mine != saved or any(v >= len(graph.values) for v in found.value_specs):
-            raise PlanTargetError(f"the plan of the program {name} does not fit the program cut from this step "
-                                  f"({len(values)} arguments, {len(graph.outputs)} outputs, {len(graph.values)} "
-                                  f"values; the plan has {len(found.arg_shapes)}, {len(found.output_specs)} and values "
-                                  f"up to {max(found.value_specs, default=-1) + 1}, or other shapes): another version "
-                                  "of rhino_jax cut the step differently; plan again")
+        why = "it records no target" if found.target is None else found.target.mismatch(target)
+        if why:
+            raise PlanTargetError(f"the plan of the program {name} was not made for the program cut from this step "
+                                  f"now ({why}); another version of rhino_jax cut the step differently: plan again")
         return found
 
     def report(self, max_tensors: int = 12) -> str:

@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+from jax.extend.mlir import ir
 from jax.sharding import Mesh
 
+from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.lowering import LoweredStep
 from rhino_jax.hlo_passes.module import fingerprint
 
@@ -54,6 +56,22 @@ class PlanTarget:
             device_ids=tuple(int(d.id) for d in mesh.devices.flat),
             jax_version=jax.__version__,
             donated=tuple(donated))
+
+    @staticmethod
+    def of_program(module: ir.Module, graph: Graph, mesh: Mesh) -> "PlanTarget":
+        """The target of one program cut from a step (micro-batches, pipeline stages) on its mesh
+        or sub-mesh: a saved plan's program plan is checked against the program cut now."""
+        values = [graph.values[a.value] for a in graph.args]
+        return PlanTarget(
+            program=fingerprint(module),
+            arg_paths=tuple(a.path for a in graph.args),
+            arg_shapes=tuple(v.shape for v in values),
+            arg_dtypes=tuple(v.dtype for v in values),
+            mesh_shape=tuple(int(n) for n in mesh.devices.shape),
+            axis_names=tuple(mesh.axis_names),
+            device_ids=tuple(int(d.id) for d in mesh.devices.flat),
+            jax_version=jax.__version__,
+            donated=tuple(a.index for a in graph.args if a.donated_to is not None))
 
     def mismatch(self, other: "PlanTarget") -> str | None:
         """Why a plan made for this target cannot run on `other`, or None when it can."""
