@@ -195,3 +195,18 @@ def test_donation_follows_the_arguments_around_static_ones():
     for lowered in (parallel.lower(params, "sgd", batch), parallel.lower(params=params, mode="sgd", batch=batch)):
         donated = {a.path for a in lowered.graph.args if a.donated_to is not None}
         assert donated == {p for p in lowered.plan.arg_paths if "w" in p} and len(donated) == 2
+
+
+def test_donated_leaves_are_the_ones_jax_donates():
+    """`arguments.donated_leaves` (which leaves apply-gradients may overwrite under micro-batches)
+    against jax.jit's own args_info, with a static argument and a donated keyword argument."""
+    from rhino_jax.arguments import ArgSpec, donated_leaves
+
+    def f(a, s, b, z=None, c=None):
+        return a["x"] * 2, b, c
+
+    a, b, c = {"x": jnp.ones(3), "y": jnp.ones(2)}, (jnp.ones(4), jnp.ones(5)), {"q": jnp.ones(6)}
+    call = ArgSpec.of(f, static_argnums=1, donate_argnums=(2, 4)).call(f, (a, "s", b), {"c": c})
+    lowered = jax.jit(f, static_argnums=1, donate_argnums=(2, 4)).lower(a, "s", b, c=c)
+    jax_donates = [i for i, info in enumerate(jax.tree.leaves(lowered.args_info)) if info.donated]
+    assert donated_leaves(call) == tuple(jax_donates) == (2, 3, 4)
