@@ -315,9 +315,12 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: st
     if memory_limit_bytes is not None and plan.cost.memory_bytes > memory_limit_bytes:
         if plan.search_stats["status"] == "interrupted":
             raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
+        least = _least_arguments(graph, units, producer_unit, sizes)
+        if least > memory_limit_bytes:  # no plan can fit: say so now rather than after every solve
+            _raise_memory_error([plan], memory_limit_bytes, graph, least)
         candidates = _by_size(graph, units, groups, sizes)
         plan = _fit_memory(plan_with, candidates, [units[groups[g].root].ref for g in candidates],
-                           plan, memory_limit_bytes, graph, _least_arguments(graph, units, producer_unit, sizes))
+                           plan, memory_limit_bytes, graph, least)
     return plan
 
 
