@@ -18,6 +18,12 @@ def assert_same_adam_step(reference, result, lr: float):
     assert_same_numbers(params_ref, params, rtol=1e-3, atol=lr / 4)
 
 
+def on_host(tree):
+    """The arrays as numpy: jax.device_put splits a host array by slicing it, where a jax array on
+    one device costs a compiled slicing program per shape and layout (seconds per Flax step)."""
+    return jax.tree.map(np.asarray, tree)
+
+
 def topology(**sizes):
     """A mesh as the cost model sees it, every axis on the same link (M8's NVLink figures)."""
     from rhino_jax.search.cluster import M8_V100, MeshTopology

@@ -14,18 +14,38 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 
+from benchmarks import third_party_models
 from benchmarks.third_party_models import GPT, _tokens, linen_clip_adamw, linen_scan_remat
-from helpers import assert_same_adam_step, assert_same_numbers
+from helpers import assert_same_adam_step, assert_same_numbers, on_host
 
 MESHES = [((8,), ("data",)), ((2, 4), ("data", "model"))]
 
 
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    """GPT_TINY's step, its arguments and its one-device result, shared: each new step is a new
+    function, which jax.jit compiles again."""
+    step, args = gpt.make_gpt_train_step(gpt.GPT_TINY), gpt.gpt_example(gpt.GPT_TINY)
+    return step, args, jax.jit(step)(*args)
+
+
+@pytest.fixture(scope="module")
+def small_flax_lms():
+    """The third-party Flax LMs with a vocabulary of 256 and 2 layers. The plans stay of the same
+    kind (the batch split over data+model, the sums reduced), but at 1024 HiGHS takes about 15 s
+    to prove nn.scan's compute-gradients plan optimal, and each layer adds seconds of compiling."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(third_party_models, "VOCAB", 256)
+        patch.setattr(third_party_models, "LAYERS", 2)
+        yield
+
+
 @pytest.mark.parametrize("shape,names", MESHES)
 @pytest.mark.parametrize("k", [2, 4])
-def test_a_gpt_with_adam_keeps_the_whole_batchs_numbers(shape, names, k):
-    step, args = gpt.make_gpt_train_step(gpt.GPT_TINY), gpt.gpt_example(gpt.GPT_TINY)
+def test_a_gpt_with_adam_keeps_the_whole_batchs_numbers(shape, names, k, tiny_gpt):
+    step, args, expected = tiny_gpt
     lowered = rj.parallelize(step, mesh=rj.device_mesh(shape, names), num_micro_batches=k).lower(*args)
-    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
+    assert_same_numbers(expected, lowered.compile()(*on_host(args)))
     compute, apply = lowered.programs["compute_gradients"], lowered.programs["apply_gradients"]
     assert lowered.plan.cost.total_s == pytest.approx(k * compute.cost.total_s + apply.cost.total_s)
     assert f"{k} micro-batches" in lowered.plan.report()
@@ -33,10 +53,10 @@ def test_a_gpt_with_adam_keeps_the_whole_batchs_numbers(shape, names, k):
     assert compiled.compiled_step_s() > 0 and "priced from the compiled programs" in compiled.report()
 
 
-def test_flax_with_global_norm_clipping_keeps_its_numbers():
+def test_flax_with_global_norm_clipping_keeps_its_numbers(small_flax_lms):
     case = linen_clip_adamw()  # optax.clip_by_global_norm + adamw: the norm is taken after the sums
     step = rj.parallelize(case.step, mesh=rj.device_mesh((2, 4), ("data", "model")), num_micro_batches=2)
-    assert_same_adam_step(jax.jit(case.step)(*case.args), step(*case.args), lr=1e-3)
+    assert_same_adam_step(jax.jit(case.step)(*case.args), step(*on_host(case.args)), lr=1e-3)
 
 
 def _masked_step(normalize: str):
@@ -73,9 +93,11 @@ def test_a_loss_averaged_over_the_kept_examples_keeps_its_numbers(shape, names):
     assert_same_numbers(jax.jit(step)(*args), out)
 
 
-def _masked_flax_lm():
+@pytest.fixture(scope="module")
+def masked_flax_lm(small_flax_lms):
     """A Flax LM whose cross-entropy averages over the tokens a padding mask keeps, optax's
-    global-norm clipping and AdamW: the step most LM trainers write."""
+    global-norm clipping and AdamW: the step most LM trainers write; its arguments and its
+    one-device result."""
     model, batch = GPT(), _tokens()
     batch = dict(batch, mask=(batch["targets"] % 3 != 0).astype(jnp.float32))
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
@@ -91,15 +113,16 @@ def _masked_flax_lm():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return train_step, (params, tx.init(params), batch)
+    args = (params, tx.init(params), batch)
+    return train_step, args, jax.jit(train_step)(*args)
 
 
 @pytest.mark.parametrize("pipeline", ["off", 2])
-def test_a_flax_lm_with_a_padding_mask_keeps_its_numbers(pipeline):
-    step, args = _masked_flax_lm()
+def test_a_flax_lm_with_a_padding_mask_keeps_its_numbers(pipeline, masked_flax_lm):
+    step, args, expected = masked_flax_lm
     mesh = rj.device_mesh((2, 4), ("data", "model"))
-    out = rj.parallelize(step, mesh=mesh, num_micro_batches=2, pipeline=pipeline)(*args)
-    assert_same_adam_step(jax.jit(step)(*args), out, lr=1e-3)
+    out = rj.parallelize(step, mesh=mesh, num_micro_batches=2, pipeline=pipeline)(*on_host(args))
+    assert_same_adam_step(expected, out, lr=1e-3)
 
 
 def test_two_losses_averaged_over_different_counts_are_refused():
@@ -165,10 +188,10 @@ def test_a_scan_over_layers_keeps_its_numbers(shape, names):
     assert_same_numbers(jax.jit(step)(*args), out)
 
 
-def test_flax_scan_with_remat_keeps_its_numbers():
+def test_flax_scan_with_remat_keeps_its_numbers(small_flax_lms):
     case = linen_scan_remat()
     step = rj.parallelize(case.step, mesh=rj.device_mesh((2, 4), ("data", "model")), num_micro_batches=2)
-    assert_same_adam_step(jax.jit(case.step)(*case.args), step(*case.args), lr=1e-3)
+    assert_same_adam_step(jax.jit(case.step)(*case.args), step(*on_host(case.args)), lr=1e-3)
 
 
 def test_a_loop_sum_that_does_not_start_at_zero_is_refused():
