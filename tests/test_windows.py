@@ -11,7 +11,7 @@ import rhino_jax as rj
 from rhino_jax.models import gpt
 from rhino_jax.search import ilp, windows
 
-from helpers import assert_same_numbers
+from helpers import assert_same_numbers, on_host
 
 
 def _random_problem(seed: int, groups: int = 12, k: int = 3, families: int = 3) -> ilp.Problem:
@@ -81,19 +81,28 @@ def _distinct_widths(layers: int, abstract: bool):
     return gpt.make_gpt_train_step(cfg), gpt.gpt_example(cfg, abstract=abstract)
 
 
-@pytest.fixture
-def tiny_windows(monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_windows():
     """Windows on a test-sized model: on (2, 4) its 4 layers tied alike make an ILP of about 80k
     variables, solved whole, and untied about 170k, solved by windows of at most 10k."""
-    monkeypatch.setattr(windows, "WHOLE_VARS", 100_000)
-    monkeypatch.setattr(windows, "WINDOW_VARS", 10_000)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(windows, "WHOLE_VARS", 100_000)
+        patch.setattr(windows, "WINDOW_VARS", 10_000)
+        yield
 
 
-def test_distinct_layers_are_planned_by_windows_as_o3_plans_them(tiny_windows):
-    step, args = _distinct_widths(4, abstract=True)
-    mesh = rj.device_mesh((2, 4), ("data", "model"))
-    o2 = rj.parallelize(step, mesh=mesh, opt_level="O2").lower(*args).plan
-    o3 = rj.parallelize(step, mesh=mesh, opt_level="O3").lower(*args).plan
+@pytest.fixture(scope="module")
+def windowed(tiny_windows):
+    """The 4 distinct layers' step, its arguments and its O2 lowering on (2, 4), searched once for
+    the test of its plan and the test of its numbers."""
+    step, args = _distinct_widths(4, abstract=False)
+    return step, args, rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")), opt_level="O2").lower(*args)
+
+
+def test_distinct_layers_are_planned_by_windows_as_o3_plans_them(windowed):
+    step, args, lowered = windowed
+    o2 = lowered.plan
+    o3 = rj.parallelize(step, mesh=lowered.mesh, opt_level="O3").lower(*args).plan
     # Attention repeats exactly, the FFNs only in kind: more segments are alike than identical.
     assert o2.search_stats["similar_segments"] > o2.search_stats["tied_segments"]
     assert o2.search_stats["status"] == "windowed" and o2.search_stats["windows"] > 1
@@ -105,12 +114,10 @@ def test_distinct_layers_are_planned_by_windows_as_o3_plans_them(tiny_windows):
     assert "windows" in o2.report()
 
 
-def test_windowed_plan_matches_one_device(tiny_windows):
-    step, args = _distinct_widths(4, abstract=False)
-    reference = jax.jit(step)(*args)
-    compiled = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model"))).lower(*args).compile()
-    assert compiled.plan.search_stats["status"] == "windowed"
-    assert_same_numbers(reference, compiled(*args))
+def test_windowed_plan_matches_one_device(windowed):
+    step, args, lowered = windowed
+    assert lowered.plan.search_stats["status"] == "windowed"
+    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*on_host(args)))
 
 
 def test_o3_out_of_time_keeps_o2s_plan():
