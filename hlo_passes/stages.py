@@ -1,5 +1,6 @@
 """Pipeline stage programs: the compute-gradients program of one micro-batch cut into a forward
-and a backward program per stage (Rhino §5-6; the stager decides the forward ops' stages).
+and a backward program per stage (Rhino §5-6; the stager decides the forward ops' stages), and
+apply-gradients cut into a program per stage and wave (`assign_apply`).
 
 The forward ops are the ancestors of the loss's sum (`micro_batch`); the stager places them. A
 backward op never runs after a backward op it reads (gradients flow from the last stage to the
@@ -26,12 +27,13 @@ from .split import drop_unused_arguments, extract
 
 @dataclass(frozen=True)
 class Program:
-    kind: str  # "F" | "B"
+    kind: str  # "F" | "B" | "A" (apply-gradients' ops of one stage and wave)
     stage: int
     module: ir.Module
-    args: tuple[int, ...]  # the step's arguments it reads (indices), its first arguments
+    args: tuple[int, ...]  # its graph's arguments it reads (indices), its first arguments
     inputs: tuple[int, ...]  # values made by other programs that it reads (after `args`)
     outputs: tuple[int, ...]  # values it makes that other programs read, or that the step returns
+    wave: int = 0  # "A": the most moves between stages on a path from the sums to its ops
 
 
 def ancestors(graph: Graph, value: int) -> set[int]:
@@ -58,9 +60,7 @@ def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int]) -> dict[in
     last = max(forward_stage.values(), default=0)
     out: dict[int, tuple[str, int]] = {}
     for n in graph.nodes:
-        if n.trips > 1 or "loop_trips" in n.attrs:
-            raise StagingError("pipeline stages cannot cut through a loop yet: unroll the layers "
-                               f"({n.name or n.op} is in a loop's body)")
+        _check_not_in_loop(n)
         if n.id in forward:
             out[n.id] = ("F", forward_stage[n.id])
             continue
@@ -80,26 +80,99 @@ def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int]) -> dict[in
     return out
 
 
-def programs(module: ir.Module, graph: Graph, place: Mapping[int, tuple[str, int]]) -> list[Program]:
-    """The forward and backward program of each stage, in the order one micro-batch runs them
-    (F0 .. Fp-1, then Bp-1 .. B0); a stage without ops of a pass has no program for it."""
+def assign_apply(graph: Graph, home: Mapping[int, int]) -> dict[int, tuple[str, int, int]]:
+    """Each op of apply-gradients' `graph` → ("A", stage, wave). `home`: the stage of each of its
+    arguments that lives on one (a parameter on the stage whose programs read it, a sum on the
+    stage that made it). An op goes where most of the bytes it reads are (ties: the stage that
+    keeps its wave lowest, then the first stage), so a layer's optimizer update runs beside its
+    parameters and gradients. An op that reads nothing placed (an optimizer moment times a
+    constant, Adam's step count and bias corrections) or makes more bytes than it reads (a
+    clipping factor broadcast to a weight's shape) goes where its readers are; one that reads
+    only arguments and constants, read on several stages, is left out of the result: each program
+    that reads it computes it again (`programs`), rather than one stage waiting for another's. Its wave is the most stage changes
+    on a path from the arguments to it: a global norm's per-stage squares are wave 0, their total
+    on one stage wave 1, the updates it scales on other stages wave 2."""
+    producer = {r: n.id for n in graph.nodes for r in n.results}
+    readers = graph.consumers()
+    at = {graph.args[i].value: s for i, s in home.items()}
+    stage: dict[int, int] = {}
+    wave: dict[int, int] = {}
+
+    def wave_at(n, s: int) -> int:
+        return max((wave[producer[o]] + (stage[producer[o]] != s) for o in n.operands
+                    if o in producer and producer[o] in wave), default=0)
+
+    later, pure = [], set()  # ops placed after the others; of those, ops reading only arguments and constants
+    for n in graph.nodes:
+        _check_not_in_loop(n)
+        votes: dict[int, int] = {}
+        for o in n.operands:
+            if o in at:
+                votes[at[o]] = votes.get(at[o], 0) + graph.values[o].nbytes
+        if not votes or sum(graph.values[r].nbytes for r in n.results) > sum(votes.values()):
+            later.append((n, max(votes, key=votes.get, default=0)))  # a broadcast: beside its reader
+            if not votes and all(producer.get(o, -1) in pure or o not in producer for o in n.operands):
+                pure.add(n.id)
+            continue
+        stage[n.id] = max(votes, key=lambda s: (votes[s], -wave_at(n, s), -s))
+        wave[n.id] = wave_at(n, stage[n.id])
+        at.update((r, stage[n.id]) for r in n.results)
+    shared: dict[int, set[int]] = {}  # op → the stages of its readers, each computing it again
+    for n, fallback in reversed(later):  # readers first: a chain of such ops follows its end
+        wanted: set[int] = set()
+        for c in (c for r in n.results for c in readers[r]):
+            wanted |= {stage[c]} if c in stage else shared.get(c, set())
+        if len(wanted) > 1 and n.id in pure:
+            shared[n.id] = wanted
+        else:
+            stage[n.id] = min(wanted, default=fallback)
+    wave.clear()
+    for n in graph.nodes:  # waves again, now that every op has its stage
+        if n.id in stage:
+            wave[n.id] = wave_at(n, stage[n.id])
+    return {i: ("A", stage[i], wave[i]) for i in stage}
+
+
+def _check_not_in_loop(n) -> None:
+    if n.trips > 1 or "loop_trips" in n.attrs:
+        raise StagingError("pipeline stages cannot cut through a loop yet: unroll the layers "
+                           f"({n.name or n.op} is in a loop's body)")
+
+
+def run_order(key: tuple) -> tuple:
+    """One micro-batch's programs F0 .. Fp-1, Bp-1 .. B0; apply-gradients' by wave, then stage."""
+    kind, stage = key[0], key[1]
+    return ("FBA".index(kind), key[2] if kind == "A" else 0, stage if kind != "B" else -stage)
+
+
+def programs(module: ir.Module, graph: Graph, place: Mapping[int, tuple]) -> list[Program]:
+    """A program per key of `place` (("F" | "B", stage) or ("A", stage, wave)), in the order they
+    run (`run_order`); a stage without ops of a pass has no program for it. An op `place` leaves
+    out (it reads only arguments and constants, `assign_apply`) is in every program that reads
+    it. A value the graph returns that no placed op makes (an argument, a constant, such an op's)
+    is returned by the first program."""
     producer = {r: n.id for n in graph.nodes for r in n.results}
     returned = set(graph.outputs)
-    keys = sorted(set(place.values()), key=lambda k: (k[0] == "B", k[1] if k[0] == "F" else -k[1]))
-    made: dict[tuple[str, int], list[int]] = {k: [] for k in keys}
+    keys = sorted(set(place.values()), key=run_order)
+    made: dict[tuple, list[int]] = {k: [] for k in keys}
     for n in graph.nodes:
-        made[place[n.id]].extend(n.results)
+        if n.id in place:
+            made[place[n.id]].extend(n.results)
+    unmade = {v for v in returned if v not in producer or producer[v] not in place or graph.values[v].constant}
     result = []
     for key in keys:
         mine = set(made[key])
-        reads = {o for n in graph.nodes if place[n.id] == key for o in n.operands
-                 if o in producer and o not in mine and not graph.values[o].constant}
-        read_elsewhere = {o for n in graph.nodes if place[n.id] != key for o in n.operands if o in mine}
+        reads = {o for n in graph.nodes if place.get(n.id) == key for o in n.operands
+                 if o in producer and producer[o] in place and o not in mine and not graph.values[o].constant}
+        read_elsewhere = {o for n in graph.nodes if place.get(n.id) != key for o in n.operands if o in mine}
         outputs = sorted((read_elsewhere | (returned & mine)) - {v for v in mine if graph.values[v].constant})
+        if key == keys[0]:
+            outputs += sorted(unmade)
         inputs = sorted(reads)
         program = extract(module, graph, inputs, outputs)
         args = drop_unused_arguments(program, len(graph.args))
-        result.append(Program(key[0], key[1], program, args, tuple(inputs), tuple(outputs)))
+        result.append(Program(key[0], key[1], program, args, tuple(inputs), tuple(outputs),
+                              key[2] if len(key) > 2 else 0))
     return result
 
 

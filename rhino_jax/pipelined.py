@@ -1,24 +1,32 @@
 """`pipeline=p`: compute-gradients cut into p stages on p sub-meshes, run micro-batch by micro-batch
-in a static schedule (Rhino §5-6), then one apply-gradients on the whole mesh.
+in a static schedule (Rhino §5-6), then apply-gradients on the stages, each optimizer op beside
+the parameters it updates.
 
 The step is split at its sums as for micro-batching (`micro_batched.split_step`); the stager
 places the forward ops of compute-gradients (balanced FLOPs, least bytes cut), the backward ops
 follow (`hlo_passes.stages`), and each stage's forward and backward program is planned by the
-SPMD search on its sub-mesh (the mesh cut along its first axis). Every tensor one stage hands
-another moves by cross-mesh resharding (`runtime.resharding`, seeds/004), planned once and
-priced: a micro-batch's transfers across the busiest boundary are the schedule's transfer time.
-The step's arguments move to the stages that read them, and the sums to apply-gradients, once
-per step (priced the same way). A stage's memory counts the micro-batches it holds in flight
-and its running sums; over `memory_limit_bytes`, its programs are planned again under what is
-left. The executor walks the task graph of the schedule (`runtime.task_graph`) and dispatches
-each program with its inputs put on its sub-mesh (jax's asynchronous dispatch overlaps the
-stages); between processes, moves are SPMD programs (`runtime.transfer`). The sums of each
-micro-batch are added on the stage that makes them. Not yet: optimizer ops on the stage of the
-parameters they update (apply-gradients runs on the whole mesh), a loop cut across stages.
+SPMD search on its sub-mesh (the mesh cut along its first axis). apply-gradients' ops go where
+the bytes they read are (`stages.assign_apply`): a layer's update on the stage of its parameters
+and gradient sums, a global norm's total on one stage. Its programs, one per stage and wave (the
+stage changes before them), are planned on their sub-meshes with their arguments pinned to the
+layouts the stage's forward and backward programs hold them in, and a result the training loop
+feeds back tied to its argument. So parameters and optimizer state live on their stage: the
+step takes and returns them there (`plan.input_shardings`), and per step only the batch and
+what crosses stages moves. Each tensor one stage hands another moves by cross-mesh resharding
+(`runtime.resharding`, seeds/004), planned once and priced: a micro-batch's transfers across
+the busiest boundary are the schedule's transfer time; the arguments a program reads from
+elsewhere, and the sums and values apply-gradients' programs take from other stages, once per
+step. A stage's memory counts the micro-batches it holds in flight, its running sums and its
+optimizer state; over `memory_limit_bytes`, its programs are planned again under what is left.
+The executor walks the task graph (`runtime.task_graph`) and dispatches each program with its
+inputs put on its sub-mesh (jax's asynchronous dispatch overlaps the stages); between processes,
+moves are SPMD programs (`runtime.transfer`). The sums of each micro-batch are added on the stage
+that makes them. Not yet: a loop cut across stages.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import jax
 import numpy as np
@@ -26,14 +34,16 @@ from jax.sharding import Mesh, NamedSharding
 
 from rhino_jax.hlo_passes import stages as stage_programs
 from rhino_jax.hlo_passes.compiled_cost import price_compiled
+from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph, transfer
 from rhino_jax.search import interrupt, stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
 from rhino_jax.search.memory import local_bytes
+from rhino_jax.search.specs import ShardingSpec
 
-from .errors import MemoryLimitError, MeshError
+from .errors import MemoryLimitError, MeshError, StagingError
 from .mesh_search import plan_on
 from .arguments import Call, call_tree
 from .micro_batched import (SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of, named,
@@ -41,6 +51,9 @@ from .micro_batched import (SeveralPrograms, SeveralProgramsLowered, _compile, m
 from .options import Options
 from .plan import Plan, PlanCost, StagePlan, program_name
 from .plan_target import PlanTarget, PlanTargetError
+
+# A program of the step, its graph and its plan.
+Planned = tuple[stage_programs.Program, Graph, Plan]
 
 EPSILON = 0.25  # the stages' compute may differ from a balanced share by this much
 
@@ -66,7 +79,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         meshes = sub_meshes(mesh, p)
         step = split_step(call, mesh, k)
         target = PlanTarget.of(step.whole, mesh, step.donated)
-        cg = step.compute_graph
+        cg, ag, whole = step.compute_graph, step.apply_graph, step.whole
         if given is None:
             loss = _loss_sum(cg)
             coarse, node_of = stager.forward_stage_graph(cg, loss)
@@ -76,86 +89,261 @@ class PipelinedLowered(SeveralProgramsLowered):
         else:
             given.check_matches(target)
             place, staged = _saved_placement(given, cg, p)
-        programs = stage_programs.programs(step.parts.compute, cg, place)
         cluster = get_cluster(options.cluster)
-        whole = step.whole
-        plans: dict[tuple[str, int], tuple[stage_programs.Program, object, Plan]] = {}
-        topology = {s: MeshTopology.from_mesh(sub, cluster) for s, sub in enumerate(meshes)}
-        for prog in programs:
-            prog = dataclasses.replace(prog, module=on_mesh(prog.module, dict(zip(mesh.axis_names,
-                                                                                 meshes[prog.stage].devices.shape))))
-            graph = import_module(prog.module, [whole.arg_paths[i] for i in prog.args] + [f"in[{v}]" for v in prog.inputs],
-                                  [whole.arg_roles[i] for i in prog.args] + ["other"] * len(prog.inputs),
-                                  [f"out[{v}]" for v in prog.outputs])
-            plans[prog.kind, prog.stage] = (prog, graph, program_plan(
-                program_name(prog.kind, prog.stage), prog.module, graph, meshes[prog.stage], given,
-                lambda: plan_on(graph, topology[prog.stage], cluster, options)))
+        axes = [dict(zip(mesh.axis_names, sub.devices.shape)) for sub in meshes]
+        topology = [MeshTopology.from_mesh(sub, cluster) for sub in meshes]
+        self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
+        self._step, self._place = step, place
         self.schedule = schedules.make(options.schedule, p, k)
-        in_flight = self.schedule.in_flight()
-        sums = set(cg.outputs)
 
-        def stage_plan(s: int) -> StagePlan:
-            return StagePlan(s, dict(zip(mesh.axis_names, meshes[s].devices.shape)),
-                             tuple(int(d.id) for d in meshes[s].devices.flat),
-                             stage_programs.layers(cg, [i for i, (kind, at) in place.items() if kind == "F" and at == s]),
-                             plans["F", s][2], plans["B", s][2], in_flight[s], _held_bytes(plans, s, meshes[s]),
-                             _summed_bytes(plans, s, meshes[s], sums))
+        def search(prog: stage_programs.Program, graph: Graph, opts: Options) -> Planned:
+            return prog, graph, program_plan(program_name(prog.kind, prog.stage, prog.wave), prog.module, graph,
+                                             meshes[prog.stage], given,
+                                             lambda: plan_on(graph, topology[prog.stage], cluster, opts))
 
-        stages = [stage_plan(s) for s in range(p)]
+        def search_apply(i: int) -> Planned:
+            """apply-gradients' program i, its arguments pinned to the stage's layouts of them."""
+            prog, graph = cut[i]
+            held = _held_layouts(self._programs, prog.stage, cg)
+            pins = tuple(Pin(a.value, held[j].dims, a.path) for a, j in zip(graph.args, prog.args) if j in held)
+            return search(prog, dataclasses.replace(graph, pins=graph.pins + pins), options)
+
+        self._programs: dict[tuple[str, int], Planned] = {}
+        for prog in stage_programs.programs(step.parts.compute, cg, place):
+            prog, graph = _on_stage(prog, axes[prog.stage], whole.arg_paths, whole.arg_roles,
+                                    [f"out[{v}]" for v in prog.outputs])
+            self._programs[prog.kind, prog.stage] = search(prog, graph, options)
+        home = _compute_homes(self._programs, cg)
+        programs = stage_programs.programs(step.parts.apply, ag, stage_programs.assign_apply(ag, home))
+        if not programs:
+            raise StagingError("the step has no ops after its gradient sums (an optimizer update) to run on the "
+                               "stages; return the updated parameters, or use pipeline='off'")
+        self._home = _apply_homes(home, programs, ag, whole.arg_roles)
+        readers = Counter(i for prog in programs for i in prog.args)
+        donated = {i for i in step.donated if readers[i] == 1}  # else a later apply program would read it gone
+        cut = []
+        for prog in programs:
+            prog, graph = _on_stage(prog, axes[prog.stage], [a.path for a in ag.args], [a.role for a in ag.args],
+                                    _fed_back_names(prog, ag))
+            cut.append((prog, _with_donation(graph, prog, ag, donated)))
+        self._applies: list[Planned] = [search_apply(i) for i in range(len(cut))]
+
+        stages = [self._stage_plan(s) for s in range(p)]
         limit = options.memory_limit_bytes if given is None else None  # a saved plan's stages are final
         for s, st in enumerate(stages):  # what the programs do not see (other micro-batches, the sums) off their limit
-            extra = st.memory_bytes - max(st.forward.cost.memory_bytes, st.backward.cost.memory_bytes)
-            if limit and st.memory_bytes > limit and extra < limit:
-                tighter = dataclasses.replace(options, memory_limit_bytes=limit - extra)
+            if limit and st.memory_bytes > limit and st.beside_bytes < limit:
+                tighter = dataclasses.replace(options, memory_limit_bytes=limit - st.beside_bytes)
                 for kind in ("F", "B"):
-                    prog, graph, _ = plans[kind, s]
                     try:
-                        plans[kind, s] = (prog, graph, program_plan(
-                            program_name(kind, s), prog.module, graph, meshes[s], None,
-                            lambda: plan_on(graph, topology[s], cluster, tighter)))
+                        self._programs[kind, s] = search(*self._programs[kind, s][:2], tighter)
                     except MemoryLimitError:
                         pass  # keeps the first plan; pipeline='auto' reports the stage over the limit
-                stages[s] = stage_plan(s)
-        apply_plan = program_plan("apply_gradients", step.parts.apply, step.apply_graph, mesh, given,
-                                  lambda: plan_on(step.apply_graph, MeshTopology.from_mesh(mesh, cluster), cluster,
-                                                  options))
-        self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
-        self.transfers = _transfers(plans, meshes, cg, cluster)
-        self.moves_s = _step_moves(plans, meshes, mesh, apply_plan, step, cluster)
-        self._step, self._programs, self._apply_plan = step, plans, apply_plan
-        self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
+                for i, (prog, _) in enumerate(cut):
+                    if prog.stage == s:
+                        try:
+                            self._applies[i] = search_apply(i)  # pinned to the stage's new layouts
+                        except MemoryLimitError:
+                            pass  # keeps its plan: what it reads in other layouts moves, priced
+                stages[s] = self._stage_plan(s)
         self.stages = tuple(stages)
-        self.plan = dataclasses.replace(self._summary(staged), programs={"apply_gradients": apply_plan},
-                                        placement=place, target=target)
+        self.transfers = _transfers(self._programs, meshes, cg, cluster)
+        self.moves_s = _step_moves(self._programs, self._applies, _named(self._layouts()), step, meshes, cluster)
+        self.apply_tasks = _apply_tasks(self._applies, self._home, len(cg.args))
+        self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
+        self.plan = dataclasses.replace(self._summary(staged), placement=place, target=target)
         self._compiled: PipelinedCompiled | None = None
 
+    def _layouts(self) -> list[tuple[Mesh, ShardingSpec]]:
+        """Where the step takes each argument: on its stage (`_home`) in the layout of the first
+        of the stage's programs that reads it (forward, backward, then apply-gradients', which are
+        pinned to the former), else of the result fed back into it; an argument of no stage (the
+        batch) replicated on the whole mesh."""
+        ag, n = self._step.apply_graph, len(self._step.compute_graph.args)
+        everyone = [self._programs[key] for key in sorted(self._programs, key=stage_programs.run_order)]
+        everyone += self._applies
+        fed = {i: ag.outputs[k] for k, i in ag.fed_back().items()}
+        out = []
+        for i in range(n):
+            s = self._home.get(i)
+            read = [plan.arg_specs[prog.args.index(i)] for prog, _, plan in everyone
+                    if prog.stage == s and i in prog.args]
+            made = [plan.output_specs[prog.outputs.index(fed[i])] for prog, _, plan in self._applies
+                    if prog.stage == s and i in fed and fed[i] in prog.outputs]
+            spec = (read + made + [None])[0]
+            out.append((self.mesh, ShardingSpec.replicated(len(ag.values[ag.args[i].value].shape))) if spec is None
+                       else (self.meshes[s], spec))
+        return out
+
+    def _stage_plan(self, s: int) -> StagePlan:
+        cg, plans, sub = self._step.compute_graph, self._programs, self.meshes[s]
+        mine = [plan for prog, _, plan in self._applies if prog.stage == s]
+        forward_ops = [i for i, (kind, at) in self._place.items() if kind == "F" and at == s]
+        return StagePlan(s, dict(zip(self.mesh.axis_names, sub.devices.shape)),
+                         tuple(int(d.id) for d in sub.devices.flat), stage_programs.layers(cg, forward_ops),
+                         plans["F", s][2], plans["B", s][2], self.schedule.in_flight()[s], _held_bytes(plans, s, sub),
+                         _summed_bytes(plans, s, sub, set(cg.outputs)), self._kept_bytes(s),
+                         sum(plan.cost.total_s for plan in mine),
+                         max((plan.cost.memory_bytes for plan in mine), default=0))
+
+    def _kept_bytes(self, s: int) -> int:
+        """Per device, the step's arguments stage s holds that its forward and backward programs
+        do not read (the optimizer state of its layers)."""
+        ag, read = self._step.apply_graph, set(self._programs["F", s][0].args) | set(self._programs["B", s][0].args)
+        layouts, axes = self._layouts(), dict(zip(self.mesh.axis_names, self.meshes[s].devices.shape))
+        return sum(ag.values[ag.args[i].value].nbytes // layouts[i][1].shard_factor(axes)
+                   for i, at in self._home.items() if at == s and i < len(layouts) and i not in read)
+
     def _summary(self, staged: dict) -> Plan:
-        """apply-gradients' plan, for the step's arguments and outputs, with the pipeline's cost:
-        the schedule's time for its stages' programs, then apply-gradients. `staged`: the stager's
-        bytes cut and FLOPs per stage."""
-        a = self._apply_plan
+        """The step's plan: its arguments and results where the stages take and return them, the
+        pipeline's cost (the schedule's time for the stages' programs, the moves once per step,
+        then apply-gradients' programs, wave by wave, each wave as long as its slowest stage),
+        and apply-gradients' searches as its search line. `staged`: the stager's bytes cut and
+        FLOPs per stage."""
         fwd, bwd = [s.forward_s for s in self.stages], [s.backward_s for s in self.stages]
         per_boundary: dict[tuple[int, int], float] = {}
         for (src, dst, _, _), move in self.transfers.items():
             per_boundary[src, dst] = per_boundary.get((src, dst), 0.0) + move.makespan_s
         transfer_s = max(per_boundary.values(), default=0.0)  # a micro-batch's tensors across one boundary
         pipeline_s = self.schedule.makespan(fwd, bwd, transfer_s) + sum(self.moves_s)
-        cost = PlanCost(a.cost.compute_s, a.cost.comm_s, pipeline_s + a.cost.total_s,
-                        max([a.cost.memory_bytes] + [s.memory_bytes for s in self.stages]), a.cost.hidden_s)
-        n = len(self._step.compute_graph.args)
-        stats = dict(a.search_stats, pipeline=len(self.stages), schedule=self.schedule.name, micro_batches=self.k,
-                     **staged, transfer_s=transfer_s, arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1])
-        stats.pop("compute_gradients", None)
-        return dataclasses.replace(
-            a, arg_paths=a.arg_paths[:n], arg_roles=a.arg_roles[:n], arg_shapes=a.arg_shapes[:n],
-            arg_dtypes=a.arg_dtypes[:n], arg_specs=a.arg_specs[:n], cost=cost, search_stats=stats, stages=self.stages,
-            input_shardings=call_tree(self._trees[0], named(self.mesh, a.arg_specs[:n])),
-            output_shardings=jax.tree.unflatten(self._trees[1], named(self.mesh, a.output_specs)))
+        slowest = [max((plan for prog, _, plan in self._applies if prog.wave == w), key=lambda plan: plan.cost.total_s)
+                   for w in sorted({prog.wave for prog, _, _ in self._applies})]
+        total = lambda attr: sum(getattr(plan.cost, attr) for plan in slowest)  # noqa: E731
+        cost = PlanCost(total("compute_s"), total("comm_s"), pipeline_s + total("total_s"),
+                        max(s.memory_bytes for s in self.stages), total("hidden_s"))
+        whole, ag, n = self._step.whole, self._step.apply_graph, len(self._step.compute_graph.args)
+        plans = [plan for _, _, plan in self._applies]
+        stats = dict(_searches([plan.search_stats for plan in plans]), pipeline=len(self.stages),
+                     schedule=self.schedule.name, micro_batches=self.k, **staged, transfer_s=transfer_s,
+                     arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1], applies=self.apply_tasks)
+        made = {v: (prog, plan) for prog, _, plan in self._applies for v in prog.outputs}
+        outputs = [(self.meshes[made[v][0].stage], made[v][1].output_specs[made[v][0].outputs.index(v)])
+                   for v in ag.outputs]
+        layouts = self._layouts()
+        return Plan(
+            mesh_axes=dict(zip(self.mesh.axis_names, self.mesh.devices.shape)), cluster=plans[0].cluster,
+            opt_level=plans[0].opt_level, arg_paths=tuple(whole.arg_paths), arg_roles=tuple(whole.arg_roles),
+            arg_shapes=tuple(ag.values[a.value].shape for a in ag.args[:n]),
+            arg_dtypes=tuple(ag.values[a.value].dtype for a in ag.args[:n]),
+            arg_specs=tuple(spec for _, spec in layouts),
+            output_paths=tuple(whole.output_paths), output_specs=tuple(spec for _, spec in outputs), value_specs={},
+            cost=cost, collectives=tuple(c for plan in plans for c in plan.collectives),
+            fallback_ops=tuple(dict.fromkeys(op for plan in plans for op in plan.fallback_ops)), search_stats=stats,
+            backend=plans[0].backend, stages=self.stages,
+            programs={program_name("A", prog.stage, prog.wave): plan for prog, _, plan in self._applies},
+            interrupted=any(plan.interrupted for plan in plans),
+            input_shardings=call_tree(self._trees[0], _named(layouts)),
+            output_shardings=jax.tree.unflatten(self._trees[1], _named(outputs)))
 
     def compile(self) -> "PipelinedCompiled":
         if self._compiled is None:
             self._compiled = PipelinedCompiled(self)
         return self._compiled
+
+
+def _on_stage(prog: stage_programs.Program, axes: dict[str, int], paths, roles, output_paths
+              ) -> tuple[stage_programs.Program, Graph]:
+    """The program on its stage's sub-mesh, and its graph: the arguments it reads (named and
+    cast as in the graph it was cut from), then the values it takes from other programs."""
+    prog = dataclasses.replace(prog, module=on_mesh(prog.module, axes))
+    graph = import_module(prog.module, [paths[i] for i in prog.args] + [f"in[{v}]" for v in prog.inputs],
+                          [roles[i] for i in prog.args] + ["other"] * len(prog.inputs), output_paths)
+    return prog, graph
+
+
+def _named(layouts: list[tuple[Mesh, ShardingSpec]]) -> list[NamedSharding]:
+    return [NamedSharding(mesh, spec.to_partition_spec()) for mesh, spec in layouts]
+
+
+def _compute_homes(plans: dict[tuple[str, int], Planned], cg: Graph) -> dict[int, int]:
+    """apply-gradients' arguments that live on a stage, and where: a step argument other than the
+    batch on the stage of the first program that reads it (in a micro-batch's order), a sum on
+    the stage that makes it (apply-gradients' argument len(args) + j is compute-gradients' sum j)."""
+    n, sums = len(cg.args), {v: j for j, v in enumerate(cg.outputs)}
+    home: dict[int, int] = {}
+    for key in sorted(plans, key=stage_programs.run_order):
+        prog = plans[key][0]
+        home.update((i, prog.stage) for i in prog.args if cg.args[i].role != "batch" and i not in home)
+        home.update((n + sums[v], prog.stage) for v in prog.outputs if v in sums)
+    return home
+
+
+def _apply_homes(home: dict[int, int], programs, ag: Graph, roles) -> dict[int, int]:
+    """Where each step argument other than the batch lives: on the stage that makes the result
+    fed back into it (a parameter where its update runs, its optimizer state with it), so that a
+    training loop hands it back where it came from; else as `home` has it (compute-gradients'
+    first reader); else on its first reader's among apply-gradients' programs. Sums as in `home`."""
+    made = {v: prog.stage for prog in programs for v in prog.outputs}
+    out = dict(home)
+    for k, i in ag.fed_back().items():
+        if i < len(roles) and roles[i] != "batch" and ag.outputs[k] in made:
+            out[i] = made[ag.outputs[k]]
+    for prog in programs:
+        out.update((i, prog.stage) for i in prog.args if i < len(roles) and roles[i] != "batch" and i not in out)
+    return out
+
+
+def _fed_back_names(prog: stage_programs.Program, ag: Graph) -> list[str]:
+    """Names of an apply-gradients program's results: a step result the training loop feeds back
+    into an argument (`Graph.fed_back` of the whole step) is named as that argument ("out" for
+    "arg"), so that the program's own search, which pairs names leaf by leaf, ties its layout to
+    the argument's; the others by value."""
+    fed = ag.fed_back()
+    first = {v: k for k, v in reversed(list(enumerate(ag.outputs)))}
+    return ["out" + ag.args[fed[first[v]]].path[len("arg"):] if first.get(v) in fed else f"out[{v}]"
+            for v in prog.outputs]
+
+
+def _with_donation(graph: Graph, prog: stage_programs.Program, ag: Graph, donated: set[int]) -> Graph:
+    """The program's graph with each donated step argument (of `donated`) aliasing the result the
+    step pairs it with (`micro_batched._with_donation`) where the program makes that result."""
+    args = list(graph.args)
+    for pos, i in enumerate(prog.args):
+        k = ag.args[i].donated_to
+        if i in donated and k is not None and ag.outputs[k] in prog.outputs:
+            args[pos] = dataclasses.replace(args[pos], donated_to=prog.outputs.index(ag.outputs[k]))
+    return dataclasses.replace(graph, args=tuple(args))
+
+
+def _held_layouts(plans: dict[tuple[str, int], Planned], s: int, cg: Graph) -> dict[int, ShardingSpec]:
+    """apply-gradients' argument → the layout stage s's forward (else backward) program holds it
+    in: a parameter as it reads it, a sum as it makes it. apply-gradients' programs on the stage
+    are pinned to these, so nothing moves between a stage's programs."""
+    n, sums = len(cg.args), {v: j for j, v in enumerate(cg.outputs)}
+    held: dict[int, ShardingSpec] = {}
+    for kind in ("F", "B"):
+        prog, _, plan = plans[kind, s]
+        for pos, i in enumerate(prog.args):
+            held.setdefault(i, plan.arg_specs[pos])
+        for v, spec in zip(prog.outputs, plan.output_specs):
+            if v in sums:
+                held.setdefault(n + sums[v], spec)
+    return held
+
+
+def _apply_tasks(applies: list[Planned], home: dict[int, int], n: int) -> tuple[task_graph.Apply, ...]:
+    """The task graph's apply tasks: each apply-gradients program after the stages whose sums it
+    reads and the programs whose values it reads."""
+    made = {v: prog for prog, _, _ in applies for v in prog.outputs}
+    return tuple(task_graph.Apply(prog.stage, prog.wave, tuple(sorted({home[i] for i in prog.args if i >= n})),
+                                  tuple(sorted({(made[v].stage, made[v].wave) for v in prog.inputs})))
+                 for prog, _, _ in applies)
+
+
+def _searches(stats: list[dict]) -> dict:
+    """apply-gradients' programs' searches as one search line: sizes and times added up, the
+    worst status (interrupted, then any other than optimal) with its figures, the largest gap."""
+    worst = max(stats, key=lambda st: (st.get("status") == "interrupted", st.get("status") != "optimal"))
+    out = dict(worst)
+    for key in ("ops", "critical_nodes", "subgraphs", "groups", "tied_segments", "ilp_groups", "ilp_vars",
+                "ilp_constraints", "solve_s", "build_s"):
+        if all(key in st for st in stats):
+            out[key] = sum(st[key] for st in stats)
+    if "ops" in out:
+        out["critical_proportion"] = out.get("critical_nodes", 0) / max(out["ops"], 1)
+    gaps = [st.get("gap", 0.0) for st in stats]
+    out["gap"] = float("nan") if any(np.isnan(g) for g in gaps) else max(gaps)
+    out["not_replicated"] = tuple(x for st in stats for x in st.get("not_replicated", ()))
+    return out
 
 
 def _saved_placement(plan: Plan, cg, p: int) -> tuple[dict[int, tuple[str, int]], dict]:
@@ -201,32 +389,36 @@ def _hosts(cluster) -> resharding.Hosts:
     return resharding.Hosts(lambda d: host[d.id], cluster.inter_host_bandwidth, cluster.intra_host_bandwidth)
 
 
-def _step_moves(plans, meshes: list[Mesh], mesh: Mesh, apply_plan: Plan, step, cluster) -> tuple[float, float]:
-    """Seconds per step to bring each stage the step's arguments it reads, from the layouts the
-    step takes them in (apply-gradients' arguments, on the whole mesh) to its programs', and to
-    bring the stages' sums to apply-gradients. Priced as cross-mesh resharding under the
-    host-level model, all of a direction's tensors in one plan (they share the hosts' links); a
-    batch argument's micro-batches together move the whole of it."""
-    hosts, cg = _hosts(cluster), step.compute_graph
-    n, sums = len(cg.args), {v: j for j, v in enumerate(cg.outputs)}
-    moves: tuple[dict, dict] = ({}, {})  # in, out; keyed so that a tensor moves once per layout
+def _step_moves(plans: dict[tuple[str, int], Planned], applies: list[Planned], layouts: list[NamedSharding], step,
+                meshes: list[Mesh], cluster) -> tuple[float, float]:
+    """Seconds per step (1) to bring each program the step's arguments it reads elsewhere or in
+    another layout than the step takes them in (`layouts`; a batch argument's micro-batches
+    together move the whole of it), (2) to bring apply-gradients' programs the sums and the
+    values they read from other stages or in other layouts. Priced as cross-mesh resharding
+    under the host-level model, all of a direction's tensors in one plan (they share the hosts'
+    links)."""
+    hosts, ag, n = _hosts(cluster), step.apply_graph, len(step.compute_graph.args)
+    sums = {v: j for j, v in enumerate(step.compute_graph.outputs)}
+    source = {n + sums[v]: NamedSharding(meshes[prog.stage], spec.to_partition_spec())  # sum → where it is made
+              for prog, _, plan in plans.values() for v, spec in zip(prog.outputs, plan.output_specs) if v in sums}
+    source.update((i, layout) for i, layout in enumerate(layouts))
+    made = {v: NamedSharding(meshes[prog.stage], spec.to_partition_spec())
+            for prog, _, plan in applies for v, spec in zip(prog.outputs, plan.output_specs)}
+    moves: tuple[dict, dict] = ({}, {})  # keyed so that a tensor moves once per layout
 
-    def add(direction: dict, key, src: NamedSharding, dst: NamedSharding, shape, dtype) -> None:
-        if key not in direction:
+    def add(direction: dict, key, src: NamedSharding, dst: NamedSharding, value: int) -> None:
+        if src != dst and key not in direction:
+            shape, dtype = ag.values[value].shape, ag.values[value].dtype
             direction[key] = resharding.unit_tasks(resharding.sharding_map(src, shape),
                                                    resharding.sharding_map(dst, shape), np.dtype(dtype).itemsize)
 
-    for prog, _, plan in plans.values():
-        sub = meshes[prog.stage]
-        for pos, i in enumerate(prog.args):
-            dst = NamedSharding(sub, plan.arg_specs[pos].to_partition_spec())
-            add(moves[0], (i, dst), NamedSharding(mesh, apply_plan.arg_specs[i].to_partition_spec()), dst,
-                apply_plan.arg_shapes[i], apply_plan.arg_dtypes[i])
-        for v, spec in zip(prog.outputs, plan.output_specs):
-            if v in sums:
-                add(moves[1], v, NamedSharding(sub, spec.to_partition_spec()),
-                    NamedSharding(mesh, apply_plan.arg_specs[n + sums[v]].to_partition_spec()),
-                    cg.values[v].shape, cg.values[v].dtype)
+    for prog, _, plan in list(plans.values()) + applies:
+        dst = named(meshes[prog.stage], plan.arg_specs)
+        for pos, i in enumerate(prog.args):  # compute-gradients' arguments are the step's: the same indices
+            add(moves[i >= n], ("arg", i, dst[pos]), source[i], dst[pos], ag.args[i].value)
+        if prog.kind == "A":
+            for v, to in zip(prog.inputs, dst[len(prog.args):]):
+                add(moves[1], ("value", v, to), made[v], to, v)
 
     def seconds(direction: dict) -> float:
         tasks = resharding.host_level([t for ts in direction.values() for t in ts], hosts)
@@ -263,7 +455,7 @@ def _loss_sum(cg) -> int:
 
 
 class PipelinedCompiled(SeveralPrograms):
-    """The stage programs and apply-gradients compiled; call it like the step."""
+    """The stage programs and apply-gradients' programs compiled; call it like the step."""
 
     def __init__(self, lowered: PipelinedLowered):
         self._lowered, self.plan = lowered, lowered.plan
@@ -271,78 +463,90 @@ class PipelinedCompiled(SeveralPrograms):
         for key, (prog, graph, plan) in lowered._programs.items():
             sub = lowered.meshes[prog.stage]
             self._run[key] = (prog, _compile(prog.module, graph, plan, sub), named(sub, plan.arg_specs))
-        apply = lowered._apply_plan
-        self._apply = _compile(lowered._step.parts.apply, lowered._step.apply_graph, apply, lowered.mesh,
-                               lowered._step.donated)
-        self._apply_in = named(lowered.mesh, apply.arg_specs)
+        self._apply = {}  # the task graph's name of each apply-gradients program → the program
+        for task, (prog, graph, plan) in zip(lowered.apply_tasks, lowered._applies):
+            sub = lowered.meshes[prog.stage]
+            donated = tuple(a.index for a in graph.args if a.donated_to is not None)
+            self._apply[task.name] = (prog, _compile(prog.module, graph, plan, sub, donated),
+                                      named(sub, plan.arg_specs))
         self._add = jax.jit(lambda a, b: a + b)
         self._stage_of = {v: prog.stage for prog, _, _ in lowered._programs.values() for v in prog.outputs}
         self.programs = {program_name(kind, stage): run
                          for (kind, stage), (_, run, _) in sorted(self._run.items(), key=lambda kv: kv[0][::-1])}
-        self.programs["apply_gradients"] = self._apply
+        self.programs.update((program_name("A", prog.stage, prog.wave), run) for prog, run, _ in self._apply.values())
+
+    def _to(self, x, sharding: NamedSharding, planned: resharding.ReshardPlan | None = None) -> jax.Array:
+        """x (an argument of the step, or a value a program made) in a program's sharding: between
+        processes by an SPMD program over the whole mesh (`runtime.transfer`), else by its planned
+        cross-mesh resharding, else by jax.device_put."""
+        low = self._lowered
+        if isinstance(x, jax.Array) and transfer.needed(x, sharding):
+            p, held = len(low.meshes), _stage_holding(x.sharding.device_set, low.meshes)
+            if held is None:  # on the whole mesh
+                return transfer.to_stage(x, low.mesh, p, _stage_holding(sharding.device_set, low.meshes), sharding)
+            return transfer.from_stage(x, low.mesh, p, held, sharding)
+        return resharding.reshard(x, sharding, planned) if planned else jax.device_put(x, sharding)
 
     def __call__(self, *args, **kwargs):
         low = self._lowered
         micro = micro_batches_of(low, args, kwargs)
-        sums_of = set(low._step.compute_graph.outputs)
+        whole = jax.tree.leaves((args, kwargs))
+        cg = low._step.compute_graph
+        n, sums_of = len(cg.args), set(cg.outputs)
         made: dict[tuple[int, int], jax.Array] = {}  # (micro-batch, value) → array
         sums: dict[int, jax.Array] = {}
-        placed: dict = {}  # (argument, sharding) → the argument on a stage: once per call, not per micro-batch
+        applied: dict[int, jax.Array] = {}  # apply-gradients' value → array
+        placed: dict = {}  # (argument, sharding) → the argument there: once per call, not per micro-batch
         batch = {i for i, role in enumerate(low.plan.arg_roles) if role == "batch"}
 
-        p = len(low.stages)
-
-        def to_stage(x, stage: int, sharding: NamedSharding) -> jax.Array:
-            if isinstance(x, jax.Array) and transfer.needed(x, sharding):  # another process's devices
-                return transfer.to_stage(x, low.mesh, p, stage, sharding)
-            return jax.device_put(x, sharding)
-
-        def put(i: int, mb: int, stage: int, sharding: NamedSharding) -> jax.Array:
-            if i in batch:
-                return to_stage(micro[mb][i], stage, sharding)
+        def put(i: int, mb: int | None, sharding: NamedSharding) -> jax.Array:
+            if i in batch and mb is not None:
+                return self._to(micro[mb][i], sharding)
             if (i, sharding) not in placed:
-                placed[i, sharding] = to_stage(micro[mb][i], stage, sharding)
+                placed[i, sharding] = self._to(whole[i], sharding)
             return placed[i, sharding]
 
-        def move(x: jax.Array, stage: int, sharding: NamedSharding, planned) -> jax.Array:
-            """A value made on `stage` to another stage's program or to apply-gradients."""
-            if transfer.needed(x, sharding):
-                return transfer.from_stage(x, low.mesh, p, stage, sharding)
-            return resharding.reshard(x, sharding, planned) if planned else jax.device_put(x, sharding)
-
-        for task in task_graph.build(low.schedule).order():
-            if task.kind not in ("forward", "backward"):
-                continue
-            prog, run, shardings = self._run["F" if task.kind == "forward" else "B", task.stage]
-            n = len(prog.args)
-            ins = [put(i, task.micro_batch, task.stage, sharding) for i, sharding in zip(prog.args, shardings)]
-            for k, v in enumerate(prog.inputs):  # across meshes by cross-mesh resharding, else device_put
-                key = (self._stage_of[v], task.stage, v, prog.kind)
-                ins.append(move(made[task.micro_batch, v], self._stage_of[v], shardings[n + k], low.transfers.get(key)))
-            outs = run(*ins)
-            for v, out in zip(prog.outputs, outs):
-                made[task.micro_batch, v] = out
-                if v in sums_of:
-                    sums[v] = out if v not in sums else self._add(sums[v], out)
-        whole = jax.device_put(jax.tree.leaves((args, kwargs)), self._apply_in[:len(micro[0])])
-        totals = [move(sums[v], self._stage_of[v], sharding, None)
-                  for v, sharding in zip(low._step.compute_graph.outputs, self._apply_in[len(whole):])]
-        out = self._apply(*whole, *totals)
-        return jax.tree.unflatten(low._trees[1], list(out))
+        for task in task_graph.build(low.schedule, low.apply_tasks).order():
+            if task.kind in ("forward", "backward"):
+                prog, run, shardings = self._run["F" if task.kind == "forward" else "B", task.stage]
+                ins = [put(i, task.micro_batch, sharding) for i, sharding in zip(prog.args, shardings)]
+                for v, sharding in zip(prog.inputs, shardings[len(prog.args):]):  # by cross-mesh resharding
+                    key = (self._stage_of[v], task.stage, v, prog.kind)
+                    ins.append(self._to(made[task.micro_batch, v], sharding, low.transfers.get(key)))
+                outs = run(*ins)
+                for v, out in zip(prog.outputs, outs):
+                    made[task.micro_batch, v] = out
+                    if v in sums_of:
+                        sums[v] = out if v not in sums else self._add(sums[v], out)
+            elif task.kind == "apply":
+                prog, run, shardings = self._apply[task.name]
+                ins = [put(i, None, sharding) if i < n else self._to(sums[cg.outputs[i - n]], sharding)
+                       for i, sharding in zip(prog.args, shardings)]
+                ins += [self._to(applied[v], sharding) for v, sharding in zip(prog.inputs, shardings[len(prog.args):])]
+                applied.update(zip(prog.outputs, run(*ins)))
+        return jax.tree.unflatten(low._trees[1], [applied[v] for v in low._step.apply_graph.outputs])
 
     def compiled_step_s(self, cluster=None) -> float:
-        """The step's time with each stage program and apply-gradients priced from what XLA
-        compiled (`compiled_cost.price_compiled`: its cost analysis and the collectives it
-        emits) in the plan's schedule, with the plan's transfers: the prediction's check."""
+        """The step's time with each program priced from what XLA compiled (`compiled_cost.
+        price_compiled`: its cost analysis and the collectives it emits) in the plan's schedule,
+        with the plan's moves, then apply-gradients' programs wave by wave: the prediction's check."""
         low = self._lowered
         cluster = cluster or low.cluster
         price = {key: price_compiled(run, cluster).total_s for key, (_, run, _) in self._run.items()}
         p = len(low.stages)
         steps = low.schedule.makespan([price["F", s] for s in range(p)], [price["B", s] for s in range(p)],
                                       low.plan.search_stats["transfer_s"])
-        return steps + sum(low.moves_s) + price_compiled(self._apply, cluster).total_s
+        waves: dict[int, float] = {}
+        for prog, run, _ in self._apply.values():
+            waves[prog.wave] = max(waves.get(prog.wave, 0.0), price_compiled(run, cluster).total_s)
+        return steps + sum(low.moves_s) + sum(waves.values())
 
     def report(self) -> str:
         return (f"{self.plan.report()}\n\nstep priced from the compiled programs: {self.compiled_step_s() * 1e3:.3f} ms "
                 f"(predicted {self.plan.cost.total_s * 1e3:.3f} ms)")
 
+
+def _stage_holding(devices, meshes: list[Mesh]) -> int | None:
+    """The stage whose sub-mesh is exactly these devices (None: the whole mesh)."""
+    ids = {d.id for d in devices}
+    return next((s for s, m in enumerate(meshes) if {d.id for d in m.devices.flat} == ids), None)

@@ -72,7 +72,8 @@ class MeshCandidate:
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage (Rhino §5): its sub-mesh, the layers its forward ops come from, and the
-    plans of its forward and backward programs (one micro-batch each)."""
+    plans of its forward and backward programs (one micro-batch each); its apply-gradients
+    programs' plans are in `Plan.programs`."""
 
     stage: int
     mesh_axes: dict[str, int]
@@ -83,6 +84,11 @@ class StagePlan:
     in_flight: int  # most micro-batches whose activations it holds at once (the schedule's)
     held_bytes: int  # per device, one micro-batch's values its forward keeps for its backward
     summed_bytes: int  # per device, the running sums its micro-batches' gradients are added into
+    # per device, the step's arguments it holds that its forward and backward programs do not read
+    # (the optimizer state of its layers)
+    kept_bytes: int = 0
+    apply_s: float = 0.0  # its apply-gradients programs' predicted time, once per step
+    apply_bytes: int = 0  # per device, the peak of its apply-gradients programs
 
     @property
     def forward_s(self) -> float:
@@ -93,11 +99,17 @@ class StagePlan:
         return self.backward.cost.total_s
 
     @property
+    def beside_bytes(self) -> int:
+        """Per device, what the stage holds beside the program it runs while micro-batches are in
+        flight: the other micro-batches' values, the running sums, the optimizer state."""
+        return max(self.in_flight - 1, 0) * self.held_bytes + self.summed_bytes + self.kept_bytes
+
+    @property
     def memory_bytes(self) -> int:
-        """Peak per device: the larger program's peak, plus what the other micro-batches in flight
-        hold meanwhile and the running sums."""
+        """Peak per device: the larger of the forward and backward programs' peaks plus what the
+        stage holds beside them, or its apply-gradients programs' peak."""
         peak = max(self.forward.cost.memory_bytes, self.backward.cost.memory_bytes)
-        return peak + max(self.in_flight - 1, 0) * self.held_bytes + self.summed_bytes
+        return max(peak + self.beside_bytes, self.apply_bytes)
 
 
 @dataclass(frozen=True)
@@ -126,12 +138,14 @@ class Plan:
     # With `parallelize(mesh=None)`: every mesh shape searched, best predicted first (the chosen
     # one is marked), infeasible ones last with their reason. Empty for a given mesh.
     mesh_candidates: tuple[MeshCandidate, ...] = ()
-    # With `pipeline`: each stage (the programs' plans); the plan itself is apply-gradients'.
+    # With `pipeline`: each stage (the programs' plans); the plan itself sums up the step, its
+    # search line apply-gradients' programs.
     stages: tuple[StagePlan, ...] = ()
     # With micro-batches or `pipeline`: the plans of the step's programs that `stages` does not
-    # hold, by their names in `compiled.programs` ("compute_gradients", "apply_gradients"), and
-    # where each op of compute-gradients runs (node → ("F" | "B", stage)): what a saved plan
-    # needs to run without a search.
+    # hold, by their names in `compiled.programs` ("compute_gradients", "apply_gradients", a
+    # stage's "apply_gradients[stage.wave]"), and where each op of compute-gradients runs (node →
+    # ("F" | "B", stage)): what a saved plan needs to run without a search (apply-gradients' ops
+    # follow from it, `hlo_passes.stages.assign_apply`).
     programs: dict[str, "Plan"] = field(default_factory=dict, repr=False)
     placement: dict[int, tuple[str, int]] = field(default_factory=dict, repr=False)
     # What the plan was made for (program, arguments, mesh): a saved plan is checked against it.
@@ -147,7 +161,7 @@ class Plan:
         """What runs in a step, where and after what (Rhino §6.1); `.to_dot()` for Graphviz."""
         s = self.search_stats
         return build_task_graph(make_schedule(s.get("schedule", "1f1b"), s.get("pipeline", 1),
-                                              s.get("micro_batches", 1)))
+                                              s.get("micro_batches", 1)), s.get("applies", ()))
 
     def collective_summary(self, backend: str | None = None) -> dict[str, tuple[int, int]]:
         """kind → (count, bytes) of the collectives a backend's XLA compiles for this plan, once
@@ -267,10 +281,12 @@ class Plan:
                 lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}, {s['micro_batches']} "
                              f"micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut, {s['transfer_s'] * 1e3:.3f} ms "
                              f"to move a micro-batch's tensors across a boundary; {s['arguments_in_s'] * 1e3:.3f} ms to "
-                             f"bring the stages their arguments, {s['sums_out_s'] * 1e3:.3f} ms to bring apply-gradients "
-                             "the sums), then apply-gradients (the search line above)")
+                             f"bring the programs the arguments they read elsewhere, {s['sums_out_s'] * 1e3:.3f} ms to "
+                             "bring apply-gradients the sums and values of other stages), then apply-gradients on "
+                             "the stages (the search line above: its programs together)")
                 lines += [f"    stage {st.stage}  {_axes(st.mesh_axes)} devices {_runs(st.devices)}: forward "
                           f"{st.forward_s * 1e3:.3f} + backward {st.backward_s * 1e3:.3f} ms per micro-batch, "
+                          f"apply {st.apply_s * 1e3:.3f} ms, "
                           f"{st.in_flight} in flight, {st.memory_bytes / 2**20:.1f} MiB/device; "
                           f"{', '.join(st.layers) or 'no named layers'}" for st in self.stages]
             elif s.get("micro_batches"):
@@ -313,8 +329,11 @@ class Plan:
         return "\n".join(lines)
 
 
-def program_name(kind: str, stage: int) -> str:
-    """The name of a stage's forward ("F") or backward ("B") program in `compiled.programs`."""
+def program_name(kind: str, stage: int, wave: int = 0) -> str:
+    """The name of a stage's forward ("F"), backward ("B") or apply-gradients ("A", of one wave)
+    program in `compiled.programs`."""
+    if kind == "A":
+        return f"apply_gradients[{stage}.{wave}]"
     return f"{'forward' if kind == 'F' else 'backward'}[{stage}]"
 
 

@@ -2,13 +2,16 @@
 
 Nodes: a source and a sink; per stage and micro-batch, its forward and backward pass; a send and
 a receive for every tensor crossing stages (activations forward, their gradients back); with
-several micro-batches, a local accumulation of each backward's gradients; one apply of the
-accumulated gradients (the optimizer), on the whole mesh, once every stage is done. Edges: data dependencies, and each stage's run
-order as the schedule fixes it (nnScaler's schedules as ordering constraints), so one
-topological order of the graph is the static schedule the executor follows.
+several micro-batches, a local accumulation of each backward's gradients; the apply of the
+accumulated gradients (the optimizer): one on the whole mesh, or one per stage and wave of a
+pipeline's apply-gradients programs (`Apply`), each after the stages whose sums it reads and the
+apply programs whose values it reads. Edges: data dependencies, and each stage's run order as the
+schedule fixes it (nnScaler's schedules as ordering constraints), so one topological order of
+the graph is the static schedule the executor follows.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -26,6 +29,24 @@ class TaskNode:
     kind: str  # one of KINDS
     stage: int = -1  # -1: the source and the sink
     micro_batch: int = -1  # -1: tasks of the whole step (source, apply, sink)
+
+
+@dataclass(frozen=True)
+class Apply:
+    """One apply-gradients program of a pipeline: where it runs, and what it waits for."""
+
+    stage: int
+    wave: int
+    sums_from: tuple[int, ...]  # the stages whose accumulated sums it reads
+    reads: tuple[tuple[int, int], ...]  # the (stage, wave) of the apply programs whose values it reads
+
+    @property
+    def name(self) -> str:
+        return _apply_name(self.stage, self.wave)
+
+
+def _apply_name(stage: int, wave: int) -> str:
+    return f"apply {wave}@{stage}" if stage >= 0 else "apply"
 
 
 @dataclass(frozen=True)
@@ -60,8 +81,9 @@ class TaskGraph:
         return "\n".join(lines + ["}"])
 
 
-def build(schedule: Schedule) -> TaskGraph:
-    """The task graph of a checked schedule."""
+def build(schedule: Schedule, applies: Sequence[Apply] = ()) -> TaskGraph:
+    """The task graph of a checked schedule; `applies`: the apply-gradients programs on the
+    stages (none: one apply on the whole mesh)."""
     nodes: list[TaskNode] = []
     at: dict[str, int] = {}
     edges: list[tuple[int, int]] = []
@@ -92,7 +114,7 @@ def build(schedule: Schedule) -> TaskGraph:
                     send = node(f"send {what} {k}: {src}→{dst}", "send", src, k)
                     recv = node(f"recv {what} {k}: {src}→{dst}", "recv", dst, k)
                     edges += [(compute(Task(kind, src, k)), send), (send, recv), (recv, compute(Task(kind, dst, k)))]
-    apply = node("apply", "apply")  # once per step, on the whole mesh
+    done = []  # per stage: its last task, after which its sums are whole
     for s in range(p):
         last = compute(Task("B", s, m - 1)) if m == 1 else None
         for k in range(m if m > 1 else 0):  # several micro-batches: sum each one's gradients in order
@@ -101,8 +123,16 @@ def build(schedule: Schedule) -> TaskGraph:
             if last is not None:
                 edges.append((last, acc))
             last = acc
-        edges.append((last, apply))
-    edges.append((apply, node("sink", "sink")))
+        done.append(last)
+    applies = list(applies) or [Apply(-1, 0, tuple(range(p)), ())]  # once per step, on the whole mesh
+    for a in applies:
+        node(a.name, "apply", a.stage)
+    sink = node("sink", "sink")
+    edges += [(d, sink) for d in done]
+    for a in applies:
+        i = at[a.name]
+        edges += [(done[s], i) for s in a.sums_from] + [(at[_apply_name(s, w)], i) for s, w in a.reads]
+        edges += [(i, sink)] + ([(source, i)] if not a.sums_from and not a.reads else [])
     graph = TaskGraph(tuple(nodes), tuple(edges), schedule.name)
     graph.order()  # acyclic, or ScheduleError
     return graph

@@ -45,8 +45,8 @@ if sys.argv[1] == "pipeline":
     print(f"plan digest {digest(lowered.plan)} (loaded)", flush=True)
 params, opt_state, batch = args
 shardings = lowered.plan.input_shardings
-state = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: np.asarray(x)[i]),
-                     (params, opt_state), shardings[:2])
+state = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: np.asarray(x)[i], dtype=x.dtype),
+                     (params, opt_state), shardings[:2])  # a pipeline's stage may be on the other process alone
 batch = jax.tree.map(lambda x, s: jax.make_array_from_process_local_data(s, process_rows(np.asarray(x), s), x.shape),
                      batch, shardings[2])
 if sys.argv[1] == "die" and jax.process_index() == 1:
