@@ -22,14 +22,6 @@ MESHES = [((8,), ("data",)), ((2, 4), ("data", "model"))]
 
 
 @pytest.fixture(scope="module")
-def tiny_gpt():
-    """GPT_TINY's step, its arguments and its one-device result, shared: each new step is a new
-    function, which jax.jit compiles again."""
-    step, args = gpt.make_gpt_train_step(gpt.GPT_TINY), gpt.gpt_example(gpt.GPT_TINY)
-    return step, args, jax.jit(step)(*args)
-
-
-@pytest.fixture(scope="module")
 def small_flax_lms():
     """The third-party Flax LMs with a vocabulary of 256 and 2 layers. The plans stay of the same
     kind (the batch split over data+model, the sums reduced), but at 1024 HiGHS takes about 15 s
