@@ -16,7 +16,7 @@ from rhino_jax.search.cluster import combiner_for, get_cluster
 from rhino_jax.search.combining import DERIVED, HEAD, TAIL, combine, combining_sides
 
 from benchmarks.third_party_models import linen_gpt
-from helpers import assert_same_adam_step, assert_same_numbers
+from helpers import assert_same_adam_step, assert_same_numbers, on_host
 
 GPU, CPU = combiner_for("gpu"), combiner_for("cpu")
 
@@ -131,12 +131,20 @@ def _cpu(preset: str):
     return dataclasses.replace(get_cluster(preset), backend="cpu")
 
 
+@pytest.fixture(scope="module")
+def flax_lm():
+    """benchmarks' linen_gpt and its one-device result, shared: each new step is a new function,
+    which jax.jit compiles again (seconds for this LM)."""
+    case = linen_gpt()
+    return case, jax.jit(case.step)(*case.args)
+
+
 @pytest.mark.parametrize("preset", ["m8-v100", "8x-h100"])
-def test_data_parallel_is_chosen_and_compiles_one_gradient_all_reduce(preset):
+def test_data_parallel_is_chosen_and_compiles_one_gradient_all_reduce(preset, flax_lm):
     """A Flax GPT-like LM (4 layers, 71 parameters, adamw): data parallelism needs one combined
     all-reduce of the gradients, which the search now prices as such; priced per gradient, 71
     launches, it ran from data parallelism (`benchmarks/THIRD_PARTY.md`: 1.5-2.5x slower)."""
-    case = linen_gpt()
+    case, expected = flax_lm
     lowered = rj.parallelize(case.step, mesh=rj.device_mesh((8,), ("data",)), cluster=_cpu(preset)).lower(*case.args)
     plan = lowered.plan
     assert all(s.shard_factor(plan.mesh_axes) == 1 for s, r in zip(plan.arg_specs, plan.arg_roles) if r != "batch")
@@ -144,22 +152,22 @@ def test_data_parallel_is_chosen_and_compiles_one_gradient_all_reduce(preset):
     compiled = lowered.compile()
     assert compiled.collectives.count() == compiled.collectives.count("all-reduce") == 1
     assert plan.collective_summary() == {"all-reduce": compiled.collectives.by_kind()["all-reduce"]}
-    assert_same_adam_step(jax.jit(case.step)(*case.args), compiled(*case.args), lr=1e-3)
+    assert_same_adam_step(expected, compiled(*on_host(case.args)), lr=1e-3)
 
 
-def test_without_combining_the_search_ran_from_data_parallelism(monkeypatch):
+def test_without_combining_the_search_ran_from_data_parallelism(monkeypatch, flax_lm):
     """The same step with every collective priced alone, as before: the plan was not data parallel."""
     monkeypatch.setattr(pricing, "combining_sides", lambda graph: {})
-    case = linen_gpt()
+    case, _ = flax_lm
     plan = rj.parallelize(case.step, mesh=rj.device_mesh((8,), ("data",)), cluster=_cpu("m8-v100")).lower(
         *case.args).plan
     assert set(plan.collective_summary()) != {"all-reduce"}  # it gathered and exchanged activations
 
 
-def test_overlap_hides_off_chain_collectives_behind_compute_and_no_more():
+def test_overlap_hides_off_chain_collectives_behind_compute_and_no_more(flax_lm):
     """Cluster.overlap: the gradients' combined all-reduce runs behind compute (XLA GPU's
     latency-hiding scheduler), at most as long as the step computes; the numbers stay the same."""
-    case = linen_gpt()
+    case, expected = flax_lm
     mesh = rj.device_mesh((8,), ("data",))
     plain = rj.parallelize(case.step, mesh=mesh, cluster="8x-h100").lower(*case.args).plan
     overlapped = dataclasses.replace(get_cluster("8x-h100"), overlap=1.0)
@@ -169,7 +177,7 @@ def test_overlap_hides_off_chain_collectives_behind_compute_and_no_more():
     assert cost.total_s == pytest.approx(cost.compute_s + cost.comm_s - cost.hidden_s)
     assert cost.total_s < plain.cost.total_s
     assert "hidden behind compute" in lowered.plan.report()
-    assert_same_adam_step(jax.jit(case.step)(*case.args), lowered.compile()(*case.args), lr=1e-3)
+    assert_same_adam_step(expected, lowered.compile()(*on_host(case.args)), lr=1e-3)
 
 
 @pytest.mark.parametrize("overlap,backend", [(1.5, "gpu"), (-0.1, "gpu"), (0.5, "cpu")])
