@@ -10,7 +10,7 @@ from benchmarks import baselines as B
 from benchmarks.models import gpt
 from rhino_jax.models import GPTConfig, gpt_example, make_gpt_train_step, make_mlp_train_step, mlp_example
 
-from helpers import assert_same_numbers
+from helpers import assert_same_numbers, on_host
 
 WIDTHS, BATCH = (256, 256, 1024, 256), 16384  # two 1 MiB weights, one 0.25 MiB
 
@@ -68,36 +68,42 @@ def test_bad_limit_value():
 GPT = GPTConfig(vocab=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=128, batch=8)
 
 
-def _gpt(**kw):
-    return rj.parallelize(make_gpt_train_step(GPT), mesh=rj.device_mesh((8,), ("data",)), **kw)
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """GPT's step, its arguments, its one-device result and its plan without a limit, made once
+    for the tests that compare with them."""
+    step, args = make_gpt_train_step(GPT), gpt_example(GPT)
+    return step, args, jax.jit(step)(*args), _gpt(step).lower(*args).plan
+
+
+def _gpt(step, **kw):
+    return rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), **kw)
 
 
 @pytest.mark.parametrize("fraction", [0.99, 0.5])
-def test_limit_below_the_free_plan(fraction):
+def test_limit_below_the_free_plan(fraction, tiny_lm):
     """A plan within the limit is found whenever one is solved on the way: forcing the largest
     states off replication alone finds none at 0.5x (it replicates the activations instead)."""
-    args = gpt_example(GPT)
-    free = _gpt().lower(*args).plan
+    step, args, reference, free = tiny_lm
     limit = int(free.cost.memory_bytes * fraction)
-    step = _gpt(memory_limit_bytes=limit)
-    plan = step.lower(*args).plan
+    limited = _gpt(step, memory_limit_bytes=limit)
+    plan = limited.lower(*args).plan
     assert plan.cost.memory_bytes <= limit
     assert plan.cost.total_s >= free.cost.total_s
-    assert_same_numbers(jax.jit(make_gpt_train_step(GPT))(*args), step(*args))
+    assert_same_numbers(reference, limited(*on_host(args)))
 
 
-def test_impossible_limit_states_a_lower_bound():
+def test_impossible_limit_states_a_lower_bound(tiny_lm):
     """The bound the error states is below the memory of every plan, the fully sharded one too."""
-    args = gpt_example(GPT, abstract=True)
+    step, args, _, free = tiny_lm
     with pytest.raises(rj.MemoryLimitError, match="Raise the limit") as e:
-        _gpt(memory_limit_bytes=20_000).lower(*args)
+        _gpt(step, memory_limit_bytes=20_000).lower(*args)
     bound = int(re.search(r"needs at least ([\d,]+) bytes", str(e.value)).group(1).replace(",", ""))
     zoo = gpt.Config(**{f: getattr(GPT, f) for f in ("vocab", "seq_len", "d_model", "n_heads", "n_layers",
                                                       "d_ff", "batch")}, tie_embeddings=False)
     mesh = rj.device_mesh((8,), ("data",))
     sharded = rj.parallelize(B.zero3(gpt, zoo, mesh, persistence_threshold=0),
                              mesh=mesh).lower(*gpt.example(zoo, abstract=True)).plan
-    free = _gpt().lower(*args).plan
     assert 20_000 < bound <= min(sharded.cost.memory_bytes, free.cost.memory_bytes)
 
 
