@@ -12,7 +12,7 @@ from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 from rhino_jax.search import ilp
 from rhino_jax.search.critical import backbone
 
-from helpers import assert_same_numbers
+from helpers import assert_same_numbers, on_host
 
 DEEP_TINY = dataclasses.replace(gpt.GPT_TINY, n_layers=4)
 
@@ -72,10 +72,16 @@ def test_o2_ties_repeated_layers_and_stays_close_to_o3():
     assert o2.cost.total_s <= o3.cost.total_s * 1.03
 
 
+@pytest.fixture(scope="module")
+def deep_tiny():
+    """DEEP_TINY's step, its arguments and its one-device result, made once for both meshes: each
+    new step is a new function, which jax.jit compiles again."""
+    step, args = gpt.make_gpt_train_step(DEEP_TINY), gpt.gpt_example(DEEP_TINY)
+    return step, args, jax.jit(step)(*args)
+
+
 @pytest.mark.parametrize("shape,names", [((8,), ("data",)), ((2, 4), ("data", "model"))])
-def test_o2_plan_matches_one_device(shape, names):
-    step = gpt.make_gpt_train_step(DEEP_TINY)
-    args = gpt.gpt_example(DEEP_TINY)
-    reference = jax.jit(step)(*args)
-    result = rj.parallelize(step, mesh=rj.device_mesh(shape, names), opt_level="O2")(*args)
+def test_o2_plan_matches_one_device(shape, names, deep_tiny):
+    step, args, reference = deep_tiny
+    result = rj.parallelize(step, mesh=rj.device_mesh(shape, names), opt_level="O2")(*on_host(args))
     assert_same_numbers(reference, result)
