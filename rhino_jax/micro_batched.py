@@ -257,7 +257,8 @@ def _same_layouts(apply_graph: Graph, compute_graph: Graph, compute_plan: Plan) 
 def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mesh, trees) -> Plan:
     """One Plan for the step: apply-gradients' (the step's arguments and outputs), its cost k
     compute-gradients and one apply, the batch in compute-gradients' layout (per micro-batch);
-    compute-gradients' memory counts the running sums beside it."""
+    compute-gradients' memory counts the running sums beside it. The per-value layouts stay with
+    the programs' plans (`programs`), not repeated here (a saved plan would hold them twice)."""
     c, a = compute.cost, apply.cost
     sums = sum(compute_graph.values[v].nbytes // s.shard_factor(compute.mesh_axes)
                for v, s in zip(compute_graph.outputs, compute.output_specs))
@@ -269,7 +270,8 @@ def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mes
                  status=apply.search_stats.get("status"))
     return dataclasses.replace(
         apply, arg_paths=apply.arg_paths[:n], arg_roles=apply.arg_roles[:n], arg_shapes=apply.arg_shapes[:n],
-        arg_dtypes=apply.arg_dtypes[:n], arg_specs=specs, cost=cost, collectives=compute.collectives * k + apply.collectives,
+        arg_dtypes=apply.arg_dtypes[:n], arg_specs=specs, value_specs={}, read_specs={}, read_paths={}, cost=cost,
+        collectives=compute.collectives * k + apply.collectives,
         search_stats=stats, input_shardings=call_tree(trees[0], named(mesh, specs)),
         output_shardings=jax.tree.unflatten(trees[1], named(mesh, apply.output_specs)))
 
