@@ -7,6 +7,11 @@ rewrite finds the op to annotate. A counted loop is two nodes around its body's:
 "stablehlo.while" node that reads the loop's initial values and makes the body's block arguments,
 and a "stablehlo.return" node (the body's return) that reads the values the body yields and makes
 the loop's results. Slot k of both is one loop-carried value, which keeps one layout throughout.
+A conditional (lax.cond, lax.switch) is its branches' ops (attrs "branch": the branches they are
+in, by number, outermost first; they run only when those are taken, but are planned and their
+compute priced as if each ran) followed by one node of the conditional's op that reads the
+branch index and each branch's returned values, and makes its results (attrs "branches": how
+many, "alternatives": their numbers; `slots`).
 """
 from __future__ import annotations
 
@@ -49,6 +54,17 @@ class Node:
     flops: float = 0.0
     name: str = ""  # source name from the op's location (named scopes, jax primitive)
     trips: int = 1  # runs once per trip of the counted loop whose body holds it
+
+
+def slots(node: Node) -> list[tuple[int, tuple[int, ...], int]]:
+    """(position of the slot's first operand in the node, its operands, its result) per slot of a
+    node that passes values on slot by slot. A loop's entry or exit, or a barrier: slot k reads
+    operand k. A conditional: slot k reads, after the branch index, what each branch returns as
+    result k (`importer`)."""
+    if "branches" not in node.attrs:
+        return [(k, (v,), r) for k, (v, r) in enumerate(zip(node.operands, node.results))]
+    b = node.attrs["branches"]
+    return [(1 + k * b, node.operands[1 + k * b:1 + (k + 1) * b], r) for k, r in enumerate(node.results)]
 
 
 @dataclass(frozen=True)

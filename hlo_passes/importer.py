@@ -2,9 +2,10 @@
 
 Each op of @main becomes a Node with the facts its sharding rule needs (dimension numbers,
 reduce combiners, slice bounds, ...) as plain Python values. A counted loop's body is imported
-op by op between the loop's entry and exit nodes (see `graph`); other ops with regions stay one
-node (their bodies are only read to name the combiner); ops the rules do not know keep working
-through the replicated fallback of the strategy space.
+op by op between the loop's entry and exit nodes (see `graph`), and a conditional's branches op by
+op before its node; other ops with regions stay one node (their bodies are only read to name the
+combiner); ops the rules do not know keep working through the replicated fallback of the strategy
+space.
 """
 from __future__ import annotations
 
@@ -196,6 +197,16 @@ def parse_sdy_dims(text: str) -> tuple[tuple[str, ...] | None, ...]:
     return tuple(dims)
 
 
+def _operands(site: mod.Site) -> list[ir.Value]:
+    """What a site's node reads. A conditional ("case") reads its branch index, then for each
+    result k the value each branch returns for it (branch order): slot k's operands lie together
+    (`search.carried`)."""
+    if site.kind != "case":
+        return list(site.op.operands)
+    returned = [list(r.operands) for r in mod.branch_returns(site.op)]
+    return list(site.op.operands) + [branch[k] for k in range(len(site.op.results)) for branch in returned]
+
+
 def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequence[str],
                   output_paths: Sequence[str]) -> Graph:
     """Build the Graph IR of an inlined module (see `module.inline_calls`).
@@ -239,7 +250,7 @@ def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequen
     for site, defined in mod.entry_values(module):
         op = site.op
         nid = len(nodes)
-        operands = tuple(ids[v] for v in op.operands)
+        operands = tuple(ids[v] for v in _operands(site))
         constant = all(values[o].constant for o in operands)
         attrs = _op_attrs(op)
         if site.kind == "loop":
@@ -254,6 +265,10 @@ def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequen
             attrs["loop_trips"] = site.loop_trips
         if site.reason:
             attrs["opaque"] = site.reason
+        if site.kind == "case":
+            attrs["branches"], attrs["alternatives"] = len(op.regions), site.alternatives
+        if site.branch:
+            attrs["branch"] = site.branch
         flops = 0.0 if site.loop_trips else _flops(op.name, attrs, [values[o].shape for o in operands],
                                                    [values[r].shape for r in results])
         node = Node(nid, op.name, operands, results, attrs, flops, mod.source_name(op), site.trips)

@@ -31,7 +31,7 @@ from rhino_jax.errors import StagingError
 
 from . import module as mod
 from . import scaling
-from .graph import Graph
+from .graph import Graph, slots
 from .split import extract
 
 # Ops that may turn per-example values into a sum over examples (the combiner is checked).
@@ -80,10 +80,11 @@ def _batch(graph: Graph) -> set[int]:
         changed = False
         for n in graph.nodes:
             if n.op == "stablehlo.while":
-                slots = zip(n.results, n.operands, exit_of[n.id].operands)
-                made = [r for r, start, yielded in slots if start in found or yielded in found]
-            elif n.op in _SLOTWISE:
-                made = [r for r, o in zip(n.results, n.operands) if o in found]
+                carried = zip(n.results, n.operands, exit_of[n.id].operands)
+                made = [r for r, start, yielded in carried if start in found or yielded in found]
+            elif n.op in _SLOTWISE or "branches" in n.attrs:  # a conditional: also by its index
+                index = "branches" in n.attrs and n.operands[0] in found
+                made = [r for _, reads, r in slots(n) if index or any(o in found for o in reads)]
             else:
                 made = n.results if any(o in found for o in n.operands) else []
             changed |= any(r not in found for r in made)

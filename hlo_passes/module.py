@@ -6,6 +6,7 @@ of `entry_sites`), so both go through these functions on the same inlined module
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -177,52 +178,67 @@ def inline_calls(module: ir.Module) -> ir.Module:
 class Site:
     """One op of the walk that import and rewrite share. `kind`: "op" (an ordinary op), "loop" (a
     counted while: its node stands for the entry into the body), "loop_end" (that body's return:
-    the exit from it) or "opaque" (control flow kept whole, `reason` says why). `trips`: how often
-    the op runs per step (the product of the trip counts of the loops around it, the "loop_end"
-    in its loop's body); `loop_trips`:
-    the trip count of the loop a "loop"/"loop_end" site enters or leaves."""
+    the exit from it), "case" (a conditional, after the ops of all its branches: it reads each
+    branch's returned values and makes the conditional's results) or "opaque" (a loop kept whole,
+    `reason` says why). `trips`: how often the op runs per step (the product of the trip counts
+    of the loops around it, the "loop_end" in its loop's body); `loop_trips`: the trip count of
+    the loop a "loop"/"loop_end" site enters or leaves. `branch`: the conditional branches the op
+    is in (each branch of the module numbered in walk order), outermost first: it runs only when
+    they are taken; `alternatives`: a "case" site's branches' numbers."""
 
     op: ir.Operation
     kind: str
     trips: int = 1
     reason: str = ""
     loop_trips: int = 0
+    branch: tuple[int, ...] = ()
+    alternatives: tuple[int, ...] = ()
 
 
 def _opaque_reason(op: ir.Operation) -> str:
-    if op.name != "stablehlo.while":
-        return "conditionals (lax.cond, lax.switch) are not searched inside yet"
     counted = loops.count_trips(op)
     return "" if counted.trips is not None else f"loop without a known trip count: {counted.reason}"
 
 
-def _sites(block: ir.Block, trips: int) -> Iterator[Site]:
+def _sites(block: ir.Block, trips: int, numbers: Iterator[int], branch: tuple[int, ...]) -> Iterator[Site]:
+    """The sites of `block`, which lies in the branches `branch`; `numbers` numbers the branches."""
     for op in block.operations:
         op = op.operation
         if op.name in ("func.return", "stablehlo.return"):
             continue
-        if op.name not in _CONTROL_FLOW:
-            yield Site(op, "op", trips)
+        if op.name in _CONDITIONALS:  # lax.cond / lax.switch: each branch's ops, then the results
+            alternatives = tuple(next(numbers) for _ in op.regions)
+            for region, b in zip(op.regions, alternatives):
+                yield from _sites(region.blocks[0], trips, numbers, branch + (b,))
+            yield Site(op, "case", trips, branch=branch, alternatives=alternatives)
+            continue
+        if op.name != "stablehlo.while":
+            yield Site(op, "op", trips, branch=branch)
             continue
         reason = _opaque_reason(op)
         if reason:
-            yield Site(op, "opaque", trips, reason)
+            yield Site(op, "opaque", trips, reason, branch=branch)
             continue
         n = loops.count_trips(op).trips
         body = loops.body_block(op)
-        yield Site(op, "loop", trips, loop_trips=n)
-        yield from _sites(body, trips * n)
-        yield Site(list(body.operations)[-1].operation, "loop_end", trips * n, loop_trips=n)
+        yield Site(op, "loop", trips, loop_trips=n, branch=branch)
+        yield from _sites(body, trips * n, numbers, branch)
+        yield Site(list(body.operations)[-1].operation, "loop_end", trips * n, loop_trips=n, branch=branch)
 
 
-_CONTROL_FLOW = {"stablehlo.while", "stablehlo.case", "stablehlo.if"}
+_CONDITIONALS = {"stablehlo.case", "stablehlo.if"}
+
+
+def branch_returns(op: ir.Operation) -> list[ir.Operation]:
+    """The return op of each branch of a conditional, in branch order."""
+    return [list(region.blocks[0].operations)[-1].operation for region in op.regions]
 
 
 def entry_sites(module: ir.Module) -> Iterator[Site]:
     """The ops of @main in program order, without the final return; after each counted loop's
     while op (`loops.count_trips`), the ops of its body (nested counted loops alike), then the
-    body's return."""
-    yield from _sites(_block(entry_function(module)), 1)
+    body's return; before each conditional, the ops of its branches in branch order."""
+    yield from _sites(_block(entry_function(module)), 1, itertools.count(), ())
 
 
 def entry_values(module: ir.Module) -> Iterator[tuple[Site, list[ir.Value]]]:

@@ -30,11 +30,12 @@ from . import module as mod
 from .graph import Graph
 
 
-# Pins are already constraints; control flow that is not a counted loop carries its layout in its
-# regions, which XLA propagates itself (an attribute on the op alone can disagree with its tuple
-# shape). A counted loop's carried values are pinned on the way in, at the top of the body, on the
-# way out of the body and after the loop, all to the one layout the plan gives each.
-_LEFT_TO_XLA = {"sdy.sharding_constraint", "stablehlo.while", "stablehlo.case", "stablehlo.if"}
+# Pins are already constraints; a loop that is not counted carries its layout in its body, which
+# XLA propagates itself (an attribute on the op alone can disagree with its tuple shape). A counted
+# loop's carried values are pinned on the way in, at the top of the body, on the way out of the
+# body and after the loop, all to the one layout the plan gives each; a conditional's results at
+# each branch's return and after it.
+_LEFT_TO_XLA = {"sdy.sharding_constraint", "stablehlo.while"}
 
 
 def mesh_name(module: ir.Module) -> str:
@@ -90,6 +91,21 @@ def _renumber(op: ir.Operation, node, ins: list[list[list[int]]], outs: list[lis
             rhs_contracting_dimensions=_flat(ins[1], a["rhs_contract"]))
 
 
+def _read_places(site: mod.Site) -> list[tuple[ir.Operation, int]]:
+    """Where each operand of a site's node is read: (op, operand index). A conditional's node
+    reads its branch index, then slot by slot what each branch's return yields (`importer`)."""
+    op = site.op.operation
+    if site.kind != "case":
+        return [(op, k) for k in range(len(op.operands))]
+    returns = mod.branch_returns(op)
+    return [(op, 0)] + [(ret, k) for k in range(len(op.results)) for ret in returns]
+
+
+def _slot(site: mod.Site, pos: int) -> int:
+    """The result a slot-wise node's operand `pos` passes on (`_read_places`' order)."""
+    return (pos - 1) // len(site.op.regions) if site.kind == "case" else pos
+
+
 def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec],
             read_specs: dict[tuple[int, int], ShardingSpec],
             read_paths: dict[tuple[int, ShardingSpec], tuple[ShardingSpec, ...]],
@@ -116,16 +132,30 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
         with ir.InsertionPoint(before), before.location:
             return hlo.ReshapeOp(ir.RankedTensorType.get(shape, element), value).result
 
-    reads: dict[tuple[int, ShardingSpec], ir.Value] = {}
+    # A value pinned to a layout for its readers, by the block the constraint is in: readers in
+    # that block or one inside it share it; a constraint in a conditional's branch is not seen
+    # outside it (the plan prices such reshards alike, `planner._visible`).
+    reads: dict[tuple[int, ShardingSpec, ir.Block], ir.Value] = {}
+
+    def pinned(v: int, spec: ShardingSpec, before: ir.Operation, make) -> ir.Value:
+        """The constraint of v to `spec` a reader at `before` sees, made by `make()` if none is."""
+        block = before.block
+        while True:
+            if (v, spec, block) in reads:
+                return reads[v, spec, block]
+            owner = block.owner.operation
+            if owner.name == "func.func":
+                break
+            block = owner.block
+        reads[v, spec, before.block] = made = make()
+        return made
 
     def pinned_path(v: int, spec: ShardingSpec, source: ir.Value, before: ir.Operation) -> ir.Value:
         """`source` (value v) pinned to each layout on the plan's way to `spec`, the last one excluded
         (partial sums settled, then one step per move): left to itself between distant layouts,
         XLA may go another, dearer way. A layout on the way of several reads is pinned once."""
         for mid in read_paths.get((v, spec), ()):
-            if (v, mid) not in reads:
-                reads[v, mid] = constrain(source, mid, before)
-            source = reads[v, mid]
+            source = pinned(v, mid, before, lambda src=source, mid=mid: constrain(src, mid, before))
         return source
 
     ret = mod.entry_return(module)
@@ -140,33 +170,33 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
             op = site.op
             assert node.op == op.name, "module and graph are out of step"
             left = node.op in _LEFT_TO_XLA and site.kind == "opaque"
+            slotwise = site.kind in ("loop", "loop_end", "case")
             ins = []
-            for pos, v in enumerate(node.operands):
+            for pos, (v, (reader, at)) in enumerate(zip(node.operands, _read_places(site))):
                 spec = read_specs.get((node.id, pos))
-                if site.kind in ("loop", "loop_end") and spec is None:  # in and out: the carried layout
-                    spec = value_specs.get(node.results[pos])
-                    spec = None if spec is None or graph.values[v].dtype == "token" else spec
+                if slotwise and spec is None and graph.values[v].dtype != "token":  # the slot's one layout
+                    spec = value_specs.get(node.results[_slot(site, pos)]) if pos or site.kind != "case" else None
                 if left or spec is None:  # read as produced (or, by ops left to XLA, unsplit)
                     wanted = None if left else value_specs.get(v)
-                    source = reshaped(op.operands[pos], split(v, wanted)[0], op.operation)
+                    source = reshaped(reader.operands[at], split(v, wanted)[0], reader)
                     if spec is not None and node.op == "sdy.sharding_constraint":
-                        source = pinned_path(v, spec, source, op.operation)  # a pin: its own op is the last step
-                    op.operands[pos] = source
+                        source = pinned_path(v, spec, source, reader)  # a pin: its own op is the last step
+                    reader.operands[at] = source
                     ins.append(_dim_map(graph.values[v].shape, wanted))
                     continue
-                if (v, spec) not in reads:
+                def make(v=v, spec=spec, reader=reader, at=at) -> ir.Value:
                     shape, physical = split(v, spec)
-                    source = pinned_path(v, spec, op.operands[pos], op.operation)
-                    reads[v, spec] = constrain(reshaped(source, shape, op.operation), physical, op.operation)
-                op.operands[pos] = reads[v, spec]
+                    source = pinned_path(v, spec, reader.operands[at], reader)
+                    return constrain(reshaped(source, shape, reader), physical, reader)
+                reader.operands[at] = pinned(v, spec, reader, make)
                 ins.append(_dim_map(graph.values[v].shape, spec))
-            if site.kind in ("loop", "loop_end"):
+            if slotwise:
                 if site.kind == "loop":
                     loops.append(op)
                     body = op.regions[1].blocks[0]
                     made, first = list(body.arguments), list(body.operations)[0].operation
                 else:
-                    loop = loops.pop()
+                    loop = loops.pop() if site.kind == "loop_end" else op
                     made, first = list(loop.results), None
                 for r, result in zip(node.results, made):
                     spec = value_specs.get(r)

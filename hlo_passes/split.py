@@ -40,6 +40,11 @@ def extract(module: ir.Module, graph: Graph, inputs: Sequence[int], outputs: Seq
         for v in list(inputs) + list(outputs):
             if graph.values[v].trips > 1:
                 raise ValueError(f"value {v} is made inside a loop's body; cut before or after the loop")
+            made = graph.nodes[graph.values[v].producer] if graph.values[v].producer >= 0 else None
+            if made is not None and "branch" in made.attrs:
+                raise StagingError(f"the step would be cut inside a conditional's branch ({made.name or made.op}): "
+                                   "sums over the batch made in lax.cond/lax.switch cannot be split into micro-batches "
+                                   "or stages yet; use num_micro_batches=1 and pipeline='off'")
         for v in inputs:
             if graph.values[v].producer < 0:
                 raise ValueError(f"value {v} is an argument already; list made values only")

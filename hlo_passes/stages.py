@@ -137,6 +137,9 @@ def _check_not_in_loop(n) -> None:
     if n.trips > 1 or "loop_trips" in n.attrs:
         raise StagingError("pipeline stages cannot cut through a loop yet: unroll the layers "
                            f"({n.name or n.op} is in a loop's body)")
+    if "branch" in n.attrs or "branches" in n.attrs:
+        raise StagingError("pipeline stages cannot cut through a conditional (lax.cond, lax.switch; optax.MultiSteps "
+                           f"uses one) yet: {n.name or n.op} is in one. Take it out of the step, or use pipeline='off'")
 
 
 def run_order(key: tuple) -> tuple:

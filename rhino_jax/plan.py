@@ -43,6 +43,7 @@ class PlannedCollective:
     depends_on: int = 0  # bit i set: it needs the i-th planned collective's result first
     trip: int = 0  # in a loop's body: which trip it runs in (one copy per trip)
     trips: int = 1  # how many trips its loop runs (1 outside loops)
+    branch: tuple[int, ...] = ()  # the conditional branches it runs in (`Node.attrs["branch"]`), outermost first
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class Planned(Protocol):
     depends_on: int  # bit i set: depends on the i-th planned collective
     trip: int  # which trip of its loop's body it runs in (0 outside loops)
     trips: int  # its loop's trip count (1 outside loops): only the same loop's collectives combine
+    branch: tuple[int, ...]  # the conditional branches it runs in: only the same branch's combine
     combinable: bool  # off the compute chain: XLA may combine it (and overlap it, `Cluster.overlap`)
 
 
@@ -136,7 +137,8 @@ def families(topo: MeshTopology, trips: Sequence[int] = (1,)) -> Families:
 def combine(planned: Sequence[Planned], combiner: Combiner) -> list[list[int]]:
     """The combined ops, as lists of indices into `planned`, the way XLA's combiners group them:
     walking in program order (a loop body's collectives trip by trip), a collective joins the
-    open group of its kind and axes unless it and a member depend on one another or the group
+    open group of its kind and axes (in its loop and conditional branch: each is its own
+    computation) unless it and a member depend on one another or the group
     would pass a threshold; then the group is closed and it opens the next. Kinds the backend
     does not combine stay alone."""
     groups: list[list[int]] = []
@@ -145,7 +147,7 @@ def combine(planned: Sequence[Planned], combiner: Combiner) -> list[list[int]]:
         c = planned[i]
         kind = combiner.compiled_kind(c.kind)
         limit = combiner.limit(kind)
-        key = (kind, frozenset(c.axes), c.trips)
+        key = (kind, frozenset(c.axes), c.trips, c.branch)
         if limit and key in open_group:
             g, members, needs, total = open_group[key]
             if not c.depends_on & members and not needs >> i & 1 and total + c.bytes <= limit \

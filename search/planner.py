@@ -20,7 +20,7 @@ import numpy as np
 from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverTimeLimitWarning
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
-from ..hlo_passes.graph import Graph, Pin
+from ..hlo_passes.graph import Graph, Pin, slots
 from . import carried, ilp, interrupt, levels
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard_path
@@ -50,7 +50,7 @@ class _Unit:
     name: str
     live: tuple[int, ...] = ()  # distinct operand values that other units produce
     join: str = ""  # "reader" | "producer": the cone it may join (see `cones`), "" for a root
-    slot: int = 0  # a "slot" unit (`carried`): the node operand (and result) it stands for
+    slot: int = 0  # a "slot" unit (`carried`): the position of its first operand in the node
 
 
 def _arg_strategies(graph: Graph, arg, topo: MeshTopology, cluster: Cluster) -> list[Strategy]:
@@ -123,15 +123,15 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bo
         if all(graph.values[r].constant for r in node.results):
             continue
         if carried.is_multi_slot(node):
-            for k, (v, r) in enumerate(zip(node.operands, node.results)):
+            for k, (first, reads, r) in enumerate(slots(node)):
                 if "loop_entry" in node.attrs:
                     ties.append((entries[node.attrs["loop_entry"], k], len(units)))
                 elif "loop_trips" in node.attrs:
                     entries[node.id, k] = len(units)
                 producer_unit[r] = len(units)
                 strategies = carried.slot_strategies(graph, node, k, topo, consumers)
-                units.append(_Unit("slot", node.id, (v,), (r,), strategies, node.name,
-                                   _live((v,), graph, producer_unit), slot=k))
+                units.append(_Unit("slot", node.id, reads, (r,), strategies, node.name,
+                                   _live(reads, graph, producer_unit), slot=first))
             continue
         if "opaque" in node.attrs:
             fallback.append(f"{node.op.split('.')[-1]} ({node.name or f'%{node.id}'}): {node.attrs['opaque']}")
@@ -565,6 +565,47 @@ def _indices(mask: np.ndarray) -> frozenset[int]:
     return frozenset(np.nonzero(mask)[0].tolist())
 
 
+def _read_branch(u: _Unit, pos: int | None, graph: Graph) -> tuple[int, ...]:
+    """The conditional branches (`Node.attrs["branch"]`) a unit's op runs in, or its read of
+    operand `pos` does: a conditional's slot reads branch b's value at the end of branch b."""
+    if u.kind not in ("node", "slot"):
+        return ()
+    attrs = graph.nodes[u.ref].attrs
+    branch = attrs.get("branch", ())
+    return branch + (attrs["alternatives"][pos],) if pos is not None and "alternatives" in attrs else branch
+
+
+def _visible(reached: dict, v: int, own: ShardingSpec, branch: tuple[int, ...]) -> dict:
+    """The layouts value v takes that a read in `branch` can go on from: its own, and those a
+    reshard made in that branch or around it (not in another branch, nor in one inside)."""
+    seen = {own: ()}
+    for k in range(len(branch) + 1):
+        seen.update(reached.get((v, branch[:k]), {}))
+    return seen
+
+
+def _taken_branches(planned: list[PlannedCollective], graph: Graph) -> list[PlannedCollective]:
+    """The collectives a step runs: of each conditional's branches (outer conditionals first) only
+    the one with the most collective bytes (then the most collectives, then the first), as
+    `hlo_stats` counts the compiled program's: an upper bound whichever branch runs. Dependency
+    masks are renumbered (they hold every collective a collective waits for, so none is lost)."""
+    cases = sorted((n for n in graph.nodes if "alternatives" in n.attrs), key=lambda n: len(n.attrs.get("branch", ())))
+    kept = list(range(len(planned)))
+    for case in cases:
+        alternatives = case.attrs["alternatives"]
+        weight = {b: (sum(planned[i].bytes for i in kept if b in planned[i].branch),
+                      sum(b in planned[i].branch for i in kept)) for b in alternatives}
+        taken = max(alternatives, key=lambda b: (weight[b], -b))
+        kept = [i for i in kept if not any(b in planned[i].branch for b in alternatives if b != taken)]
+    if len(kept) == len(planned):
+        return planned
+    index = {old: new for new, old in enumerate(kept)}
+
+    def renumbered(mask: int) -> int:
+        return sum(1 << index[i] for i in range(mask.bit_length()) if mask >> i & 1 and i in index)
+    return [dataclasses.replace(planned[i], depends_on=renumbered(planned[i].depends_on)) for i in kept]
+
+
 def _shared_path(reached: dict[ShardingSpec, tuple[ShardingSpec, ...]], dst: ShardingSpec, value,
                  topo: MeshTopology) -> tuple[tuple[ShardingSpec, ...], tuple]:
     """The cheapest way to `dst` from any layout the value already takes. `reached` maps each to
@@ -599,18 +640,19 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
     compute = sum(s.compute_s for s in chosen.values())
     planned: list[PlannedCollective] = []
     read_specs: dict[tuple[int, int], ShardingSpec] = {}
-    # Layouts each resharded value already takes, with the layouts on the way to each: a value is
-    # resharded once per layout read, and a later read may go on from one of them.
-    reached: dict[int, dict[ShardingSpec, tuple[ShardingSpec, ...]]] = {}
+    # Layouts each resharded value already takes, with the layouts on the way to each, by the
+    # conditional branches the reshard runs in: a value is resharded once per layout read, and a
+    # later read may go on from one of them, if it runs there or outside (`_visible`).
+    reached: dict[tuple[int, tuple[int, ...]], dict[ShardingSpec, tuple[ShardingSpec, ...]]] = {}
     read_paths: dict[tuple[int, ShardingSpec], tuple[ShardingSpec, ...]] = {}
     # What each value, and each layout a value is resharded into, waits for: a mask of planned
     # collectives (bit i: the i-th), so the combiner's replay knows which ones are independent.
     after: dict[int, int] = {}
     layout_after: dict[tuple[int, ShardingSpec], int] = {}
 
-    def add(c, u: _Unit, together: bool, needs: int, trip: int = 0, trips: int = 1) -> int:
+    def add(c, u: _Unit, together: bool, needs: int, trip: int = 0, trips: int = 1, branch=()) -> int:
         planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind,
-                                         together, needs, trip, trips))
+                                         together, needs, trip, trips, branch))
         return 1 << (len(planned) - 1)
 
     # Program order; arguments tied to an output read it at the end of the step.
@@ -626,10 +668,13 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
                 continue
             if u.kind in ("node", "slot"):
                 read_specs[u.ref, u.slot + pos] = s.operands[pos]
-            here = reached.setdefault(v, {specs[v]: ()})
+            branch = _read_branch(u, pos, graph)
+            here = _visible(reached, v, specs[v], branch)
             if s.operands[pos] in here:
                 continue
+            known = set(here)
             way, path = _shared_path(here, s.operands[pos], graph.values[v], topo)
+            reached.setdefault((v, branch), {}).update((k, w) for k, w in here.items() if k not in known)
             if way:
                 read_paths[v, s.operands[pos]] = way
             mask = after.get(v, 0)
@@ -640,7 +685,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
                 for c in step.collectives:
                     for trip in range(graph.values[v].trips):  # in a loop's body: each trip after the last
                         step_mask |= add(c, u, prices.combined(c, prices.sides.get(v)), mask | step_mask, trip,
-                                         graph.values[v].trips)
+                                         graph.values[v].trips, branch)
                 mask |= step_mask
                 layout_after[v, step.spec] = mask
             needs |= mask
@@ -648,9 +693,10 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
         trips = graph.values[u.results[0]].trips if u.results else 1
         per_trip = max(1, len(s.collectives) // trips)
         for k, c in enumerate(s.collectives):  # in a loop's body listed once per trip (`carried.per_trip`)
-            needs |= add(c, u, prices.combined(c, side), needs, k // per_trip, trips)
+            needs |= add(c, u, prices.combined(c, side), needs, k // per_trip, trips, _read_branch(u, None, graph))
         for r in u.results:
             after[r] = needs
+    planned = _taken_branches(planned, graph)
     comm, off_chain = combined_time(planned, topo)
     hidden = min(topo.overlap * off_chain, compute)  # behind compute, as XLA's scheduler overlaps
     arg_specs = tuple(specs[a.value] for a in graph.args)

@@ -161,16 +161,3 @@ def test_flax_scan_remat_adamw_matches_one_device_and_its_unrolled_twin(shape, n
     if shape == (8,):  # data parallel inside the loop: one combined gradient all-reduce per trip, and the loss's
         assert scan_sum == {"all-reduce": compiled.by_kind()["all-reduce"]} and scan_sum["all-reduce"][0] == L + 1
 
-
-def test_conditional_stays_opaque_with_its_reason():
-    mesh = rj.device_mesh((8,), ("data",))
-
-    def f(w, x):
-        h = jax.lax.cond(jnp.sum(x) > 0, lambda h: jnp.tanh(h @ w), lambda h: h @ w, x)
-        return jnp.sum(h ** 2)
-
-    w, x = jnp.eye(16) * 0.5, jnp.ones((64, 16))
-    step = rj.parallelize(f, mesh=mesh, cluster=CPU)
-    plan = step.lower(w, x).plan
-    assert any("conditionals (lax.cond, lax.switch) are not searched inside" in op for op in plan.fallback_ops)
-    assert_same_numbers(jax.jit(f)(w, x), step(w, x))
