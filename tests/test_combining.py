@@ -32,6 +32,12 @@ def test_independent_collectives_combine_and_a_dependent_one_opens_a_new_op():
     assert combine(planned, GPU) == [[0, 1], [2], [3]]
 
 
+def test_only_collectives_of_one_conditional_branch_combine():
+    branch = [(), (1,), (1,), (2,)]  # outside, twice in branch 1, in branch 2: each its own computation
+    planned = [dataclasses.replace(_planned("all-reduce", 64), branch=b) for b in branch]
+    assert combine(planned, CPU) == [[0], [1, 2], [3]]
+
+
 def test_the_byte_threshold_splits_a_family():
     limit = GPU.limit("all-reduce")
     planned = [_planned("all-reduce", limit // 2)] * 3
