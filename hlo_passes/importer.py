@@ -197,16 +197,6 @@ def parse_sdy_dims(text: str) -> tuple[tuple[str, ...] | None, ...]:
     return tuple(dims)
 
 
-def _operands(site: mod.Site) -> list[ir.Value]:
-    """What a site's node reads. A conditional ("case") reads its branch index, then for each
-    result k the value each branch returns for it (branch order): slot k's operands lie together
-    (`search.carried`)."""
-    if site.kind != "case":
-        return list(site.op.operands)
-    returned = [list(r.operands) for r in mod.branch_returns(site.op)]
-    return list(site.op.operands) + [branch[k] for k in range(len(site.op.results)) for branch in returned]
-
-
 def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequence[str],
                   output_paths: Sequence[str]) -> Graph:
     """Build the Graph IR of an inlined module (see `module.inline_calls`).
@@ -250,7 +240,7 @@ def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequen
     for site, defined in mod.entry_values(module):
         op = site.op
         nid = len(nodes)
-        operands = tuple(ids[v] for v in _operands(site))
+        operands = tuple(ids[reader.operands[at]] for reader, at in mod.read_places(site))
         constant = all(values[o].constant for o in operands)
         attrs = _op_attrs(op)
         if site.kind == "loop":

@@ -229,9 +229,15 @@ def _sites(block: ir.Block, trips: int, numbers: Iterator[int], branch: tuple[in
 _CONDITIONALS = {"stablehlo.case", "stablehlo.if"}
 
 
-def branch_returns(op: ir.Operation) -> list[ir.Operation]:
-    """The return op of each branch of a conditional, in branch order."""
-    return [list(region.blocks[0].operations)[-1].operation for region in op.regions]
+def read_places(site: Site) -> list[tuple[ir.Operation, int]]:
+    """Where each operand of a site's node is read: (op, operand index). A conditional's node
+    reads its branch index, then for each result k what each branch's return yields for it
+    (branch order): slot k's operands lie together (`graph.slots`)."""
+    op = site.op.operation
+    if site.kind != "case":
+        return [(op, k) for k in range(len(op.operands))]
+    returns = [list(region.blocks[0].operations)[-1].operation for region in op.regions]
+    return [(op, 0)] + [(ret, k) for k in range(len(op.results)) for ret in returns]
 
 
 def entry_sites(module: ir.Module) -> Iterator[Site]:

@@ -27,7 +27,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 
 from ..search.specs import ShardingSpec
 from . import module as mod
-from .graph import Graph
+from .graph import Graph, slots
 
 
 # Pins are already constraints; a loop that is not counted carries its layout in its body, which
@@ -89,21 +89,6 @@ def _renumber(op: ir.Operation, node, ins: list[list[list[int]]], outs: list[lis
             rhs_batching_dimensions=_flat(ins[1], a["rhs_batch"]),
             lhs_contracting_dimensions=_flat(ins[0], a["lhs_contract"]),
             rhs_contracting_dimensions=_flat(ins[1], a["rhs_contract"]))
-
-
-def _read_places(site: mod.Site) -> list[tuple[ir.Operation, int]]:
-    """Where each operand of a site's node is read: (op, operand index). A conditional's node
-    reads its branch index, then slot by slot what each branch's return yields (`importer`)."""
-    op = site.op.operation
-    if site.kind != "case":
-        return [(op, k) for k in range(len(op.operands))]
-    returns = mod.branch_returns(op)
-    return [(op, 0)] + [(ret, k) for k in range(len(op.results)) for ret in returns]
-
-
-def _slot(site: mod.Site, pos: int) -> int:
-    """The result a slot-wise node's operand `pos` passes on (`_read_places`' order)."""
-    return (pos - 1) // len(site.op.regions) if site.kind == "case" else pos
 
 
 def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec],
@@ -171,11 +156,12 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
             assert node.op == op.name, "module and graph are out of step"
             left = node.op in _LEFT_TO_XLA and site.kind == "opaque"
             slotwise = site.kind in ("loop", "loop_end", "case")
+            passes_on = {first + k: r for first, reads, r in slots(node) for k in range(len(reads))} if slotwise else {}
             ins = []
-            for pos, (v, (reader, at)) in enumerate(zip(node.operands, _read_places(site))):
+            for pos, (v, (reader, at)) in enumerate(zip(node.operands, mod.read_places(site))):
                 spec = read_specs.get((node.id, pos))
-                if slotwise and spec is None and graph.values[v].dtype != "token":  # the slot's one layout
-                    spec = value_specs.get(node.results[_slot(site, pos)]) if pos or site.kind != "case" else None
+                if pos in passes_on and spec is None and graph.values[v].dtype != "token":  # the slot's one layout
+                    spec = value_specs.get(passes_on[pos])
                 if left or spec is None:  # read as produced (or, by ops left to XLA, unsplit)
                     wanted = None if left else value_specs.get(v)
                     source = reshaped(reader.operands[at], split(v, wanted)[0], reader)
