@@ -80,12 +80,26 @@ def _settle(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], sizes:
 
 def _settle_step(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, sizes: dict[str, int],
                  shape: tuple[int, ...]) -> Step:
+    """XLA's partitioner settles a partial sum one dim at a time: for each dim the partial axes
+    are scattered into (the minor dim first), an all-reduce of the whole local buffer over
+    that dim's axes, then one local slice of every such dim; the axes scattered nowhere are
+    summed last, in an all-reduce of the sliced piece. An all-reduce whose result is sliced in
+    one dim is a reduce-scatter (GPU XLA merges the pair, `Combiner.compiled_kind`); with
+    several dims sliced at once it stays an all-reduce of the whole buffer on every backend."""
     settled = _settle(src, dst, shape, sizes)
     before = _local_bytes(src, full_bytes, sizes)
+    into: dict[int, tuple[str, ...]] = {}
+    for a in src.partial:
+        d = settled.dim_of(a)
+        if d is not None:
+            into[d] = into.get(d, ()) + (a,)
+    kind = "reduce-scatter" if len(into) == 1 else "all-reduce"
+    collectives = [Collective(kind, into[d], before) for d in sorted(into, reverse=True)]
     reduce = tuple(a for a in src.partial if settled.dim_of(a) is None)
-    scatter = tuple(a for a in src.partial if a not in reduce)
-    return Step(settled, tuple(Collective(kind, axes, before) for kind, axes in
-                               (("all-reduce", reduce), ("reduce-scatter", scatter)) if axes))
+    if reduce:
+        sliced = ShardingSpec.shard_factor_of(tuple(a for axes in into.values() for a in axes), sizes)
+        collectives.append(Collective("all-reduce", reduce, before // sliced))
+    return Step(settled, tuple(collectives))
 
 
 def _strides_align(size: int, n: int, a: int | None, b: int | None) -> bool:
@@ -118,10 +132,12 @@ def reshard_path(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, topo: Me
         scattered = set(src.partial) & set(steps[-1].spec.used_axes())
         src = steps[-1].spec
     if src.strides or dst.strides:
-        direct = Step(dst, tuple(_strided(src, dst, full_bytes, topo.sizes, shape, scattered)))
-        if steps and not src.strides:  # a settled layout without strides is pinned like any step
-            return (steps[0], direct)
-        return (Step(dst, tuple(c for s in steps for c in s.collectives) + direct.collectives),)
+        if steps and not src.strides:
+            # A settled layout without strides is pinned like any step: the move from it starts
+            # from a layout in place, with no axis at dst's stride yet.
+            return (steps[0], Step(dst, tuple(_strided(src, dst, full_bytes, topo.sizes, shape, set()))))
+        direct = tuple(_strided(src, dst, full_bytes, topo.sizes, shape, scattered))
+        return (Step(dst, tuple(c for s in steps for c in s.collectives) + direct),)
     if src != dst:
         steps += _cheapest_paths(src, shape, full_bytes, topo)[dst]
     return tuple(steps)

@@ -238,3 +238,45 @@ def test_a_matmul_with_partial_sums_compiles_as_priced_into_any_layout(out):
     found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
     assert found == _as_cpu_compiles(lowered.plan.collectives), (found, lowered.plan.collectives)
     assert_same_numbers(jax.jit(f)(a, w), compiled(a, w))
+
+
+@pytest.mark.parametrize("out", [P("x", "y"), P("y", "x"), P(("x", "y"), None), P(None, ("x", "y")),
+                                 P("x", None), P(None, "y")])
+def test_a_sum_split_over_two_axes_is_settled_one_dim_at_a_time(out):
+    """A matmul whose contraction is split on both axes (data parallel on a 2-D mesh: a weight's
+    gradient), read in `out`: XLA all-reduces the whole sum once per dim `out` splits on those
+    axes (GPT-Medium's gradients, wanted [x, y] by the Adam moments, compiled to two full-size
+    all-reduces where one reduce-scatter was priced), slices, and sums the axes `out` does not
+    use on the slice. The plan prices the same collectives. A long contraction (4096) into a small
+    result, so that settling the sums costs less than gathering the operands."""
+    def f(a, w):
+        return rj.annotate(rj.annotate(a, P(None, ("x", "y"))) @ rj.annotate(w, P(("x", "y"), None)), out)
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (32, 4096)) / 64  # sums of order 1
+    w = jax.random.normal(jax.random.PRNGKey(1), (4096, 64))
+    lowered = rj.parallelize(f, mesh=rj.device_mesh((2, 4), ("x", "y"))).lower(a, w)
+    kinds = {c.kind for c in lowered.plan.collectives}
+    assert kinds <= {"all-reduce", "reduce-scatter"}, lowered.plan.collectives  # settled, not gathered
+    compiled = lowered.compile()
+    found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
+    assert found == _as_cpu_compiles(lowered.plan.collectives), (found, lowered.plan.collectives)
+    assert_same_numbers(jax.jit(f)(a, w), compiled(a, w))
+
+
+def test_a_partial_sum_read_strided_is_settled_then_moved_to_its_stride():
+    """MoE's token gradient: a partial sum read at a stride (a reshape splits its dim in two). The
+    rewrite pins the settled layout, at maximum stride, so the stride change after it moves data
+    (all-to-all, then permute) as from any layout; the plan priced it as free, as if the sum were
+    scattered straight into the stride (8 collectives of MoE's 59 missing from its count)."""
+    def f(a, w):
+        h = jnp.einsum("gdk,ks->gds", rj.annotate(a, P(None, None, "x")), rj.annotate(w, P("x", None)))
+        return jnp.tanh(rj.annotate(h.reshape(4, 16, 2, 1024), P(None, None, None, "x")))
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 4096)) / 64  # sums of order 1
+    w = jax.random.normal(jax.random.PRNGKey(1), (4096, 2048))
+    lowered = rj.parallelize(f, mesh=rj.device_mesh((8,), ("x",))).lower(a, w)
+    assert sorted(c.kind for c in lowered.plan.collectives) == ["all-to-all", "collective-permute", "reduce-scatter"]
+    compiled = lowered.compile()
+    found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
+    assert found == _as_cpu_compiles(lowered.plan.collectives), (found, lowered.plan.collectives)
+    assert_same_numbers(jax.jit(f)(a, w), compiled(a, w))
