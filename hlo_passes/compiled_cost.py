@@ -11,7 +11,9 @@ compare on what XLA really built:
   all of its layers.
 - communication: every compiled collective (`hlo_stats.collective_stats`, once per execution:
   loop trips counted) at the α-β ring cost of `search.collectives.Collective.time`, on a one-axis
-  topology of its group size and link.
+  topology of its group size and link. For a GPU cluster, an all-reduce whose result is only read
+  in 1/group slices is priced as the reduce-scatter GPU XLA makes of it
+  (`CompiledCollective.scattered`); the CPU compiler keeps the pair.
 
 Pricing a CPU-compiled program for a GPU cluster inherits the CPU compiler's choices (e.g. bf16
 dots are computed in f32 and fusions differ), the same for every plan priced.
@@ -24,7 +26,7 @@ from typing import Any
 
 import jax
 
-from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
+from rhino_jax.search.cluster import Cluster, MeshTopology, combiner_for, get_cluster
 from rhino_jax.search.collectives import Collective
 
 from .hlo_stats import (
@@ -169,6 +171,7 @@ def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int
     group's size, over the intra-host link when the group's devices (or a permute's pairs) lie
     in one host, else the inter-host one, shared by the groups that cross a host at once."""
     out = {k: 0.0 for k in COLLECTIVE_KINDS}
+    combiner = combiner_for(cluster.backend)
     for c in stats.collectives:
         permute = c.kind == "collective-permute"
         n = 2 if permute else c.group_size
@@ -188,11 +191,18 @@ def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int
         topo = MeshTopology(("group",), (n,),
                             (cluster.intra_host_bandwidth if intra else cluster.inter_host_bandwidth,),
                             (cluster.intra_host_latency if intra else cluster.inter_host_latency,),
-                            cluster.collective_launch_s, hosts_spanned=(hosts,),
+                            cluster.collective_launch_s, combiner=combiner, hosts_spanned=(hosts,),
                             host_devices=min(num_devices, cluster.devices_per_host))
         # The program is compiled: each op is priced as it stands (family 1, no combining left to
-        # predict), once per execution (loop trips, `CompiledCollective.executions`).
-        out[c.kind] += c.executions * Collective(c.kind, ("group",), c.bytes).time(topo, pairwise=permute)
+        # predict), once per execution (loop trips, `CompiledCollective.executions`). An
+        # all-reduce read only in 1/group slices runs as a reduce-scatter where the backend
+        # forms them (a CPU-compiled program priced for a GPU cluster); the rest of a combined
+        # one stays an all-reduce.
+        parts = [(c.kind, c.bytes)]
+        if c.scattered and not combiner.reduce_scatter_as_all_reduce:
+            parts = [(k, b) for k, b in (("all-reduce", c.bytes - c.scattered), ("reduce-scatter", c.scattered)) if b]
+        for kind, nbytes in parts:
+            out[kind] += c.executions * Collective(kind, ("group",), nbytes).time(topo, pairwise=permute)
     return out
 
 

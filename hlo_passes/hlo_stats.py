@@ -84,6 +84,10 @@ class CompiledCollective:
     executions: int = 1
     pairs: tuple[tuple[int, int], ...] = ()  # a collective-permute's (source, target) device pairs
     group: tuple[int, ...] = ()  # the devices of its first replica group, when the text says
+    # An all-reduce's bytes that are only ever read as a 1/group_size dynamic slice: the
+    # partitioner's form of a reduce-scatter, which GPU XLA (its reduce-scatter creator) runs
+    # as one and the CPU leaves as it is (`_scattered_bytes`).
+    scattered: int = 0
 
 
 @dataclass(frozen=True)
@@ -776,6 +780,69 @@ def _pairs(instr: _Instr) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))) if m else ()
 
 
+_REF_RE = re.compile(r"%([\w.\-]+)")
+_GTE_INDEX_RE = re.compile(r"\bindex=(\d+)")
+# Ops that pass a value on unchanged in content: a slice of what they make is a slice of it.
+_PASS_ON = ("bitcast", "reshape", "copy", "all-reduce-done")
+
+
+def _elements(leaf: str) -> int:
+    dims = _LEAF_RE.fullmatch(leaf).group(2)
+    return math.prod(int(d.removeprefix("<=")) for d in filter(None, (x.strip() for x in dims.split(","))))
+
+
+def _read_as_slices(value: str, elements: int, users: dict[str, list[_Instr]],
+                    comps: dict[str, list[_Instr]]) -> bool:
+    """Whether every use of `value` is a dynamic slice of it of `elements` elements, looking
+    through ops that pass it on and into the fusions that read it (the CPU fuses the slice with
+    what follows; GPU XLA forms reduce-scatters before it fuses)."""
+    found = users.get(value, [])
+    for u in found:
+        operands = _REF_RE.findall(u.operands)
+        if u.opcode == "dynamic-slice":
+            if operands[0] != value or operands.count(value) > 1 or _elements(_leaves(u.shape)[0]) != elements:
+                return False
+        elif u.opcode in _PASS_ON:
+            if not _read_as_slices(u.name, elements, users, comps):
+                return False
+        elif u.opcode == "fusion":
+            callee = re.search(r"\bcalls=%?([\w.\-]+)", u.attrs)
+            params = {i.operands.strip(): i.name for i in comps.get(callee.group(1) if callee else "", [])
+                      if i.opcode == "parameter"}
+            for k, name in enumerate(operands):
+                if name == value and not (str(k) in params and
+                                          _read_as_slices(params[str(k)], elements, users, comps)):
+                    return False
+        else:
+            return False
+    return bool(found)
+
+
+def _scattered_bytes(instr: _Instr, c: CompiledCollective, users: dict[str, list[_Instr]],
+                     comps: dict[str, list[_Instr]]) -> int:
+    """The bytes of an all-reduce's buffers (each one of its results, or of its tuple) that are
+    only read as a 1/group_size dynamic slice."""
+    leaves = _leaves(instr.shape)
+    if isinstance(instr.shape, str):
+        values = {0: [instr.name]}
+    else:
+        values = {}
+        for u in users.get(instr.name, []):
+            m = _GTE_INDEX_RE.search(u.attrs)
+            if u.opcode != "get-tuple-element" or m is None:
+                return 0
+            values.setdefault(int(m.group(1)), []).append(u.name)
+    return sum(_leaf_bytes(leaves[k]) for k, names in values.items()
+               if _elements(leaves[k]) % c.group_size == 0 and all(_read_as_slices(v, _elements(leaves[k]) // c.group_size, users, comps) for v in names))
+
+
+def _with_scatter(c: CompiledCollective, instr: _Instr, users: dict[str, list[_Instr]],
+                  comps: dict[str, list[_Instr]]) -> CompiledCollective:
+    if c.kind != "all-reduce" or c.group_size <= 1:
+        return c
+    return replace(c, scattered=_scattered_bytes(instr, c, users, comps))
+
+
 @dataclass(frozen=True)
 class ComputationRuns:
     """How often each computation of a module runs per step: the weights of anything measured
@@ -792,8 +859,14 @@ def _analyse(hlo_text: str, every_branch: bool) -> tuple[dict[str, list[Compiled
     comps, texts, entry = _computations(hlo_text)
     shapes_by_name = {i.name: i.shape for instrs in comps.values() for i in instrs}
     module_devices = _module_devices(hlo_text)
+    users: dict[str, list[_Instr]] = {}
+    for instrs in comps.values():
+        for i in instrs:
+            for name in dict.fromkeys(_REF_RE.findall(i.operands)):
+                users.setdefault(name, []).append(i)
     found = {
-        comp: [c for c in (_collective(i, shapes_by_name, module_devices) for i in instrs) if c]
+        comp: [_with_scatter(c, i, users, comps) for i in instrs
+               for c in (_collective(i, shapes_by_name, module_devices),) if c]
         for comp, instrs in comps.items()
     }
     calls = {comp: [c for c in map(_call_of, instrs) if c is not None] for comp, instrs in comps.items()}

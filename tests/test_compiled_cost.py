@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rhino_jax.hlo_passes.compiled_cost import dot_dtype, price_compiled, program_cost
+from rhino_jax.hlo_passes.hlo_stats import collective_stats
 from rhino_jax.search.cluster import H100_8X, M8_V100
 
 M, K, N = 64, 32, 16
@@ -146,3 +147,28 @@ def test_collectives_in_a_loop_are_priced_per_trip():
     assert cost.collectives["all-reduce"] == (3, 3 * 4)
     one = _ring(8, 4, M8_V100.intra_host_bandwidth, M8_V100.intra_host_latency, M8_V100.collective_launch_s, 2)
     assert cost.comm_s == pytest.approx(3 * one)
+
+
+def test_a_gradient_read_in_slices_is_priced_as_the_reduce_scatter_a_gpu_makes_of_it():
+    """FSDP's gradient: the partitioner writes all-reduce + dynamic-slice (fused with the update
+    on CPU); GPU XLA runs the pair as a reduce-scatter, half the ring traffic. Priced for a GPU
+    cluster it is one; for a CPU cluster it stays the all-reduce the CPU runs. A gradient read
+    whole (data parallel) stays an all-reduce for both."""
+    mesh = _mesh((8,), ("d",))
+
+    def sgd(w, x):
+        return w - 0.1 * _grad_w(w, x)
+
+    fsdp = _compile(sgd, mesh, (P("d"), P("d")), P("d"), (K, N), (M, K))
+    (ar,) = [c for c in collective_stats(fsdp.as_text()).collectives if c.kind == "all-reduce"]
+    assert ar.scattered == ar.bytes == K * N * 4
+    want = _ring(8, K * N * 4, M8_V100.intra_host_bandwidth, M8_V100.intra_host_latency,
+                 M8_V100.collective_launch_s, 1)
+    assert price_compiled(fsdp, M8_V100).comm_by_kind["reduce-scatter"] == pytest.approx(want, rel=1e-12)
+    assert price_compiled(fsdp, M8_V100).comm_by_kind["all-reduce"] == 0.0
+    on_cpu = price_compiled(fsdp, dataclasses.replace(M8_V100, backend="cpu"))
+    assert on_cpu.comm_by_kind["all-reduce"] == pytest.approx(
+        _ring(8, K * N * 4, M8_V100.intra_host_bandwidth, M8_V100.intra_host_latency, M8_V100.collective_launch_s, 2))
+    dp = _compile(sgd, mesh, (P(), P("d")), P(), (K, N), (M, K))
+    assert [c.scattered for c in collective_stats(dp.as_text()).collectives] == [0]
+    assert price_compiled(dp, M8_V100).comm_by_kind["reduce-scatter"] == 0.0

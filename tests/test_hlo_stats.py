@@ -349,6 +349,35 @@ def test_tuple_all_reduce_sums_elements():
                                     op_name="jit(f)/psum", group=(0, 1))
 
 
+def test_all_reduce_results_read_only_in_group_slices_are_scattered():
+    """A combined all-reduce (groups of 4): its first buffer is read only as a quarter, by a
+    dynamic-slice behind a bitcast and inside a fusion (where the CPU puts it); the second by an
+    add, and the third by a static slice too: only the first is a reduce-scatter for GPU XLA."""
+    fused = ("%fused (a: f32[8,16], o: s32[]) -> f32[2,16] {\n  %a = f32[8,16]{1,0} parameter(0)\n"
+             "  %o = s32[] parameter(1)\n  %z = s32[] constant(0)\n"
+             "  %ds = f32[2,16]{1,0} dynamic-slice(%a, %o, %z), dynamic_slice_sizes={2,16}\n"
+             "  ROOT %m = f32[2,16]{1,0} multiply(%ds, %ds)\n}\n\n")
+    text = _module(
+        "%p = f32[8,16]{1,0} parameter(0)",
+        "%o = s32[] partition-id()",
+        "%z = s32[] constant(0)",
+        "%ar = (f32[8,16]{1,0}, f32[8,16]{1,0}, f32[4,4]{1,0}) all-reduce(%p, %p, %p), channel_id=1, "
+        "replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add",
+        "%g0 = f32[8,16]{1,0} get-tuple-element(%ar), index=0",
+        "%g1 = f32[8,16]{1,0} get-tuple-element(%ar), index=1",
+        "%g2 = f32[4,4]{1,0} get-tuple-element(%ar), index=2",
+        "%b = f32[128]{0} bitcast(%g0)",
+        "%f = f32[2,16]{1,0} fusion(%g0, %o), kind=kLoop, calls=%fused",
+        "%d = f32[32]{0} dynamic-slice(%b, %o), dynamic_slice_sizes={32}",
+        "%sum = f32[8,16]{1,0} add(%g1, %g1)",
+        "%d2 = f32[1,4]{1,0} dynamic-slice(%g2, %o, %z), dynamic_slice_sizes={1,4}",
+        "%s2 = f32[1,4]{1,0} slice(%g2), slice={[0:1], [0:4]}",
+        "ROOT %t = (f32[2,16]{1,0}, f32[32]{0}, f32[8,16]{1,0}, f32[1,4]{1,0}, f32[1,4]{1,0}) tuple(%f, %d, %sum, %d2, %s2)",
+    ).replace("ENTRY", fused + "ENTRY")
+    (ar,) = collective_stats(text).collectives
+    assert (ar.bytes, ar.scattered) == ((2 * 8 * 16 + 16) * 4, 8 * 16 * 4)
+
+
 def test_long_tuple_with_index_comments():
     shapes = ", ".join(["f32[2]{0}"] * 5) + ", /*index=5*/f32[3]{0}"
     text = _module(f"%ar = ({shapes}) all-reduce(%a, %b, %c, %d, %e, %f), "
