@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,49 +116,60 @@ class Graph:
         return hist
 
     def fed_back(self) -> dict[int, int]:
-        """Output index → index of the argument it feeds back into (the next step's input).
+        """Output index → index of the argument it feeds back into (the next step's input): `feeds`
+        of the entry's arguments and results."""
+        def leaf(path: str, prefix: str, v: int) -> tuple[str, tuple[int, ...], str]:
+            return path[len(prefix):], self.values[v].shape, self.values[v].dtype
 
-        A training loop calls step(params, opt_state, batch) -> (params, opt_state, loss) or
-        step(state, batch) -> (state, metrics) and feeds the results back in, so those results
-        should leave in the layout their argument came in. The rule, by key path (relative to the
-        result's element and to the argument) with equal shape and dtype at every leaf:
-          1. a whole subtree: the result, or one element of a tuple/list result, whose leaves are
-             exactly those of one argument (same relative paths, shapes, dtypes) feeds that
-             argument: the argument at its own index when it is one of those, else the only one;
-             so `return loss, params, opt_state` and `return new_params` match too;
-          2. then leaf by leaf: result[k]<path> feeds arg[k]<path> where both exist;
-        each argument is fed by the first result (in output order) that matches it. Results that
-        match nothing (a loss, metrics) are free to take any layout."""
-        args = [(a.index, a.path[len("arg"):], self.values[a.value]) for a in self.args]
-        outs = [(k, p[len("out"):], self.values[v]) for k, (p, v) in enumerate(zip(self.output_paths, self.outputs))]
-        by_arg: dict[int, list] = {}
-        for i, rel, v in args:
-            top, rest = _split_top(rel)
-            by_arg.setdefault(top, []).append((rest, v.shape, v.dtype, i))
-        arg_sig = {top: tuple(sorted(x[:3] for x in leaves)) for top, leaves in by_arg.items()}
-        pairs: dict[int, int] = {}
-        for sub in (_subtrees(outs, whole=True), _subtrees(outs, whole=False)):
-            for top, leaves in sub.items():
-                if any(k in pairs for _, _, _, k in leaves):
-                    continue
-                sig = tuple(sorted(x[:3] for x in leaves))
-                same = [j for j, s in arg_sig.items() if s == sig]
-                j = top if top in same else same[0] if len(same) == 1 else None
-                if j is not None:
-                    where = {x[0]: x[3] for x in by_arg[j]}
-                    pairs.update((k, where[rest]) for rest, _, _, k in leaves)
-        by_path = {(rel, v.shape, v.dtype): i for i, rel, v in args}
-        for k, rel, v in outs:
-            if k not in pairs and (rel, v.shape, v.dtype) in by_path:
-                pairs[k] = by_path[rel, v.shape, v.dtype]
-        fed: dict[int, int] = {}
-        for k in sorted(pairs):
-            if pairs[k] not in fed.values():
-                fed[k] = pairs[k]
-        return fed
+        return feeds([leaf(a.path, "arg", a.value) for a in self.args],
+                     [leaf(p, "out", v) for p, v in zip(self.output_paths, self.outputs)])
 
     def replace(self, **kw) -> "Graph":
         return dataclasses.replace(self, **kw)
+
+
+Leaf = tuple[str, tuple[int, ...], str]  # (key path inside the arguments or the result, shape, dtype)
+
+
+def feeds(args: Sequence[Leaf], outs: Sequence[Leaf]) -> dict[int, int]:
+    """Output leaf index → index of the argument leaf it feeds back into (the next step's input).
+
+    A training loop calls step(params, opt_state, batch) -> (params, opt_state, loss) or
+    step(state, batch) -> (state, metrics) and feeds the results back in, so those results
+    should leave in the layout their argument came in. The rule, by key path (relative to the
+    result's element and to the argument) with equal shape and dtype at every leaf:
+      1. a whole subtree: the result, or one element of a tuple/list result, whose leaves are
+         exactly those of one argument (same relative paths, shapes, dtypes) feeds that
+         argument: the argument at its own index when it is one of those, else the only one;
+         so `return loss, params, opt_state` and `return new_params` match too;
+      2. then leaf by leaf: result[k]<path> feeds arg[k]<path> where both exist;
+    each argument is fed by the first result (in output order) that matches it. Results that
+    match nothing (a loss, metrics) are free to take any layout."""
+    by_arg: dict[int | None, list] = {}
+    for i, (rel, shape, dtype) in enumerate(args):
+        top, rest = _split_top(rel)
+        by_arg.setdefault(top, []).append((rest, shape, dtype, i))
+    arg_sig = {top: tuple(sorted(x[:3] for x in leaves)) for top, leaves in by_arg.items()}
+    pairs: dict[int, int] = {}
+    for sub in (_subtrees(outs, whole=True), _subtrees(outs, whole=False)):
+        for top, leaves in sub.items():
+            if any(k in pairs for _, _, _, k in leaves):
+                continue
+            sig = tuple(sorted(x[:3] for x in leaves))
+            same = [j for j, s in arg_sig.items() if s == sig]
+            j = top if top in same else same[0] if len(same) == 1 else None
+            if j is not None:
+                where = {x[0]: x[3] for x in by_arg[j]}
+                pairs.update((k, where[rest]) for rest, _, _, k in leaves)
+    by_path = {leaf: i for i, leaf in enumerate(args)}
+    for k, leaf in enumerate(outs):
+        if k not in pairs and leaf in by_path:
+            pairs[k] = by_path[leaf]
+    fed: dict[int, int] = {}
+    for k in sorted(pairs):
+        if pairs[k] not in fed.values():
+            fed[k] = pairs[k]
+    return fed
 
 
 _TOP = re.compile(r"\[(\d+)\]")
@@ -169,13 +181,13 @@ def _split_top(rel: str) -> tuple[int | None, str]:
     return (int(m.group(1)), rel[m.end():]) if m else (None, rel)
 
 
-def _subtrees(outs, whole: bool) -> dict:
+def _subtrees(outs: Sequence[Leaf], whole: bool) -> dict:
     """The result as one subtree (top index 0), or its tuple/list elements by index."""
     found: dict = {}
-    for k, rel, v in outs:
+    for k, (rel, shape, dtype) in enumerate(outs):
         top, rest = (0, rel) if whole else _split_top(rel)
         if top is not None:
-            found.setdefault(top, []).append((rest, v.shape, v.dtype, k))
+            found.setdefault(top, []).append((rest, shape, dtype, k))
     return found
 
 

@@ -6,6 +6,7 @@ the rewrite later swaps in the plan's shardings without tracing the function aga
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from jax.extend.mlir import ir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import module as mod
+from .graph import Leaf, feeds
 
 _OPT_KEYS = ("opt", "optimizer", "adam", "mu", "nu", "momentum", "velocity", "count", "step")
 _BATCH_KEYS = ("batch", "inputs", "input", "labels", "targets", "tokens", "images", "x", "y")
@@ -38,6 +40,17 @@ def _keys(path) -> list[str]:
     return out
 
 
+def _named_role(keys: Sequence[str]) -> str | None:
+    """The role key names give: an optimizer's, a parameter's or a batch's; None without one."""
+    if any(k in _OPT_KEYS or k.startswith("opt") for k in keys):
+        return "optimizer_state"
+    if any(k in ("params", "param", "weights") for k in keys):
+        return "parameter"
+    if any(k in _BATCH_KEYS for k in keys):
+        return "batch"
+    return None
+
+
 def infer_role(keys: Sequence[str], position: int, num_args: int) -> str:
     """Parameter, optimizer state or batch, from the argument position and the key names (`keys`:
     the argument's keyword, if passed by keyword, then the keys inside it).
@@ -45,11 +58,10 @@ def infer_role(keys: Sequence[str], position: int, num_args: int) -> str:
     The usual signature is step(params, opt_state, batch) or step(state, batch) with
     state.params / state.opt_state; keys that name an optimizer or a batch win over position.
     Keyword arguments count as passed positionally after the positional ones, in call order."""
-    if any(k in _OPT_KEYS or k.startswith("opt") for k in keys):
-        return "optimizer_state"
-    if any(k in ("params", "param", "weights") for k in keys):
-        return "parameter"
-    if any(k in _BATCH_KEYS for k in keys) or (num_args > 1 and position == num_args - 1):
+    named = _named_role(keys)
+    if named is not None:
+        return named
+    if num_args > 1 and position == num_args - 1:
         return "batch"
     if position == 0:
         return "parameter"
@@ -57,10 +69,11 @@ def infer_role(keys: Sequence[str], position: int, num_args: int) -> str:
 
 
 def flat_arguments(args: Sequence, kwargs: dict | None = None, positions: Sequence[int] | None = None
-                   ) -> list[tuple[str, str, object]]:
-    """(path, role, leaf) of each leaf of a call, in the order jax flattens (args, kwargs): paths
-    `arg[i]...` for positional arguments (`positions[i]`: the user's position, when static
-    arguments were taken out) and `arg['name']...` for keyword ones."""
+                   ) -> list[tuple[str, str, object, bool]]:
+    """(path, role, leaf, named) of each leaf of a call, in the order jax flattens (args, kwargs):
+    paths `arg[i]...` for positional arguments (`positions[i]`: the user's position, when static
+    arguments were taken out) and `arg['name']...` for keyword ones; `named`: key names gave the
+    role, not the position alone."""
     kwargs = kwargs or {}
     num_args = len(args) + len(kwargs)
     order = {name: len(args) + k for k, name in enumerate(kwargs)}
@@ -71,12 +84,38 @@ def flat_arguments(args: Sequence, kwargs: dict | None = None, positions: Sequen
         if path[0].idx == 0:
             i = top.idx
             label = f"arg[{positions[i] if positions is not None else i}]"
-            role = infer_role(inner, i, num_args)
+            keys, position = inner, i
         else:
             label = f"arg[{top.key!r}]"
-            role = infer_role([str(top.key).lower()] + inner, order[top.key], num_args)
-        out.append((label + jax.tree_util.keystr(rest), role, leaf))
+            keys, position = [str(top.key).lower()] + inner, order[top.key]
+        out.append((label + jax.tree_util.keystr(rest), infer_role(keys, position, num_args), leaf,
+                    _named_role(keys) is not None))
     return out
+
+
+_TOP_ARG = re.compile(r"arg\[[^\]]*\]")
+
+
+def _unfed_state_is_data(flat: list[tuple[str, str, object, bool]], outs: Sequence[Leaf]) -> list[str]:
+    """The roles, where an argument taken for optimizer state by its position alone is not fed
+    back: a step returns the optimizer state it updates, so that argument is data after all
+    (step(params, opt_state, x, y): x). It is a batch where each of its leaves' leading dim is
+    the batch's (micro-batches split it then), else "other"."""
+    shape = lambda leaf: tuple(jax.numpy.shape(leaf))  # noqa: E731
+    leaves = [(path[len("arg"):], shape(leaf), str(jax.numpy.result_type(leaf))) for path, _, leaf, _ in flat]
+    fed = set(feeds(leaves, outs).values())
+    batch = {shape(leaf)[0] for _, role, leaf, _ in flat if role == "batch" and shape(leaf)}
+    tops: dict[str, list[int]] = {}
+    for i, (path, _, _, _) in enumerate(flat):
+        tops.setdefault(_TOP_ARG.match(path).group(0), []).append(i)
+    roles = [role for _, role, _, _ in flat]
+    for members in tops.values():
+        guessed = all(flat[i][1] == "optimizer_state" and not flat[i][3] for i in members)
+        if guessed and not fed.intersection(members):
+            batched = len(batch) == 1 and all(shape(flat[i][2])[:1] == tuple(batch) for i in members)
+            for i in members:
+                roles[i] = "batch" if batched else "other"
+    return roles
 
 
 def lower_on_mesh(fn, args: Sequence, mesh: Mesh, donate_argnums: tuple[int, ...], kwargs: dict | None = None,
@@ -97,4 +136,5 @@ def lower_on_mesh(fn, args: Sequence, mesh: Mesh, donate_argnums: tuple[int, ...
     n_out = lowered.out_tree.num_leaves
     out_leaves = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(lowered.out_tree, range(n_out)))[0]
     out_paths = [f"out{jax.tree_util.keystr(p)}" for p, _ in out_leaves]
-    return LoweredStep(lowered, module, [p for p, _, _ in flat], [r for _, r, _ in flat], out_paths)
+    outs = [(p[len("out"):], tuple(o.shape), str(o.dtype)) for p, o in zip(out_paths, jax.tree.leaves(lowered.out_info))]
+    return LoweredStep(lowered, module, [p for p, _, _, _ in flat], _unfed_state_is_data(flat, outs), out_paths)

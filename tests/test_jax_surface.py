@@ -112,6 +112,39 @@ def test_keyword_and_static_arguments_with_micro_batches():
     assert jax.tree.structure(lowered.compile().input_shardings) == jax.tree.structure(((params,), {"batch": batch}))
 
 
+def _momentum_step(p, s, x, y):
+    """step(params, state, x, y): nothing names the arguments."""
+    value, grads = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))(p)
+    s = jax.tree.map(lambda m, g: 0.9 * m + g, s, grads)
+    return jax.tree.map(lambda w, m: w - 0.1 * m, p, s), s, value
+
+
+def test_inputs_between_the_state_and_the_batch_are_batch_not_optimizer_state():
+    """Optimizer state is taken from a middle argument's position alone, but a step gives its
+    state back: x, which nothing feeds back and which leads with the batch's dim, is a batch and
+    is split into micro-batches with y (it used to stay whole, and the step failed with a shape
+    error); s, fed back, stays state."""
+    params, batch = _args()
+    state = jax.tree.map(jnp.zeros_like, params)
+    args = (params, state, batch["x"], batch["y"])
+    step = rj.parallelize(_momentum_step, mesh=_mesh(), num_micro_batches=2)
+    lowered = step.lower(*args)
+    assert lowered.plan.arg_roles == ("parameter",) * 2 + ("optimizer_state",) * 2 + ("batch",) * 2
+    assert_same_numbers(jax.jit(_momentum_step)(*args), step(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_an_input_between_the_state_and_the_batch_that_is_not_batched_is_other():
+    """As above, with a table that does not lead with the batch's dim (16): "other", not split."""
+    def step(p, s, table, batch):
+        p2, s2, value = _momentum_step(p, s, batch["x"] + jnp.sum(table), batch["y"])
+        return p2, s2, value
+
+    params, batch = _args()
+    state = jax.tree.map(jnp.zeros_like, params)
+    lowered = rj.parallelize(step, mesh=_mesh()).lower(params, state, jnp.ones((5, 3)), batch)
+    assert lowered.plan.arg_roles == ("parameter",) * 2 + ("optimizer_state",) * 2 + ("other", "batch", "batch")
+
+
 def test_lowered_and_compiled_answer_like_jax_stages():
     params, batch = _args()
     lowered = rj.parallelize(_step, mesh=_mesh()).lower(params, batch)
