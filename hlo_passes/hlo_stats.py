@@ -238,17 +238,19 @@ def _dtype_bits(dtype: str) -> int:
     raise ValueError(f"unknown HLO element type {dtype!r}")
 
 
-def _leaf_bytes(leaf: str) -> int:
-    """Bytes of one array shape such as "f32[4,8]" or "f32[]" (a scalar: one element)."""
+def _elements(leaf: str) -> int:
+    """Elements of one array shape such as "f32[4,8]" or "f32[]" (a scalar: one)."""
     m = _LEAF_RE.fullmatch(leaf)
     if m is None:
         raise ValueError(f"not an array shape: {leaf!r}")
-    dtype, dims = m.groups()
-    n = 1
-    for d in filter(None, (x.strip() for x in dims.split(","))):
-        # Bounded dynamic dimensions print as "<=16"; the buffer is sized for the bound.
-        n *= int(d.removeprefix("<="))
-    return math.ceil(n * _dtype_bits(dtype) / 8)
+    # Bounded dynamic dimensions print as "<=16"; the buffer is sized for the bound.
+    dims = filter(None, (x.strip() for x in m.group(2).split(",")))
+    return math.prod(int(d.removeprefix("<=")) for d in dims)
+
+
+def _leaf_bytes(leaf: str) -> int:
+    """Bytes of one array shape; sub-byte types are rounded up per array."""
+    return math.ceil(_elements(leaf) * _dtype_bits(_LEAF_RE.fullmatch(leaf).group(1)) / 8)
 
 
 def _parse_shape(text: str, pos: int) -> tuple[_Shape, int]:
@@ -786,11 +788,6 @@ _GTE_INDEX_RE = re.compile(r"\bindex=(\d+)")
 _PASS_ON = ("bitcast", "reshape", "copy", "all-reduce-done")
 
 
-def _elements(leaf: str) -> int:
-    dims = _LEAF_RE.fullmatch(leaf).group(2)
-    return math.prod(int(d.removeprefix("<=")) for d in filter(None, (x.strip() for x in dims.split(","))))
-
-
 def _read_as_slices(value: str, elements: int, users: dict[str, list[_Instr]],
                     comps: dict[str, list[_Instr]]) -> bool:
     """Whether every use of `value` is a dynamic slice of it of `elements` elements, looking
@@ -832,8 +829,12 @@ def _scattered_bytes(instr: _Instr, c: CompiledCollective, users: dict[str, list
             if u.opcode != "get-tuple-element" or m is None:
                 return 0
             values.setdefault(int(m.group(1)), []).append(u.name)
-    return sum(_leaf_bytes(leaves[k]) for k, names in values.items()
-               if _elements(leaves[k]) % c.group_size == 0 and all(_read_as_slices(v, _elements(leaves[k]) // c.group_size, users, comps) for v in names))
+
+    def sliced(k: int, names: list[str]) -> bool:
+        n = _elements(leaves[k])
+        return n % c.group_size == 0 and all(_read_as_slices(v, n // c.group_size, users, comps) for v in names)
+
+    return sum(_leaf_bytes(leaves[k]) for k, names in values.items() if sliced(k, names))
 
 
 def _with_scatter(c: CompiledCollective, instr: _Instr, users: dict[str, list[_Instr]],
