@@ -136,5 +136,6 @@ def lower_on_mesh(fn, args: Sequence, mesh: Mesh, donate_argnums: tuple[int, ...
     n_out = lowered.out_tree.num_leaves
     out_leaves = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(lowered.out_tree, range(n_out)))[0]
     out_paths = [f"out{jax.tree_util.keystr(p)}" for p, _ in out_leaves]
-    outs = [(p[len("out"):], tuple(o.shape), str(o.dtype)) for p, o in zip(out_paths, jax.tree.leaves(lowered.out_info))]
+    outs = [(p[len("out"):], tuple(o.shape), str(o.dtype))
+            for p, o in zip(out_paths, jax.tree.leaves(lowered.out_info))]
     return LoweredStep(lowered, module, [p for p, _, _, _ in flat], _unfed_state_is_data(flat, outs), out_paths)
