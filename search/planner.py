@@ -2,7 +2,8 @@
 
 Units are entry arguments, ops and returned values. Units that read a single live tensor join
 the cone of their reader (`cones`), whose root decides them by DP; the ILP then picks one
-strategy per cone, with every read between cones an exact edge. Values that depend on no
+strategy per cone, with every read between cones an exact edge (a value that several cones read,
+they read through its hub, `_add_hubs`, so it is moved once per layout). Values that depend on no
 argument (constants, iotas and their broadcasts) are left to XLA, which builds them locally.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ log = logging.getLogger("rhino_jax")
 class _Unit:
     """An ILP unit: an argument, an op or a returned value, with its strategies."""
 
-    kind: str  # "arg" | "node" | "slot" (one tensor of a node, `carried`) | "output"
+    kind: str  # "arg" | "node" | "slot" (one tensor of a node, `carried`) | "output" | "hub" (`_add_hubs`)
     ref: int
     operands: tuple[int, ...]
     results: tuple[int, ...]
@@ -251,9 +252,11 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: st
                          lambda v, starts, reads: prices.reads(v, starts, reads, uses=False)[0],
                          lambda spec, v: graph.values[v].nbytes // spec.shard_factor(sizes))
     group_of = {m: gi for gi, g in enumerate(groups) for m in g.members}
-    problem = _problem(units, groups, group_of, producer_unit, prices)
+    hub_of = _add_hubs(graph, units, groups, group_of, producer_unit, prices)
+    problem = _problem(units, groups, group_of, producer_unit, prices, hub_of)
     bb = backbone(graph)
-    stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges))
+    stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges),
+                 hubs=len(hub_of))
     segments = group_segments(units, groups, group_of, bb, producer_unit)
     loops = [(group_of[a], group_of[b]) for a, b in ties]
     repeats, stats["tied_segments"] = tie_repeats(units, groups, segments, graph, producer_unit)
@@ -421,7 +424,8 @@ def _held_bytes(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) 
     local bytes times the fraction of the step it is held, `memory.held_fractions`)."""
     held = held_fractions(graph)
     return [np.array([sum(held.get(v, 0.0) * local_bytes(graph, v, spec, sizes)
-                          for m, s in ch.items() for v, spec in zip(units[m].results, s.results))
+                          for m, s in ch.items() if units[m].kind != "hub"
+                          for v, spec in zip(units[m].results, s.results))
                       for ch in cone.choice]) for cone in groups]
 
 
@@ -477,8 +481,41 @@ def _raise_memory_error(tried: list[Plan], limit: int, graph: Graph, least: int)
         f"{listing}. Raise the limit, use more devices, or shrink the batch or model{donate}.")
 
 
+def _add_hubs(graph: Graph, units: list[_Unit], groups: list[Cone], group_of: dict[int, int],
+              producer_unit: dict[int, int], prices: Prices) -> dict[int, int]:
+    """Value → its hub: a value that cones other than its producer's read (two or more) is read
+    through a unit of no cost whose strategies are the value's layouts, a cone of its own. The
+    move to the hub's layout is paid once and each reader cone pays from there, as `_make_plan`
+    (`_shared_path`) and XLA move a value once per layout read; without it each reader cone paid
+    the move (an all-reduce of a gradient read by three cones, three times). Not for a value read
+    in several conditional branches (a move in one branch is not seen in another). Hubs are
+    appended to `units` and `groups` (after every other unit: cones and the DP inside them do
+    not see them); the plan leaves them out (`_make_plan`), so reads stay reads of the value."""
+    reads: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for m, u in enumerate(units):
+        for pos, v in enumerate(u.operands):
+            if v in producer_unit and graph.values[v].shape and group_of[m] != group_of[producer_unit[v]]:
+                reads[v].append((m, pos))
+    hub_of: dict[int, int] = {}
+    for v, rs in sorted(reads.items(), key=lambda item: (producer_unit[item[0]], item[0])):
+        if len({group_of[m] for m, _ in rs}) < 2 or len({_read_branch(units[m], pos, graph) for m, pos in rs}) > 1:
+            continue
+        p = producer_unit[v]
+        made = [ch[p].results[units[p].results.index(v)] for ch in groups[group_of[p]].choice]
+        read = [ch[m].operands[pos] for m, pos in rs for ch in groups[group_of[m]].choice]
+        # Not partial (every read settles it first); strided only as made (not gone on from, `_shared_path`).
+        layouts = dict.fromkeys([spec for spec in made if not spec.partial] + [spec for spec in read if not spec.strides])
+        hub_of[v] = h = len(units)
+        units.append(_Unit("hub", v, (v,), (v,), [Strategy((spec,), (spec,), 0.0) for spec in layouts],
+                           units[p].name, (v,)))
+        prices.add_unit((v,))
+        group_of[h] = len(groups)
+        groups.append(Cone(h, [h], [{h: s} for s in units[h].strategies]))
+    return hub_of
+
+
 def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit: dict[int, int],
-             prices: Prices) -> ilp.Problem:
+             prices: Prices, hub_of: dict[int, int] | None = None) -> ilp.Problem:
     """The ILP over cones: a cost per cone strategy, and an edge per pair of cones with reads
     between them (reads inside a cone, or from a cone with one layout, fold into the costs); each
     with the combined families it uses (`pricing`)."""
@@ -498,26 +535,29 @@ def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit:
     def moves_uses(values, src_specs, dst_specs) -> frozenset[int]:
         return frozenset().union(*(prices.reshard_uses(a, b, v) for v, a, b in moves(values, src_specs, dst_specs)))
 
-    reads: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
+    hub_of = hub_of or {}
+    reads: dict[tuple[int, int], list[tuple[int, int, int, int]]] = defaultdict(list)  # (v, reader, pos, source)
     for gi, g in enumerate(groups):
         for m in g.members:
             for pos, v in enumerate(units[m].operands):
                 if v in producer_unit:
-                    reads[(group_of[producer_unit[v]], gi)].append((v, m, pos))
+                    p = producer_unit[v]
+                    if v in hub_of and m != hub_of[v] and gi != group_of[p]:
+                        p = hub_of[v]  # read through the value's hub (`_add_hubs`)
+                    reads[(group_of[p], gi)].append((v, m, pos, p))
     edges = []
     for (src, dst), rs in reads.items():
         gs, gd = groups[src], groups[dst]
-        values = [v for v, _, _ in rs]
+        values = [v for v, _, _, _ in rs]
         if src == dst:
             for j in range(len(gs.choice)):
-                read = (values, [_result_spec(units, gs, j, producer_unit[v], v) for v in values],
-                        [gd.choice[j][m].operands[pos] for _, m, pos in rs])
+                read = (values, [_result_spec(units, gs, j, p, v) for v, _, _, p in rs],
+                        [gd.choice[j][m].operands[pos] for _, m, pos, _ in rs])
                 costs[src][j] += moves_cost(*read)
                 uses[src][j] |= moves_uses(*read)
             continue
-        src_keys = [tuple(_result_spec(units, gs, j, producer_unit[v], v) for v in values)
-                    for j in range(len(gs.choice))]
-        dst_keys = [tuple(gd.choice[j][m].operands[pos] for _, m, pos in rs) for j in range(len(gd.choice))]
+        src_keys = [tuple(_result_spec(units, gs, j, p, v) for v, _, _, p in rs) for j in range(len(gs.choice))]
+        dst_keys = [tuple(gd.choice[j][m].operands[pos] for _, m, pos, _ in rs) for j in range(len(gd.choice))]
         edge = _read_edge(src, dst, values, src_keys, dst_keys, prices)
         if not edge.matrix.any():
             continue
@@ -540,11 +580,10 @@ def _read_edge(src: int, dst: int, values: list[int], src_keys: list[tuple], dst
                prices: Prices) -> ilp.Edge:
     """The edge of the reads of `values` (one entry per read) from cone src by cone dst; a key
     holds each read's layout at its end. A value read in one layout by several readers is moved
-    once (as in `_make_plan` and in XLA, which shares the collective). Reads of one value from
-    different cones are charged per cone, an overestimate the ILP cannot avoid without a
-    variable per move (a k-th to each of k cones was tried: the ILP then read values in several
-    layouts to collect the discounts). Built per value from its few distinct moves, summed over
-    each pair of classes by a matrix product: an edge has up to a thousand pairs."""
+    once (as in `_make_plan` and in XLA, which shares the collective); a value that several cones
+    read, they read through its hub (`_add_hubs`), moved to once. Built per value from its few
+    distinct moves, summed over each pair of classes by a matrix product: an edge has up to a
+    thousand pairs."""
     src_class, src_layouts = ilp.classes(src_keys)
     dst_class, dst_layouts = ilp.classes(dst_keys)
     matrix = np.zeros((len(src_layouts), len(dst_layouts)))
@@ -633,7 +672,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
                prices: Prices) -> Plan:
     chosen: dict[int, Strategy] = {}
     for g, j in zip(groups, choice):
-        chosen.update(g.choice[j])
+        chosen.update((m, s) for m, s in g.choice[j].items() if units[m].kind != "hub")  # hubs: ILP only
     specs: dict[int, ShardingSpec] = {}
     for i, s in chosen.items():
         specs.update(zip(units[i].results, s.results))

@@ -33,6 +33,11 @@ class Prices:
         self._reshards: dict[tuple, tuple[float, frozenset[int]]] = {}
         self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
+    def add_unit(self, results: tuple[int, ...]) -> None:
+        """A unit added after the prices were made (a hub, `planner._add_hubs`)."""
+        self._unit_side.append(self.side_of(results))
+        self._unit_trips.append(self.graph.values[results[0]].trips if results else 1)
+
     def side_of(self, values: Sequence[int]) -> str | None:
         """The side of a unit's results when they share one (an op's own collectives act on them)."""
         found = {self.sides.get(v) for v in values}

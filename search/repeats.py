@@ -33,7 +33,9 @@ def group_segments(units, groups: Sequence[Cone], group_of: dict[int, int], back
             for v in units[m].live:
                 readers.setdefault(group_of[producer_unit[v]], []).append(gi)
     for gi, g in enumerate(groups):
-        if seg[gi] < 0:
+        if units[g.root].kind == "hub":  # after every other group: its producer's segment
+            seg[gi] = seg[group_of[producer_unit[units[g.root].operands[0]]]]
+        elif seg[gi] < 0:
             seg[gi] = min((seg[r] for r in readers.get(gi, ()) if seg[r] >= 0), default=0)
     return seg
 

@@ -190,8 +190,9 @@ def test_a_partial_sum_read_in_two_layouts_is_settled_once():
         h = rj.annotate(a, P(None, "y")) @ rj.annotate(w, P("y", None))
         return rj.annotate(jnp.tanh(h), P("y", None)), rj.annotate(jnp.sin(h), P(None, "y"))
 
-    a = jax.random.normal(jax.random.PRNGKey(0), (64, 256)) / 16  # sums of order 1: float32 split sums agree
-    w = jax.random.normal(jax.random.PRNGKey(1), (256, 128))
+    # A contraction long enough that gathering a and w (then no partial sum) costs more.
+    a = jax.random.normal(jax.random.PRNGKey(0), (64, 2048)) / 45  # sums of order 1: float32 split sums agree
+    w = jax.random.normal(jax.random.PRNGKey(1), (2048, 128))
     lowered = rj.parallelize(f, mesh=rj.device_mesh((2, 4), ("x", "y"))).lower(a, w)
     kinds = [c.kind for c in lowered.plan.collectives]
     assert kinds.count("reduce-scatter") + kinds.count("all-reduce") == 1, kinds
