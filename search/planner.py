@@ -498,13 +498,15 @@ def _add_hubs(graph: Graph, units: list[_Unit], groups: list[Cone], group_of: di
                 reads[v].append((m, pos))
     hub_of: dict[int, int] = {}
     for v, rs in sorted(reads.items(), key=lambda item: (producer_unit[item[0]], item[0])):
-        if len({group_of[m] for m, _ in rs}) < 2 or len({_read_branch(units[m], pos, graph) for m, pos in rs}) > 1:
+        branches = {_read_branch(units[m], pos, graph) for m, pos in rs}
+        if len({group_of[m] for m, _ in rs}) < 2 or len(branches) > 1:
             continue
         p = producer_unit[v]
         made = [ch[p].results[units[p].results.index(v)] for ch in groups[group_of[p]].choice]
         read = [ch[m].operands[pos] for m, pos in rs for ch in groups[group_of[m]].choice]
         # Not partial (every read settles it first); strided only as made (not gone on from, `_shared_path`).
-        layouts = dict.fromkeys([spec for spec in made if not spec.partial] + [spec for spec in read if not spec.strides])
+        layouts = dict.fromkeys([spec for spec in made if not spec.partial]
+                                + [spec for spec in read if not spec.strides])
         hub_of[v] = h = len(units)
         units.append(_Unit("hub", v, (v,), (v,), [Strategy((spec,), (spec,), 0.0) for spec in layouts],
                            units[p].name, (v,)))
@@ -515,7 +517,7 @@ def _add_hubs(graph: Graph, units: list[_Unit], groups: list[Cone], group_of: di
 
 
 def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit: dict[int, int],
-             prices: Prices, hub_of: dict[int, int] | None = None) -> ilp.Problem:
+             prices: Prices, hub_of: dict[int, int]) -> ilp.Problem:
     """The ILP over cones: a cost per cone strategy, and an edge per pair of cones with reads
     between them (reads inside a cone, or from a cone with one layout, fold into the costs); each
     with the combined families it uses (`pricing`)."""
@@ -535,7 +537,6 @@ def _problem(units, groups: list[Cone], group_of: dict[int, int], producer_unit:
     def moves_uses(values, src_specs, dst_specs) -> frozenset[int]:
         return frozenset().union(*(prices.reshard_uses(a, b, v) for v, a, b in moves(values, src_specs, dst_specs)))
 
-    hub_of = hub_of or {}
     reads: dict[tuple[int, int], list[tuple[int, int, int, int]]] = defaultdict(list)  # (v, reader, pos, source)
     for gi, g in enumerate(groups):
         for m in g.members:
