@@ -498,24 +498,22 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
     return "\n".join(L) + "\n"
 
 
-# Hand-written (2026-11-23, against the rhino_jax tree of that day's second run): what the numbers above rest on.
+# Hand-written (2026-11-23, revised 2026-11-25 against the tree of that day's run): what the numbers above rest on.
 # Check them against the tables after a rerun on a newer rhino_jax.
 NOTES = [
     "## Notes: what limits these numbers (rhino_jax as of this run)", "",
     "- **Pinned plans are completed by the search.** A baseline pins parameters, moments, batch and the "
     "model's `constrain` sites; the ops in between are planned by rhino_jax under the same cost model. "
     "On the tiny presets the completions are not textbook (data parallel gathers some 16-64 KiB "
-    "activations in the backward pass, Megatron gathers the 8 KiB vocabulary-split table): the two xfail "
-    "tests in `tests/test_baselines.py`. At these sizes latency dominates the cost model, and part may be "
-    "the defect below.",
-    "- **A value read by several cones is charged once per cone in the ILP** (search/planner.py "
-    "`_problem`), while the plan and XLA move it once per layout; reads within one cone or one edge are "
-    "charged once. The ILP's objective is then up to about 1 % above the plan's cost (Wide-ResNet's "
-    "gradients, read by both Adam moments), and the search can overprice a plan whose readers share "
-    "a reshard. Fixing it exactly needs a variable per (value, layout) move in the ILP. The plan's own "
-    "cost (these tables) charges what XLA runs: a value is resharded once per layout read, a later read "
-    "going on from a layout it already takes (`_shared_path`: a partial sum read in two layouts is "
-    "settled once, then moved).",
+    "activations in the backward pass, Megatron gathers the 8 KiB vocabulary-split table): the xfail "
+    "test in `tests/test_baselines.py`. At these sizes latency dominates the cost model.",
+    "- **A value read by several cones is moved once** (since 2026-11-25): it is read through a hub "
+    "(search/planner.py `_add_hubs`), a unit of no cost whose strategies are the value's layouts, so the "
+    "ILP pays the move to the hub's layout once and each reader cone from there, as the plan "
+    "(`_shared_path`) and XLA do. Before, the ILP charged the move once per reader cone (up to about 1 % "
+    "above the plan's cost; on a Flax step with global-norm clipping the embedding gradient's all-reduce "
+    "three times, enough to pass over data parallelism, `THIRD_PARTY.md`). It is exact when the readers "
+    "share one layout; readers in several layouts pay from the hub's.",
     "- **Fixed since the first 2026-11-23 run**, which had MoE on (2, 4) at 1.14-1.18: a reshard is now a "
     "path of steps that XLA compiles exactly as priced, and the rewrite pins every intermediate layout "
     "(`search/collectives.py` `reshard_path`). Left to itself between two distant layouts, XLA often "
@@ -527,19 +525,19 @@ NOTES = [
     "sum is reduce-scattered only into a dim that still divides (MoE's combine cut 4 groups 8 ways). Earlier (2026-11-22 run): rules for `select_and_scatter`, "
     "`reverse` and a vocabulary-split lookup; cone DP ties; axes left in another order priced as permutes; "
     "partial sums settled as priced; stride changes priced as XLA compiles them.",
-    "- **Since the previous run (at 4bf3193)**: (1) the ILP solves its LP relaxation first and stops "
-    "there when it is integral (then it is optimal); when it is not, the relaxation's rounding, mended "
-    "group by group, is the incumbent, and branch-and-bound runs only if time is left: MoE O3 on (2, 4) "
-    "ends so at a gap of 0.1 % (status \"time limit\", so its H100 search is skipped); the memory-limited search "
-    "gallops up from k = 1 on one built model. Search times fell by up to 8x (O3 on (2, 4): 3-47 s, was 30-78 s; "
-    "memory-limited tiny presets on (2, 4): 5-29 s, was 29-102 s) and the whole run from 40 to 23 min. "
-    "(2) A value read in several layouts is priced as XLA moves it, once per layout from the nearest "
-    "layout reached (it was priced from its source for every layout: GPT's fidelity 0.98 → 1.00). (3) A "
-    "sum split on several loops (a weight gradient with batch on one axis and sequence on the other) is "
-    "priced as XLA compiles it, one full all-reduce per loop, not one over both axes: (2) alone took MoE "
-    "(2, 4) O2 from 1.09 to 1.12, since it had hidden (3); with both, 1.01. All 100 compiled plans are now "
-    "within 1.00-1.06 (VGG19 and Wide-ResNet on (2, 4) at 1.06 and 1.03, the rest within 1.03). Predicted "
-    "step times moved by 1 % or less; the goals hold as before.",
+    "- **Since the previous run (2026-11-24)**: (1) a partial sum is settled as XLA's partitioner "
+    "compiles it, one all-reduce of the whole local buffer per dim its axes are scattered into (a "
+    "reduce-scatter only when there is one such dim), then the axes scattered nowhere on the slice "
+    "(`search/collectives.py` `_settle_step`): GPT-Medium on (2, 4) had its gradients scattered into "
+    "[data, model], which compiled to two full all-reduces where one reduce-scatter was priced (fidelity "
+    "1.39), and MoE O3 on (2, 4) likewise (1.17); now the search settles them into one dim. (2) A "
+    "settled layout pinned before a stride change is moved from as any layout (the stride change was "
+    "priced free: MoE expert parallel's count fidelity 1.16). (3) The hub above. Every compiled plan is "
+    "now within ±10 % of its predicted collective bytes and counts (tables above).",
+    "- **Before that (2026-11-23/24 runs)**: the ILP solves its LP relaxation first and stops there "
+    "when it is integral; a value read in several layouts is priced as XLA moves it, once per layout from "
+    "the nearest layout reached; a sum split on several loops is priced as XLA compiles it, one full "
+    "all-reduce per loop.",
     "- **The memory limit (§4.4) constrains only parameters and optimizer states**: activations are "
     "not forced off replication. Every model here fits without that; a model whose activations alone "
     "overflow the device would get `MemoryLimitError` although a plan may exist.",
