@@ -513,7 +513,11 @@ NOTES = [
     "(`_shared_path`) and XLA do. Before, the ILP charged the move once per reader cone (up to about 1 % "
     "above the plan's cost; on a Flax step with global-norm clipping the embedding gradient's all-reduce "
     "three times, enough to pass over data parallelism, `THIRD_PARTY.md`). It is exact when the readers "
-    "share one layout; readers in several layouts pay from the hub's.",
+    "share one layout; readers in several layouts pay from the hub's. Hubs add cones (about 30 % on "
+    "GPT-Medium) and time: this run was made while the test suite ran beside it on the same 2 cores, "
+    "and O2 took up to twice the previous run's time (Wide-ResNet on (2, 4): 66 s, was 34 s under like "
+    "load); O3 on (2, 4) stopped at its limit on GPT, MoE and BERT (O2's plan) and on Wide-ResNet "
+    "without a plan (its H100 row is then skipped).",
     "- **Fixed since the first 2026-11-23 run**, which had MoE on (2, 4) at 1.14-1.18: a reshard is now a "
     "path of steps that XLA compiles exactly as priced, and the rewrite pins every intermediate layout "
     "(`search/collectives.py` `reshard_path`). Left to itself between two distant layouts, XLA often "
