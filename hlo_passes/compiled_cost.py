@@ -30,6 +30,7 @@ from rhino_jax.search.cluster import Cluster, MeshTopology, combiner_for, get_cl
 from rhino_jax.search.collectives import Collective
 
 from .hlo_stats import (
+    _REF_RE,
     COLLECTIVE_KINDS,
     CollectiveStats,
     CompiledMemory,
@@ -78,7 +79,6 @@ def _cost_dict(analysis: Any) -> dict[str, float]:
     return analysis
 
 
-_REF_RE = re.compile(r"%([\w.\-]+)")
 
 
 def _module_header(text: str) -> str:

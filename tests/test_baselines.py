@@ -122,7 +122,7 @@ def _forward_instructions(hlo_text: str) -> tuple[set[str], set[str]]:
 def test_megatron_signature():
     """Megatron: the weights are stored split, and the forward pass all-reduces the [B, S, D]
     activations after each row-split layer (attention output, MLP); no weight matrix moves in the
-    forward pass (see the xfail tests below for the backward pass and the biases)."""
+    forward pass (see the xfail test below for the backward pass and the biases)."""
     lowered = _lowered("gpt", "Megatron")
     plan = lowered.plan
     split = {p for p, s in zip(plan.arg_paths, plan.arg_specs) if p.startswith("arg[0]") and not s.is_replicated()}
