@@ -1,9 +1,12 @@
 """O2 and O3: which ILP is solved for a plan, and how.
 
 O2 ties the cones of repeated segments (`repeats`) and solves the tied ILP whole when it is small
-enough, else window by window (`windows`), so its time grows with depth, not faster. O3 solves
-the whole graph's ILP, starting from O2's choice: it never returns a worse plan than O2's, and its
-time limit covers O2's solve and the build of its own model.
+enough, else window by window (`windows`), so its time grows with depth, not faster. When tying
+saves little (the untied ILP at most `UNTIED_GROWTH` times the tied one), O2 solves the untied ILP
+too, from the tied plan: tying identical layers rules out plans that alternate between them
+(Megatron's column/row split over two identical linear layers). O3 solves the whole graph's ILP,
+starting from O2's choice: it never returns a worse plan than O2's, and its time limit covers
+O2's solve and the build of its own model.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import ilp, interrupt, windows
+
+UNTIED_GROWTH = 2.0  # O2 solves the untied ILP after the tied one when it is at most this much larger
 
 
 @dataclass(frozen=True)
@@ -65,18 +70,23 @@ class Levels:
     as one ILP when small enough (`windows.WHOLE_VARS`); when not, and layers alike tied make a
     small one, that one first and then the exact tying by windows from its plan; when even that
     is large, the exact tying as one ILP (windows from nothing find poor local optima: a move to
-    data parallelism needs every layer at once). O3: the whole graph as one ILP after O2's. Built
-    once, solved once per memory-limit trial, with strategies forbidden and memory priced
-    (`planner._fit_memory`)."""
+    data parallelism needs every layer at once); then the untied ILP when tying saved little
+    (`UNTIED_GROWTH`; `untied_vars`: its size, known before it is built, 0 when O2's tying tied
+    no repeats and so is the untied ILP already). O3: the untied ILP
+    after O2's, always. Built once, solved once per memory-limit trial, with strategies forbidden
+    and memory priced (`planner._fit_memory`)."""
 
-    def __init__(self, similar: Callable[[], Tying], o2: Tying, o3: Tying | None, backend: str):
+    def __init__(self, similar: Callable[[], Tying], o2: Tying, untied: Callable[[], Tying], untied_vars: int,
+                 whole_graph: bool, backend: str, start: Sequence[int | None] = ()):
+        self.start = start  # each group's strategy in a plan the first stage must beat (None: its choice)
         self.stages: list[tuple[Tying, bool]] = [(o2, True)]  # (tying, solved as one ILP)
-        if windows.size(o2.problem) > windows.WHOLE_VARS:
+        tied_vars = windows.size(o2.problem)
+        if tied_vars > windows.WHOLE_VARS:
             alike = similar()
             if windows.size(alike.problem) <= windows.WHOLE_VARS:
                 self.stages = [(alike, True), (o2, False)]
-        if o3 is not None:
-            self.stages.append((o3, True))
+        if whole_graph or 0 < untied_vars <= min(windows.WHOLE_VARS, UNTIED_GROWTH * tied_vars):
+            self.stages.append((untied(), True))
         self.backend = backend
         self._solvers: dict[tuple[int, float], ilp.Model | windows.Windowed] = {}
 
@@ -90,6 +100,20 @@ class Levels:
                 self._solvers = {key: v for key, v in self._solvers.items() if not key[1]}
             self._solvers[k, weight_s] = solver_for(tied, self.backend, whole)
         return self._solvers[k, weight_s]
+
+    def _start(self, tied: Tying, forbidden: Sequence[np.ndarray]) -> tuple[int, ...] | None:
+        """`start` as a choice of `tied`'s classes, its forbidden strategies and its gaps filled
+        greedily: an incumbent the relaxation's rounding must beat. The rounding can miss a plan
+        of no collectives at all when the family variables' relaxation pays a fraction of a
+        launch (a latency-bound step, where one launch is a large share of the step)."""
+        if not self.start:
+            return None
+        stage = ilp.forbid(tied.problem, tied.classes(forbidden))
+        partial: list[int | None] = [None] * len(stage.costs)
+        for g, j in enumerate(self.start):
+            if j is not None and np.isfinite(stage.costs[tied.index[g]][j]):
+                partial[tied.index[g]] = j
+        return ilp.greedy(stage, partial)
 
     def solve(self, time_limit_s: float, forbidden: Sequence[np.ndarray], started: float,
               weight_s: float = 0.0, held: Sequence[np.ndarray] | None = None) -> tuple[list[int], ilp.Solution, dict]:
@@ -121,7 +145,7 @@ class Levels:
                 return choice, dataclasses.replace(solution, status="interrupted"), info
             left = time_limit_s - (time.perf_counter() - started)
             solution = solver.solve(max(1e-3, left), tied.classes(forbidden),
-                                    incumbent=None if choice is None else tied.of_groups(choice))
+                                    incumbent=self._start(tied, forbidden) if choice is None else tied.of_groups(choice))
             choice = [solution.choice[c] for c in tied.index]
             info["stages"].append((len(tied.problem.costs), solution.status, solution.objective_s, solution.solve_s))
             info["windows"] = len(getattr(solver, "windows", ()))

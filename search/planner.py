@@ -22,7 +22,7 @@ from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverTimeLimit
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
 from ..hlo_passes.graph import Graph, Pin, slots
-from . import carried, ilp, interrupt, levels
+from . import carried, ilp, interrupt, levels, windows
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard_path
 from .combining import combined_time
@@ -268,8 +268,9 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: st
     solvers = levels.Levels(
         similar,
         levels.tying(problem, _merge_classes(repeats, loops), segments),
-        levels.tying(problem, _merge_classes(list(range(len(groups))), loops), segments) if opt_level == "O3" else None,
-        backend)
+        lambda: levels.tying(problem, _merge_classes(list(range(len(groups))), loops), segments),
+        windows.size(problem) if stats["tied_segments"] else 0, opt_level == "O3", backend,
+        start=_replicated_choice(units, groups))
     stats["build_s"] = time.perf_counter() - t0
     log.info("rhino_jax: %d ops → %d cones (%d critical nodes, %d segments, %d tied) in %.2f s",
              len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],
@@ -479,6 +480,14 @@ def _raise_memory_error(tried: list[Plan], limit: int, graph: Graph, least: int)
         f"({sum(local):,} in arguments, the rest in outputs and intermediates at the peak), "
         f"{best.cost.memory_bytes - limit:,} more than the limit; its largest arguments per device: "
         f"{listing}. Raise the limit, use more devices, or shrink the batch or model{donate}.")
+
+
+def _replicated_choice(units: list[_Unit], groups: list[Cone]) -> list[int | None]:
+    """Each cone's strategy in which every member works on whole tensors (None where it has
+    none, a pinned cone): the one-device step run on every device, a plan the search must beat."""
+    def whole(s: Strategy) -> bool:
+        return not any(spec.used_axes() for spec in s.operands + s.results)
+    return [next((j for j, ch in enumerate(g.choice) if all(whole(s) for s in ch.values())), None) for g in groups]
 
 
 def _add_hubs(graph: Graph, units: list[_Unit], groups: list[Cone], group_of: dict[int, int],
