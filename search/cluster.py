@@ -7,9 +7,10 @@ out from the devices' host placement.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -203,9 +204,9 @@ class MeshTopology:
         `pairwise`: each device sends to one peer across hosts (a collective-permute whose pairs
         cross, as compiled pricing reads them), so every device of a host crosses at once."""
         idx = [self.axis_names.index(a) for a in axes]
-        n = int(np.prod([self.axis_sizes[i] for i in idx]))
+        n = int(math.prod(self.axis_sizes[i] for i in idx))  # math, not numpy: called per priced move
         bw = min(self.bandwidth[i] for i in idx)
-        spanned = int(np.prod([self.hosts_spanned[i] for i in idx])) if self.hosts_spanned else 1
+        spanned = int(math.prod(self.hosts_spanned[i] for i in idx)) if self.hosts_spanned else 1
         if spanned > 1 and self.host_devices:
             groups_per_host = self.host_devices if pairwise else max(1.0, self.host_devices * spanned / n)
             bw = min(min(self.bandwidth[i] for i in idx if self.hosts_spanned[i] > 1) / groups_per_host,

@@ -57,6 +57,8 @@ class Prices:
     def own(self, m: int, s: Strategy) -> float:
         """Seconds of unit m's strategy s: compute and the collectives inside the op (an op in a
         loop's body lists them once per trip, `carried.per_trip`)."""
+        if not s.collectives:  # most strategies: called for every strategy of every unit
+            return s.compute_s
         return s.compute_s + self._priced(s.collectives, self._unit_side[m], self._unit_trips[m])[0]
 
     def own_uses(self, m: int, s: Strategy) -> frozenset[int]:
@@ -102,8 +104,9 @@ class Prices:
         value = self.graph.values[v]
         key = (starts, ends, value.nbytes, value.shape, self.sides.get(v), value.trips)
         if key not in self._tables:
-            cost = np.array([[self.reshard(a, b, v) for b in ends] for a in starts]).reshape(len(starts), len(ends))
-            uses = np.array([[self.families.vector(self.reshard_uses(a, b, v)) for b in ends] for a in starts],
+            moves = [self._reshard(a, b, v) for a in starts for b in ends]
+            cost = np.array([seconds for seconds, _ in moves]).reshape(len(starts), len(ends)) * value.trips
+            uses = np.array([self.families.vector(used) for _, used in moves],
                             dtype=bool).reshape(len(starts), len(ends), len(self.families.fixed))
             self._tables[key] = (cost, uses)
         return self._tables[key]
