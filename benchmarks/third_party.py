@@ -268,7 +268,8 @@ def write(rows: list[Row], checks: dict, out: pathlib.Path, argv: list[str], wal
           f"{len(jax.devices())} emulated CPU devices). Script docstring: what each plan is.", "",
           "Every program (hand plans compiled by `jax.jit` with in/out shardings, and rhino_jax's) is priced "
           "by `hlo_passes/compiled_cost.price_compiled`: compute = max(flops / F(dtype), bytes accessed / "
-          "memory bandwidth) from XLA's per-device `cost_analysis()` (while-loop bodies per trip); "
+          "memory bandwidth) from XLA's per-device `cost_analysis()` (while-loop bodies per trip; the "
+          "collectives' own operands and results, which it counts, left out: they are communication); "
           "communication = α-β ring time of each compiled collective (`search/collectives.Collective.time`). "
           "No overlap. The programs are compiled for CPU, so fusion and bf16 handling are the CPU compiler's "
           "(bf16 dots run in f32 there; linen_bf16 is priced at the bf16 rate all the same).", "",

@@ -8,7 +8,8 @@ compare on what XLA really built:
   bytes accessed / memory bandwidth), from XLA's `cost_analysis()`. XLA prices a while loop's
   body once; bodies with a known trip count are priced again on their own and scaled up here
   (`program_cost`, run counts from `hlo_stats.computation_runs`), so a `scan` over layers costs
-  all of its layers.
+  all of its layers. The CPU's analysis counts every collective's operands and results as bytes
+  accessed; they are taken out (`collective_traffic`), as communication prices them already.
 - communication: every compiled collective (`hlo_stats.collective_stats`, once per execution:
   loop trips counted) at the α-β ring cost of `search.collectives.Collective.time`, on a one-axis
   topology of its group size and link. For a GPU cluster, an all-reduce whose result is only read
@@ -41,7 +42,8 @@ from .hlo_stats import (
 )
 from .jax_internals import UnsupportedJaxError, hlo_cost_analysis
 
-__all__ = ["CompiledCost", "price_compiled", "price_collectives", "program_cost", "dot_dtype"]
+__all__ = ["CompiledCost", "price_compiled", "price_collectives", "program_cost", "collective_traffic",
+           "dot_dtype"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class CompiledCost:
     comm_by_kind: dict[str, float]  # kind -> seconds
     memory: CompiledMemory
     unknown_trip_loops: int = 0  # while loops XLA gave no trip count: their bodies are priced once
+    # the collectives' own buffers, which XLA's analysis counted and bytes_accessed leaves out
+    collective_bytes: float = 0.0
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -74,9 +78,10 @@ def _cost_dict(analysis: Any) -> dict[str, float]:
         if not analysis:
             raise RuntimeError("cost_analysis() returned no entries")
         analysis = analysis[0]
-    if not isinstance(analysis, dict) or "flops" not in analysis:
-        raise RuntimeError(f"cost_analysis() gave no 'flops' ({analysis!r}); this backend cannot be priced")
-    return analysis
+    if not isinstance(analysis, dict) or not {"flops", "bytes accessed"} & set(analysis):
+        raise RuntimeError(f"cost_analysis() gave neither 'flops' nor 'bytes accessed' ({analysis!r}); "
+                           "this backend cannot be priced")
+    return analysis  # a program that only moves data (a reshard) has bytes but no 'flops'
 
 
 
@@ -113,7 +118,7 @@ def program_cost(compiled: Any) -> tuple[float, float, int]:
     conditional counts as taken: an upper bound for loops in branches (XLA's cost analysis takes
     the costliest branch, once)."""
     whole = _cost_dict(compiled.cost_analysis())
-    flops, nbytes = float(whole["flops"]), float(whole.get("bytes accessed", 0.0))
+    flops, nbytes = float(whole.get("flops", 0.0)), float(whole.get("bytes accessed", 0.0))
     text = compiled.as_text()
     module = computation_runs(text, every_branch=True)
     if not module.entry:
@@ -123,9 +128,28 @@ def program_cost(compiled: Any) -> tuple[float, float, int]:
         extra = module.runs.get(lp.body, 0) - module.runs[lp.parent]
         if extra > 0:
             body = _body_cost(module, lp.body, header)
-            flops += extra * float(body["flops"])
+            flops += extra * float(body.get("flops", 0.0))
             nbytes += extra * float(body.get("bytes accessed", 0.0))
     return flops, nbytes, sum(lp.trip_count is None for lp in module.loops)
+
+
+# Backends whose `cost_analysis()` charges a collective its operands and results as bytes
+# accessed (XLA's default HloCostAnalysis: checked per kind, in loop bodies per trip, in the
+# tests). GPU XLA's own analysis prices collectives otherwise (unchecked here): left as it is.
+_CHARGES_COLLECTIVES = ("cpu",)
+
+
+def collective_traffic(stats: CollectiveStats) -> int:
+    """Bytes per step the collectives read and write, as XLA's analysis charges them: each
+    execution's operands and results. In hlo_stats' terms an all-gather's result and a
+    reduce-scatter's operand are its group's size times the other end; the other kinds read
+    and write one buffer each. A collective's time is its communication (`price_collectives`):
+    charged as memory traffic too, it would be paid twice."""
+    total = 0
+    for c in stats.collectives:
+        scaled = c.kind in ("all-gather", "reduce-scatter") and c.group_size > 0
+        total += c.executions * (c.bytes + (c.bytes // c.group_size if scaled else c.bytes))
+    return total
 
 
 _DOT_RE = re.compile(r"%([\w.\-]+)\s*=\s*([a-z][a-z0-9]*)\[([^\]]*)\][^=]*?\s(dot|convolution)\((.*?)\)")
@@ -219,11 +243,14 @@ def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype:
     text = compiled.as_text()
     flops, nbytes, unknown = program_cost(compiled)
     dtype = dtype or dot_dtype(text)
-    compute = max(flops / cluster.flops(dtype), nbytes / cluster.memory_bandwidth)
     stats = collective_stats(text)
+    charged = collective_traffic(stats) if jax.devices()[0].platform in _CHARGES_COLLECTIVES else 0
+    nbytes = max(0.0, nbytes - charged)
+    compute = max(flops / cluster.flops(dtype), nbytes / cluster.memory_bandwidth)
     comm = price_collectives(stats, cluster, _num_partitions(text))
     comm_s = sum(comm.values())
     return CompiledCost(compute_s=compute, comm_s=comm_s, total_s=compute + comm_s, dtype=dtype,
                         flops=flops, bytes_accessed=nbytes, collectives=stats.by_kind(),
-                        comm_by_kind=comm, memory=compiled_memory(compiled), unknown_trip_loops=unknown)
+                        comm_by_kind=comm, memory=compiled_memory(compiled), unknown_trip_loops=unknown,
+                        collective_bytes=charged)
 

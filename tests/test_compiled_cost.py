@@ -10,8 +10,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rhino_jax.hlo_passes.compiled_cost import dot_dtype, price_compiled, program_cost
+from rhino_jax.hlo_passes.compiled_cost import collective_traffic, dot_dtype, price_compiled, program_cost
 from rhino_jax.hlo_passes.hlo_stats import collective_stats
+from rhino_jax.hlo_passes.jax_internals import hlo_cost_analysis
 from rhino_jax.search.cluster import H100_8X, M8_V100
 
 M, K, N = 64, 32, 16
@@ -172,3 +173,92 @@ def test_a_gradient_read_in_slices_is_priced_as_the_reduce_scatter_a_gpu_makes_o
     dp = _compile(sgd, mesh, (P(), P("d")), P(), (K, N), (M, K))
     assert [c.scattered for c in collective_stats(dp.as_text()).collectives] == [0]
     assert price_compiled(dp, M8_V100).comm_by_kind["reduce-scatter"] == 0.0
+
+
+def test_a_gathers_buffers_are_priced_as_communication_not_as_memory_traffic():
+    """XLA's CPU cost analysis counts the all-gather's operand and result as bytes accessed; the
+    ring prices them already, so the program of one all-gather reads and writes nothing else."""
+    mesh = _mesh((8,), ("d",))
+    compiled = _compile(lambda x: x, mesh, (P("d"),), P(), (M, K))
+    gathered = M * K * 4
+    assert program_cost(compiled)[1] == gathered + gathered // 8  # what XLA charges
+    cost = price_compiled(compiled, M8_V100)
+    assert cost.collective_bytes == gathered + gathered // 8
+    assert cost.bytes_accessed == 0.0
+
+
+class _Text:
+    """An HLO module as `program_cost` reads a compiled program: its text, XLA's analysis of it."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def as_text(self) -> str:
+        return self.text
+
+    def cost_analysis(self):
+        return hlo_cost_analysis(self.text, jax.devices()[0])
+
+
+_ADD = ("%add (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n  %b = f32[] parameter(1)\n"
+        "  ROOT %s = f32[] add(%a, %b)\n}\n\n")
+_GROUP = "channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true"
+_ONE_COLLECTIVE = {  # kind -> (operand, result, op)
+    "all-reduce": ("f32[64,32]", "f32[64,32]", f"all-reduce(%p), {_GROUP}, to_apply=%add"),
+    "all-gather": ("f32[8,32]", "f32[64,32]", f"all-gather(%p), {_GROUP}, dimensions={{0}}"),
+    "reduce-scatter": ("f32[64,32]", "f32[8,32]", f"reduce-scatter(%p), {_GROUP}, dimensions={{0}}, to_apply=%add"),
+    "all-to-all": ("f32[64,32]", "f32[64,32]", "all-to-all(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}"),
+    "collective-permute": ("f32[64,32]", "f32[64,32]", "collective-permute(%p), channel_id=1, "
+                           "source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_ONE_COLLECTIVE))
+def test_xla_charges_each_collective_kind_its_operand_and_result(kind):
+    operand, result, op = _ONE_COLLECTIVE[kind]
+    text = (f"HloModule m, num_partitions=8\n\n{_ADD}ENTRY %e (p: {operand}) -> {result} {{\n"
+            f"  %p = {operand}{{1,0}} parameter(0)\n  ROOT %c = {result}{{1,0}} {op}\n}}\n")
+    (c,) = collective_stats(text).collectives
+    assert c.kind == kind
+    assert program_cost(_Text(text))[1] == collective_traffic(collective_stats(text)) == 4 * (64 + 8) * 32 * (
+        1 if kind in ("all-gather", "reduce-scatter") else 16 / 9)
+
+
+def _loop(op: str) -> str:
+    """A 4-trip while loop whose body runs `op` on its f32[64,32] carry."""
+    return f"""HloModule m, num_partitions=8
+
+{_ADD}%cond (p: (s32[], f32[64,32])) -> pred[] {{
+  %p = (s32[], f32[64,32]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}}
+
+%body (q: (s32[], f32[64,32])) -> (s32[], f32[64,32]) {{
+  %q = (s32[], f32[64,32]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%q), index=0
+  %x = f32[64,32]{{1,0}} get-tuple-element(%q), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  %y = f32[64,32]{{1,0}} {op}
+  ROOT %t = (s32[], f32[64,32]{{1,0}}) tuple(%j, %y)
+}}
+
+ENTRY %e (x0: f32[64,32]) -> f32[64,32] {{
+  %x0 = f32[64,32]{{1,0}} parameter(0)
+  %z = s32[] constant(0)
+  %t0 = (s32[], f32[64,32]{{1,0}}) tuple(%z, %x0)
+  %w = (s32[], f32[64,32]{{1,0}}) while(%t0), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"4"}}}}
+  ROOT %r = f32[64,32]{{1,0}} get-tuple-element(%w), index=1
+}}
+"""
+
+
+def test_a_collective_in_a_loop_body_is_charged_per_trip_and_taken_out_per_trip():
+    """In a body, XLA charges an all-reduce what it charges a negate of its buffer, once per trip
+    once the body is priced per trip; `collective_traffic` counts the same executions."""
+    reduced = _loop(f"all-reduce(%x), {_GROUP}, to_apply=%add")
+    negated = _loop("negate(%x)")
+    assert program_cost(_Text(reduced))[1] == program_cost(_Text(negated))[1]
+    assert collective_traffic(collective_stats(reduced)) == 4 * 2 * 64 * 32 * 4
