@@ -184,6 +184,7 @@ class MeshTopology:
     # host's network when a collective crosses hosts.
     hosts_spanned: tuple[int, ...] = ()
     host_devices: int = 0
+    memory_bandwidth: float = 1e12  # the cluster's: what a copy XLA adds around a collective costs
 
     def exposed(self, off_chain: bool) -> float:
         """The share of a collective's time the step waits for: off the chain, what overlap leaves."""
@@ -231,4 +232,4 @@ class MeshTopology:
             lats.append(cluster.intra_host_latency if same_host else cluster.inter_host_latency)
         return MeshTopology(tuple(mesh.axis_names), tuple(devices.shape), tuple(bws), tuple(lats),
                             cluster.collective_launch_s, combiner_for(cluster.backend), cluster.overlap,
-                            tuple(spanned), int(devices.size // hosts))
+                            tuple(spanned), int(devices.size // hosts), cluster.memory_bandwidth)

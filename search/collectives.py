@@ -27,6 +27,13 @@ class Collective:
     kind: str
     axes: tuple[str, ...]
     bytes: int
+    # Bytes XLA copies to put its result in the program's layout (`_gather`): memory traffic
+    # beside the communication, priced by `copy_time`.
+    copied: int = 0
+
+    def copy_time(self, topo: MeshTopology) -> float:
+        """Seconds of the layout copy XLA adds around it: the buffer read and written once."""
+        return 2 * self.copied / topo.memory_bandwidth
 
     def time(self, topo: MeshTopology, combined: bool = False, pairwise: bool = False) -> float:
         """Ring algorithms: all-reduce moves 2(n-1)/n of the buffer, the others (n-1)/n; each
@@ -48,6 +55,22 @@ class Collective:
             fixed = topo.launch + steps * n * lat
         share = topo.combiner.latency_share(kind, self.bytes) if combined else 1.0
         return share * fixed + steps * self.bytes / bw
+
+
+def _gather(axes: tuple[str, ...], after: ShardingSpec, d: int, shape: tuple[int, ...], full_bytes: int,
+            sizes: dict[str, int]) -> Collective:
+    """The all-gather of `axes` along dim d that leaves the tensor in layout `after`, with the copy
+    XLA adds to it. Both backends' layout assignment (CPU's and GPU's `AddBackendConstraints`)
+    makes an all-gather's gathered dim its result's major dim; when a dim before it holds more
+    than one element per device, that is not the program's (row-major) layout, and the result is
+    copied into it before a dot, a reduce or the step's output reads it (an elementwise reader
+    fuses the copy: then the copy priced here is an upper bound). Dims of one element before the
+    gathered one change no address, so they need no copy (the CPU copies such a buffer all the
+    same when no fusion takes it: not priced). The operand side is ignored: its producer usually
+    writes the gather's layout directly, and it is 1/n of the buffer."""
+    nbytes = _local_bytes(after, full_bytes, sizes)
+    local = [size // ShardingSpec.shard_factor_of(after.dims[e], sizes) for e, size in enumerate(shape)]
+    return Collective("all-gather", axes, nbytes, nbytes if any(n > 1 for n in local[:d]) else 0)
 
 
 @dataclass(frozen=True)
@@ -169,11 +192,11 @@ def _moved_axes(a: ShardingSpec, b: ShardingSpec, sizes: dict[str, int]) -> tupl
 class _MoveTable:
     """The layouts of one shape on one mesh and, per layout (by index), its moves:
     (next layout's index, collective kind or None when free, its axes, the shard factor of the
-    piece it moves: bytes = full_bytes // factor)."""
+    piece it moves: bytes = full_bytes // factor, the dim an all-gather gathers or -1)."""
 
     layouts: tuple[ShardingSpec, ...]
     index: dict[ShardingSpec, int]
-    moves: tuple[tuple[tuple[int, str | None, tuple[str, ...], int], ...], ...]
+    moves: tuple[tuple[tuple[int, str | None, tuple[str, ...], int, int], ...], ...]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -198,20 +221,20 @@ def _move_table(shape: tuple[int, ...], sizes_items: tuple[tuple[str, int], ...]
             for k in range(1, len(axes) + 1):
                 keep, minor = axes[:-k], axes[-k:]
                 gathered = index[ShardingSpec(cur.dims[:d] + (keep,) + cur.dims[d + 1:])]
-                moves.append((gathered, "all-gather", minor, factor[gathered]))
+                moves.append((gathered, "all-gather", minor, factor[gathered], d))
                 for e in range(len(shape)):
                     moved = index.get(ShardingSpec(tuple(keep if j == d else dims + minor if j == e else dims
                                                          for j, dims in enumerate(cur.dims))))
                     if e != d and moved is not None:
-                        moves.append((moved, "all-to-all", minor, factor[i]))
+                        moves.append((moved, "all-to-all", minor, factor[i], -1))
         for j, nxt in enumerate(layouts):
             if j == i or any(b % a for a, b in zip(counts[i], counts[j])):
                 continue
             moved = _moved_axes(cur, nxt, sizes)
             if not moved or all(b[:len(a)] == a for a, b in zip(cur.dims, nxt.dims)):
-                moves.append((j, None, (), factor[j]))
+                moves.append((j, None, (), factor[j], -1))
             else:
-                moves.append((j, "collective-permute", moved, factor[j]))
+                moves.append((j, "collective-permute", moved, factor[j], -1))
         table.append(tuple(moves))
     return _MoveTable(layouts, index, tuple(table))
 
@@ -222,7 +245,7 @@ def _cheapest_paths(src: ShardingSpec, shape: tuple[int, ...], full_bytes: int, 
     """Dijkstra from `src` over the layouts of `shape`: the cheapest steps to each one. Ties go
     to fewer bytes moved, then to fewer collectives."""
     table = _move_table(shape, tuple(topo.sizes.items()))
-    priced: dict[tuple, tuple[Collective | None, tuple]] = {}  # (kind, axes, factor) -> (collective, cost)
+    priced: dict[tuple, tuple[Collective | None, tuple]] = {}  # (next, kind, axes, factor) -> (collective, cost)
     start = table.index[src]
     best: dict[int, tuple] = {start: (0.0, 0, 0)}
     back: dict[int, tuple[int, Collective | None]] = {}
@@ -233,13 +256,17 @@ def _cheapest_paths(src: ShardingSpec, shape: tuple[int, ...], full_bytes: int, 
         if cur in done:
             continue
         done.add(cur)
-        for nxt, kind, axes, factor in table.moves[cur]:
+        for nxt, kind, axes, factor, d in table.moves[cur]:
             if nxt in done:
                 continue
-            if (kind, axes, factor) not in priced:
-                c = Collective(kind, axes, full_bytes // factor) if kind else None
-                priced[kind, axes, factor] = (c, (c.time(topo), c.bytes, 1) if c else (0.0, 0, 0))
-            c, (t, b, n) = priced[kind, axes, factor]
+            key = (nxt if d >= 0 else -1, kind, axes, factor)  # a gather's copy depends on its result
+            if key not in priced:
+                if d >= 0:
+                    c = _gather(axes, table.layouts[nxt], d, shape, full_bytes, topo.sizes)
+                else:
+                    c = Collective(kind, axes, full_bytes // factor) if kind else None
+                priced[key] = (c, (c.time(topo) + c.copy_time(topo), c.bytes, 1) if c else (0.0, 0, 0))
+            c, (t, b, n) = priced[key]
             new = (cost[0] + t, cost[1] + b, cost[2] + n)
             if nxt not in best or new < best[nxt]:
                 best[nxt], back[nxt] = new, (cur, c)
@@ -286,7 +313,7 @@ def _strided(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, sizes: dict[
             exchanged = True
             continue
         dims[d] = [a for a in dims[d] if a not in axes]
-        out.append(Collective("all-gather", axes, _local_bytes(cur(), full_bytes, sizes)))
+        out.append(_gather(axes, cur(), d, shape, full_bytes, sizes))
         dims[d] += axes
         settled.update(axes)
     # axes on the wrong dim (or at another stride) move with all-to-all; axes dst does not
@@ -308,7 +335,7 @@ def _strided(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, sizes: dict[
         axes = tuple(a for a in dims[d] if a in gathers)
         if axes:
             dims[d] = [a for a in dims[d] if a not in gathers]
-            out.append(Collective("all-gather", axes, _local_bytes(cur(), full_bytes, sizes)))
+            out.append(_gather(axes, cur(), d, shape, full_bytes, sizes))
     # Same axes on a dim but in another order (also after an all-to-all, which appends the axes
     # it moves as the minor ones, or changes a stride): each device's piece belongs to another
     # device, which XLA does with a collective-permute.

@@ -668,7 +668,7 @@ def _shared_path(reached: dict[ShardingSpec, tuple[ShardingSpec, ...]], dst: Sha
         if start.strides and start != source:
             continue
         path = reshard_path(start, dst, value.nbytes, topo, value.shape)
-        cost = sum(c.time(topo) for step in path for c in step.collectives)
+        cost = sum(c.time(topo) + c.copy_time(topo) for step in path for c in step.collectives)
         if best is None or cost < best[0]:
             best = (cost, way + (start,) if start != source else (), path)
     _, way, path = best
@@ -686,7 +686,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
     specs: dict[int, ShardingSpec] = {}
     for i, s in chosen.items():
         specs.update(zip(units[i].results, s.results))
-    compute = sum(s.compute_s for s in chosen.values())
+    compute = sum(s.compute_s for s in chosen.values())  # and the layout copies of the reshards, below
     planned: list[PlannedCollective] = []
     read_specs: dict[tuple[int, int], ShardingSpec] = {}
     # Layouts each resharded value already takes, with the layouts on the way to each, by the
@@ -732,6 +732,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
             for step in path:
                 step_mask = 0
                 for c in step.collectives:
+                    compute += c.copy_time(topo) * graph.values[v].trips
                     for trip in range(graph.values[v].trips):  # in a loop's body: each trip after the last
                         step_mask |= add(c, u, prices.combined(c, prices.sides.get(v)), mask | step_mask, trip,
                                          graph.values[v].trips, branch)

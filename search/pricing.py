@@ -4,7 +4,8 @@ another layout (the reshard's collectives), each with the combined families it u
 A collective on a value off the compute chain (`combining.combining_sides`) is combined by XLA
 with the others of its family: it pays its bandwidth and only its share of a launch, and the
 family's one launch is charged once by the ILP (`ilp.Problem.fixed`). Everything else pays its
-own launch and latency (`combining.combined_alone`).
+own launch and latency (`combining.combined_alone`). A layout copy XLA adds to a collective
+(`Collective.copy_time`) is memory traffic, never hidden behind compute.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class Prices:
         time = 0.0
         for c in collectives:
             combined = self.combined(c, side)
-            time += c.time(self.topo, combined) * self.topo.exposed(combined)
+            time += c.time(self.topo, combined) * self.topo.exposed(combined) + c.copy_time(self.topo)
         return time, self.families.of(collectives, self.topo.combiner, side, trips)
 
     def own(self, m: int, s: Strategy) -> float:

@@ -281,3 +281,48 @@ def test_a_partial_sum_read_strided_is_settled_then_moved_to_its_stride():
     found = sorted((c.kind, c.bytes) for c in compiled.collectives.collectives)
     assert found == _as_cpu_compiles(lowered.plan.collectives), (found, lowered.plan.collectives)
     assert_same_numbers(jax.jit(f)(a, w), compiled(a, w))
+
+
+def test_a_gather_along_a_minor_dim_prices_the_copy_xla_adds():
+    """XLA gathers along the major dim of the buffer (both backends' layout assignment), so a
+    gather along dim 2 of [8, 64, 32] leaves a buffer that is copied into the program's layout
+    for the step's output: read and written once, 2 x 64 KiB of memory traffic more than the
+    gather along dim 0, which needs no copy. The model prices that copy; compiled pricing
+    (collectives' own buffers aside) sees it as the bytes the copy moves."""
+    from rhino_jax.hlo_passes.compiled_cost import price_compiled
+    from rhino_jax.search.cluster import M8_V100
+
+    topo = topology(d=8)
+    shape, full = (8, 64, 32), 8 * 64 * 32 * 4
+    (major,) = reshard(spec(("d",), (), ()), spec((), (), ()), full, topo, shape)
+    (minor,) = reshard(spec((), (), ("d",)), spec((), (), ()), full, topo, shape)
+    assert (major.kind, major.bytes, major.copied) == ("all-gather", full, 0)
+    assert (minor.kind, minor.bytes, minor.copied) == ("all-gather", full, full)
+    assert minor.copy_time(topo) == 2 * full / topo.memory_bandwidth
+
+    mesh = rj.device_mesh((8,), ("d",))
+
+    def compiled_bytes(pin):
+        arg = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, pin))
+        compiled = jax.jit(lambda a: a * 3.0, out_shardings=NamedSharding(mesh, P())).lower(arg).compile()
+        assert [(c.kind, c.bytes) for c in collective_stats(compiled.as_text()).collectives] == [("all-gather", full)]
+        return price_compiled(compiled, M8_V100).bytes_accessed
+
+    assert compiled_bytes(P(None, None, "d")) - compiled_bytes(P("d")) == 2 * minor.copied
+
+
+def test_a_plan_gathering_along_a_minor_dim_pays_the_copy_in_its_cost():
+    """Pinned split on dim 1 and read whole, the value is gathered along a minor dim: the plan's
+    predicted compute holds the copy of the gathered [64, 256] buffer."""
+    mesh = rj.device_mesh((8,), ("d",))
+
+    def step(split_on):
+        def f(a):
+            return jnp.tanh(rj.annotate(jnp.sin(rj.annotate(a, split_on)), P()))
+        return rj.parallelize(f, mesh=mesh).lower(jnp.ones((64, 256))).plan
+
+    major, minor = step(P("d", None)), step(P(None, "d"))
+    assert [(c.kind, c.bytes) for c in minor.collectives] == [(c.kind, c.bytes) for c in major.collectives] == [
+        ("all-gather", 64 * 256 * 4)]
+    from rhino_jax.search.cluster import M8_V100
+    assert minor.cost.compute_s - major.cost.compute_s == pytest.approx(2 * 64 * 256 * 4 / M8_V100.memory_bandwidth)
