@@ -17,7 +17,7 @@ from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from helpers import assert_same_numbers
 
 BATCH, SEQ = 8, 16
-VOCAB, WIDTH = 512, 256  # wide enough for the search to split the state over 'model'
+VOCAB, WIDTH = 512, 256
 
 
 class MlpLM(nn.Module):
@@ -47,16 +47,24 @@ def _tokens(seed: int, vocab: int = VOCAB):
     return jax.random.randint(jax.random.PRNGKey(seed), (BATCH, SEQ), 0, vocab)
 
 
+def _pinned(params):
+    """The embedding split over 'model' by the user (`rj.annotate`): a model this small is fastest
+    replicated, and state that stays replicated would check nothing. The rest is the search's."""
+    embed = dict(params["Embed_0"], embedding=rj.annotate(params["Embed_0"]["embedding"], P("model", None)))
+    return dict(params, Embed_0=embed)
+
+
 def _loss(model, params, tokens):
     logits = model.apply({"params": params}, tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def _adamw_setup(model, vocab: int = VOCAB):
+def _adamw_setup(model, vocab: int = VOCAB, pin: bool = False):
     params = model.init(jax.random.PRNGKey(0), _tokens(0, vocab))["params"]
     tx = optax.adamw(1e-3)
 
     def step(params, opt_state, tokens):
+        params = _pinned(params) if pin else params
         loss, grads = jax.value_and_grad(lambda p: _loss(model, p, tokens))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
@@ -79,7 +87,7 @@ def _same_path_pairs(lowered) -> list[tuple[int, int]]:
 
 
 def test_undonated_params_and_adamw_state_leave_in_their_input_layout():
-    step, args = _adamw_setup(MlpLM())
+    step, args = _adamw_setup(MlpLM(), pin=True)
     parallel = rj.parallelize(step, mesh=_mesh())
     lowered = parallel.lower(*args)
     plan = lowered.plan
@@ -116,6 +124,7 @@ def test_train_state_and_metrics_step_keeps_the_state_layout():
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
 
     def step(state, tokens):
+        state = state.replace(params=_pinned(state.params))
         loss, grads = jax.value_and_grad(lambda p: _loss(model, p, tokens))(state.params)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
