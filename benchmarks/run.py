@@ -444,8 +444,8 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
          "M8: 8 V100-32GB, NVLink) and, from a separate search, under `8x-h100`; the CPU never runs the "
          "paper-size programs. The baselines (`benchmarks/baselines.py`) are expert plans pinned with "
          "`rj.annotate` on parameters, optimizer state, batch and activations; the search fills in what the "
-         "pins leave open, under the same cost model. Pipelining is not built yet, so the manual \"3-D\" plan "
-         "is 2-D: DP x TP (no PP).", "",
+         "pins leave open, under the same cost model. The baselines are SPMD only, so the manual \"3-D\" plan "
+         "is 2-D: DP x TP (pipelines are compared in `benchmarks/controller.md`).", "",
          "Sizes: each model's heading says which paper configuration it is and what we changed. To keep the "
          "run under half an hour on 2 cores (about nine plans compiled per model and mesh), GPT, MoE, BERT and "
          "Wide-ResNet are planned and compiled at half their depth; VGG19 and U-Net at full size. The "
@@ -514,10 +514,9 @@ NOTES = [
     "above the plan's cost; on a Flax step with global-norm clipping the embedding gradient's all-reduce "
     "three times, enough to pass over data parallelism, `THIRD_PARTY.md`). It is exact when the readers "
     "share one layout; readers in several layouts pay from the hub's. Hubs add cones (about 30 % on "
-    "GPT-Medium) and time: this run was made while the test suite ran beside it on the same 2 cores, "
-    "and O2 took up to twice the previous run's time (Wide-ResNet on (2, 4): 66 s, was 34 s under like "
-    "load); O3 on (2, 4) stopped at its limit on GPT, MoE and BERT (O2's plan) and on Wide-ResNet "
-    "without a plan (its H100 row is then skipped).",
+    "GPT-Medium) and search time: O2 on Wide-ResNet (2, 4) takes about a minute with the test suite "
+    "running beside it on the same 2 cores (63 s in this run, 34 s before hubs); O3 on (2, 4) stops at "
+    "its limit on GPT and MoE (O2's plan) and on Wide-ResNet without a plan (its H100 row is then skipped).",
     "- **Fixed since the first 2026-11-23 run**, which had MoE on (2, 4) at 1.14-1.18: a reshard is now a "
     "path of steps that XLA compiles exactly as priced, and the rewrite pins every intermediate layout "
     "(`search/collectives.py` `reshard_path`). Left to itself between two distant layouts, XLA often "
@@ -529,7 +528,19 @@ NOTES = [
     "sum is reduce-scattered only into a dim that still divides (MoE's combine cut 4 groups 8 ways). Earlier (2026-11-22 run): rules for `select_and_scatter`, "
     "`reverse` and a vocabulary-split lookup; cone DP ties; axes left in another order priced as permutes; "
     "partial sums settled as priced; stride changes priced as XLA compiles them.",
-    "- **Since the previous run (2026-11-24)**: (1) a partial sum is settled as XLA's partitioner "
+    "- **Since the previous run (2026-11-25, first)**: (1) the one-device step run whole on every device "
+    "(each cone's replicated strategy) is the search's first incumbent: on the tiny presets the "
+    "relaxation's rounding had stopped within one collective launch of its bound at sharded plans up to "
+    "27 % costlier than replicated under the model's own prices (VGG19 (2, 4) 0.0267 vs 0.0210 ms, BERT "
+    "(2, 4) 0.0509 vs 0.0370); every tiny preset is now replicated when unlimited. (2) A solve within one "
+    "launch of its bound stops there (\"near-optimal\") without branch-and-bound, which found nothing "
+    "better on the tiny presets and took most of their time: the memory-limited tiny searches on (2, 4) "
+    "took up to 282 s (BERT), now at most 58 s. (3) O2 solves the untied ILP after the tied one when tying saves little "
+    "(`search/levels.py`). (4) An all-gather along a dim with a longer dim before it pays the copy XLA "
+    "adds to put its result back in the program's layout (`collectives._gather`): predicted steps rose by "
+    "up to 0.3 % (Wide-ResNet (8,) 509.5 -> 510.9 ms). (5) The priced baselines in `THIRD_PARTY.md` no "
+    "longer count collectives' buffers as memory traffic (not used here).",
+    "- **Before that (2026-11-25, first run)**: (1) a partial sum is settled as XLA's partitioner "
     "compiles it, one all-reduce of the whole local buffer per dim its axes are scattered into (a "
     "reduce-scatter only when there is one such dim), then the axes scattered nowhere on the slice "
     "(`search/collectives.py` `_settle_step`): GPT-Medium on (2, 4) had its gradients scattered into "
@@ -538,7 +549,7 @@ NOTES = [
     "settled layout pinned before a stride change is moved from as any layout (the stride change was "
     "priced free: MoE expert parallel's count fidelity 1.16). (3) The hub above. Every compiled plan is "
     "now within ±10 % of its predicted collective bytes and counts (tables above).",
-    "- **Before that (2026-11-23/24 runs)**: the ILP solves its LP relaxation first and stops there "
+    "- **Earlier (2026-11-23/24 runs)**: the ILP solves its LP relaxation first and stops there "
     "when it is integral; a value read in several layouts is priced as XLA moves it, once per layout from "
     "the nearest layout reached; a sum split on several loops is priced as XLA compiles it, one full "
     "all-reduce per loop.",
@@ -554,15 +565,15 @@ NOTES = [
     "replicates the tiny models (no collectives: a check that cannot fail), so each tiny table also has "
     "rhino_jax O2 under a memory limit that the replicated plan exceeds by half of what sharding all "
     "parameters and Adam moments would save (`models.sharding_memory_limit`): that plan shards state "
-    "and runs with collectives. Its search takes 1-2 s on (8,) and 5-29 s on (2, 4) (§4.4: one ILP solve "
-    "per trial k, about 2 log2(k) of them). Adam's first step moves a weight "
+    "and runs with collectives. Its search takes 1-4 s on (8,) and 7-58 s on (2, 4) (§4.4: one ILP solve "
+    "per trial k, about 2 log2(k) of them; a tiny model's ILP on (2, 4) is large, BERT's 115,000 variables). Adam's first step moves a weight "
     "by about lr·sign(g), so a weight whose gradient is ~1e-6 can differ by 2·lr where float rounding in "
     "the split reductions flips the sign (Wide-ResNet's Megatron and DP x TP rows). Not a plan error.",
     "- **Memory**: `mem HLO` is the CPU compiler's buffer assignment (no rematerialization, CPU scheduling); "
     "it is reported, not compared with a GPU. `mem pred` decides \"fits 32 GiB\".",
     "- **Baselines' own choices** are documented in `benchmarks/baselines.py` (ZeRO's persistence threshold, "
     "Megatron leaving the fused [q | k | v] weight to the search, the convolution column/row pairing). "
-    "Pipelining is not built, so there is no PP anywhere (the 3-D plan is DP x TP).",
+    "They are SPMD only (the 3-D plan is DP x TP); pipelines are compared in `benchmarks/controller.md`.",
     "- **Calibration**: the compute term uses the presets' datasheet-derived constants; "
     "`python -m benchmarks.calibrate` fits them on a GPU; not run yet (no GPU was lent to the sessions "
     "that made these runs).",
