@@ -72,9 +72,9 @@ class Levels:
     is large, the exact tying as one ILP (windows from nothing find poor local optima: a move to
     data parallelism needs every layer at once); then the untied ILP when tying saved little
     (`UNTIED_GROWTH`; `untied_vars`: its size, known before it is built, 0 when O2's tying tied
-    no repeats and so is the untied ILP already). O3: the untied ILP
-    after O2's, always. Built once, solved once per memory-limit trial, with strategies forbidden
-    and memory priced (`planner._fit_memory`)."""
+    no repeats and so is the untied ILP already). O3: the untied ILP after O2's, always. The
+    first stage starts from `start` (`_start`). Built once, solved once per memory-limit trial,
+    with strategies forbidden and memory priced (`planner._fit_memory`)."""
 
     def __init__(self, similar: Callable[[], Tying], o2: Tying, untied: Callable[[], Tying], untied_vars: int,
                  whole_graph: bool, backend: str, start: Sequence[int | None] = ()):
