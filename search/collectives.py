@@ -35,6 +35,11 @@ class Collective:
         """Seconds of the layout copy XLA adds around it: the buffer read and written once."""
         return 2 * self.copied / topo.memory_bandwidth
 
+    def alone(self, topo: MeshTopology) -> float:
+        """Seconds it costs uncombined: its communication and its layout copy (how reshard
+        paths are compared)."""
+        return self.time(topo) + self.copy_time(topo)
+
     def time(self, topo: MeshTopology, combined: bool = False, pairwise: bool = False) -> float:
         """Ring algorithms: all-reduce moves 2(n-1)/n of the buffer, the others (n-1)/n; each
         step pays the link latency and each collective one launch. A collective-permute sends
@@ -265,7 +270,7 @@ def _cheapest_paths(src: ShardingSpec, shape: tuple[int, ...], full_bytes: int, 
                     c = _gather(axes, table.layouts[nxt], d, shape, full_bytes, topo.sizes)
                 else:
                     c = Collective(kind, axes, full_bytes // factor) if kind else None
-                priced[key] = (c, (c.time(topo) + c.copy_time(topo), c.bytes, 1) if c else (0.0, 0, 0))
+                priced[key] = (c, (c.alone(topo), c.bytes, 1) if c else (0.0, 0, 0))
             c, (t, b, n) = priced[key]
             new = (cost[0] + t, cost[1] + b, cost[2] + n)
             if nxt not in best or new < best[nxt]:

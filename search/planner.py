@@ -668,7 +668,7 @@ def _shared_path(reached: dict[ShardingSpec, tuple[ShardingSpec, ...]], dst: Sha
         if start.strides and start != source:
             continue
         path = reshard_path(start, dst, value.nbytes, topo, value.shape)
-        cost = sum(c.time(topo) + c.copy_time(topo) for step in path for c in step.collectives)
+        cost = sum(c.alone(topo) for step in path for c in step.collectives)
         if best is None or cost < best[0]:
             best = (cost, way + (start,) if start != source else (), path)
     _, way, path = best
