@@ -138,19 +138,23 @@ def evaluate(problem: Problem, choice: tuple[int, ...]) -> float:
     return total + float(np.dot(problem.fixed, used)) if len(problem.fixed) else total
 
 
-def polish(problem: Problem, choice: tuple[int, ...], sweeps: int = 50) -> tuple[int, ...]:
+def polish(problem: Problem, choice: tuple[int, ...], sweeps: int = 50, deadline: float = float("inf")) -> tuple[int, ...]:
     """`choice` improved one group at a time (each takes its cheapest strategy given all the
     others, sweep after sweep, until none changes): rounding a fractional relaxation leaves a
     few groups at odds with their neighbours, and this mends them in a fraction of a second.
     A family's launch is paid once, so no single group can drop a family the others use: each
-    family in use is also tried away as a whole (every group sweeps off it), kept when cheaper."""
+    family in use is also tried away as a whole (every group sweeps off it), kept when cheaper.
+    After the first sweep, none starts past the `deadline` (a `time.perf_counter()` time): on a
+    problem of thousands of groups the families' trials take seconds."""
     incoming, outgoing = _edges_by_group(problem)
-    best = _sweeps(problem, list(choice), incoming, outgoing, sweeps)
+    best = _sweeps(problem, list(choice), incoming, outgoing, sweeps, deadline=deadline)
     cost = evaluate(problem, best)
     while True:  # each accepted move lowers the cost: it ends
         for f in np.nonzero(_family_users(problem, best))[0]:
-            trial = _sweeps(problem, list(best), incoming, outgoing, sweeps, without=int(f))
-            trial = _sweeps(problem, trial, incoming, outgoing, sweeps)
+            if time.perf_counter() >= deadline:
+                return tuple(best)
+            trial = _sweeps(problem, list(best), incoming, outgoing, sweeps, without=int(f), deadline=deadline)
+            trial = _sweeps(problem, trial, incoming, outgoing, sweeps, deadline=deadline)
             if evaluate(problem, trial) < cost - 1e-15:
                 best, cost = trial, evaluate(problem, trial)
                 break
@@ -159,12 +163,15 @@ def polish(problem: Problem, choice: tuple[int, ...], sweeps: int = 50) -> tuple
 
 
 def _sweeps(problem: Problem, choice: list[int], incoming, outgoing, sweeps: int,
-            without: int | None = None) -> list[int]:
+            without: int | None = None, deadline: float = float("inf")) -> list[int]:
     """One-group-at-a-time improvement of `choice` (in place), family launches included;
-    `without`: strategies that would use that family are off limits while another is left."""
+    `without`: strategies that would use that family are off limits while another is left.
+    The sweeps after the first stop at the `deadline`."""
     fixed = np.asarray(problem.fixed)
     users = _family_users(problem, choice)
-    for _ in range(sweeps):
+    for sweep in range(sweeps):
+        if sweep and time.perf_counter() >= deadline:
+            break
         changed = False
         for g, c in enumerate(problem.costs):
             cost = _cost_given(g, c, choice, incoming, outgoing)
@@ -366,7 +373,7 @@ class Model:
                                 *size, relaxation_exact=True)
             best.bound = max(best.bound, lp.objective / SCALE)
         # The incumbent: the relaxation's rounding, or without one (time limit) a greedy pass.
-        best.offer(polish(problem, rounded if solved else incumbent or greedy(problem)))
+        best.offer(polish(problem, rounded if solved else incumbent or greedy(problem), deadline=start + time_limit_s))
         best.offer(incumbent)
         if solved:
             spent = time.perf_counter() - start

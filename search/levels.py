@@ -23,6 +23,22 @@ UNTIED_GROWTH = 2.0  # O2 solves the untied ILP after the tied one when it is at
 
 
 @dataclass(frozen=True)
+class Deadline:
+    """The one time limit of a search: its model build, every solve of every stage, the memory
+    limit's trials and the overlap rounds all come out of it (`solver_time_limit_s`)."""
+
+    seconds: float  # the limit as the user gave it (for messages)
+    at: float  # time.perf_counter() when it passes
+
+    @classmethod
+    def after(cls, seconds: float) -> "Deadline":
+        return cls(seconds, time.perf_counter() + seconds)
+
+    def left(self) -> float:
+        return self.at - time.perf_counter()
+
+
+@dataclass(frozen=True)
 class Tying:
     """The problem with groups of one class taking one strategy."""
 
@@ -69,8 +85,10 @@ class Levels:
     """The solvers of one search, each starting from the last one's choice. O2: the exact tying
     as one ILP when small enough (`windows.WHOLE_VARS`); when not, and layers alike tied make a
     small one, that one first and then the exact tying by windows from its plan; when even that
-    is large, the exact tying as one ILP (windows from nothing find poor local optima: a move to
-    data parallelism needs every layer at once); then the untied ILP when tying saved little
+    is large, the exact tying by windows from `start`, then as one ILP in the time left: windows
+    find local optima (a move to data parallelism needs every layer at once), and the one ILP
+    may take longer than the time limit allows (a 485k-variable LP relaxation takes 40 s on a
+    WR depth 50; the windows, 9 s for a plan 4 % off); then the untied ILP when tying saved little
     (`UNTIED_GROWTH`; `untied_vars`: its size, known before it is built, 0 when O2's tying tied
     no repeats and so is the untied ILP already). O3: the untied ILP after O2's, always. The
     first stage starts from `start` (`_start`). Built once, solved once per memory-limit trial,
@@ -85,6 +103,8 @@ class Levels:
             alike = similar()
             if windows.size(alike.problem) <= windows.WHOLE_VARS:
                 self.stages = [(alike, True), (o2, False)]
+            else:
+                self.stages = [(o2, False), (o2, True)]
         if whole_graph or 0 < untied_vars <= min(windows.WHOLE_VARS, UNTIED_GROWTH * tied_vars):
             self.stages.append((untied(), True))
         self.backend = backend
@@ -115,19 +135,18 @@ class Levels:
                 partial[tied.index[g]] = j
         return ilp.greedy(stage, partial)
 
-    def solve(self, time_limit_s: float, forbidden: Sequence[np.ndarray], started: float,
-              weight_s: float = 0.0, held: Sequence[np.ndarray] | None = None) -> tuple[list[int], ilp.Solution, dict]:
+    def solve(self, deadline: Deadline, forbidden: Sequence[np.ndarray], weight_s: float = 0.0,
+              held: Sequence[np.ndarray] | None = None) -> tuple[list[int], ilp.Solution, dict]:
         """(each group's strategy, the last stage's solution, what the stages did: "stages", one
         (classes, status, objective_s, solve_s) per stage run, and "windows", how many windows
-        the last one solved). `started`: when the time limit began (the search's start for the
-        first solve: the build counts). Ctrl-C ends it with the plan of the last stage solved (a
-        stage's solver returns its best so far; before any, a greedy plan), status "interrupted"."""
+        the last one solved). The stages left when the `deadline` passes are skipped (status
+        "feasible"). Ctrl-C ends it with the plan of the last stage solved (a stage's solver
+        returns its best so far; before any, a greedy plan), status "interrupted"."""
         choice: list[int] | None = None
         solution: ilp.Solution | None = None
         info: dict = {"stages": []}
         for k, (tied, _) in enumerate(self.stages):
-            left = time_limit_s - (time.perf_counter() - started)
-            if left <= 0 and solution is not None:  # out of time: the last stage's plan, as stopped at the limit
+            if deadline.left() <= 0 and solution is not None:  # out of time: the last stage's plan, as stopped at the limit
                 return choice, dataclasses.replace(solution, status="feasible"), info
             if solution is not None and solution.status == "interrupted":  # Ctrl-C: the last stage's plan
                 return choice, solution, info
@@ -143,8 +162,7 @@ class Levels:
                                             time.perf_counter() - start, self.backend, 0, 0)
                     choice = [greedy[c] for c in tied.index]
                 return choice, dataclasses.replace(solution, status="interrupted"), info
-            left = time_limit_s - (time.perf_counter() - started)
-            solution = solver.solve(max(1e-3, left), tied.classes(forbidden),
+            solution = solver.solve(max(1e-3, deadline.left()), tied.classes(forbidden),
                                     incumbent=self._start(tied, forbidden) if choice is None else tied.of_groups(choice))
             choice = [solution.choice[c] for c in tied.index]
             info["stages"].append((len(tied.problem.costs), solution.status, solution.objective_s, solution.solve_s))

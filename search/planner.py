@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverTimeLimitWarning
+from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverError, SolverTimeLimitWarning
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
 from ..hlo_passes.graph import Graph, Pin, slots
@@ -199,25 +199,27 @@ def _result_spec(units, group: Cone, j: int, producer: int, v: int) -> ShardingS
 OVERLAP_ROUNDS = 3  # searches at most, with Cluster.overlap, to price what compute can hide
 
 
-def search(graph: Graph, topo: MeshTopology, cluster: Cluster, **options) -> Plan:
+def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: float = 60.0, **options) -> Plan:
     """The plan of `_search`. With compute/communication overlap (`Cluster.overlap`), the ILP
     prices collectives off the compute chain at the share overlap leaves exposed, which holds
     only while there is compute to hide them behind: when the plan has more to hide than it
     computes, the search runs again with the overlap the plan can use (its compute over its
-    off-chain communication), and the best plan at its exact cost wins. Ctrl-C: before the first
-    plan, KeyboardInterrupt; after it, the best plan so far, `interrupted` (`interrupt`)."""
+    off-chain communication), and the best plan at its exact cost wins. `time_limit_s` covers it
+    all (`levels.Deadline`). Ctrl-C: before the first plan, KeyboardInterrupt; after it, the best
+    plan so far, `interrupted` (`interrupt`)."""
+    deadline = levels.Deadline.after(time_limit_s)
     with interrupt.session():
-        plan = _search(graph, topo, cluster, **options)
+        plan = _search(graph, topo, cluster, deadline=deadline, **options)
         tried, overlap = [plan], topo.overlap
         try:
-            while overlap and len(tried) < OVERLAP_ROUNDS and not interrupt.pressed():
+            while overlap and len(tried) < OVERLAP_ROUNDS and not interrupt.pressed() and deadline.left() > 0:
                 usable = min(topo.overlap, plan.cost.compute_s / max(plan.search_stats["off_chain_comm_s"], 1e-30))
                 if usable >= overlap * 0.99:
                     break
                 overlap = usable
                 log.info("rhino_jax: overlap: %.3g s of compute hides %.3g s of communication; searching again "
                          "with overlap %.3g", plan.cost.compute_s, plan.search_stats["off_chain_comm_s"], overlap)
-                plan = _search(graph, dataclasses.replace(topo, overlap=overlap), cluster, **options)
+                plan = _search(graph, dataclasses.replace(topo, overlap=overlap), cluster, deadline=deadline, **options)
                 plan = dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, **_hidden(plan, topo.overlap)))
                 tried.append(plan)
         except KeyboardInterrupt:  # before the next round's plan: the plans so far
@@ -234,14 +236,13 @@ def _hidden(plan: Plan, overlap: float) -> dict:
     return dict(hidden_s=hidden, total_s=c.compute_s + c.comm_s - hidden)
 
 
-def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: str = "O2",
-            backend: str = "HIGHS", time_limit_s: float = 60.0,
-            memory_limit_bytes: int | None = None, strided: bool = True) -> Plan:
+def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: levels.Deadline, opt_level: str = "O2",
+            backend: str = "HIGHS", memory_limit_bytes: int | None = None, strided: bool = True) -> Plan:
     """O3: cones, then one ILP over the whole graph, started from O2's plan. O2: the same ILP
     with the cones of repeated segments tied together (`repeats`), solved whole when small,
     else by windows (`levels`). Under a memory limit, the largest parameters and optimizer
     states may not stay replicated (`_fit_memory`). `strided`: offer non-maximum strides where
-    reshapes call for them."""
+    reshapes call for them. Every solve stops at the `deadline`, which also counts the build."""
     t0 = time.perf_counter()
     units, producer_unit, fallback, ties = _build_units(graph, topo, cluster, strided)
     _apply_pins(graph, units, producer_unit, topo)
@@ -277,7 +278,6 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: st
              stats["tied_segments"], stats["build_s"])
 
     held_bytes = functools.cache(lambda: _held_bytes(graph, units, groups, sizes))
-    clock = [t0]  # the first solve's time limit counts the build
 
     def plan_with(forced: list[int], weight_s: float = 0.0) -> Plan:
         """The best plan in which the arguments of the `forced` groups are not replicated, with
@@ -285,13 +285,11 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: st
         forbidden = [np.zeros(len(g.choice), dtype=bool) for g in groups]
         for g in forced:
             forbidden[g] |= [ch[groups[g].root].results[0].shard_factor(sizes) == 1 for ch in groups[g].choice]
-        log.info("rhino_jax: solving the ILP over %d groups%s (time limit %g s; Ctrl-C stops at the best "
+        log.info("rhino_jax: solving the ILP over %d groups%s (%.3g s left of the time limit; Ctrl-C stops at the best "
                  "plan so far)", len(solvers.stages[-1][0].problem.costs),
-                 f", {len(forced)} arguments not replicated" if forced else "", time_limit_s)
-        started = clock.pop() if clock else time.perf_counter()
+                 f", {len(forced)} arguments not replicated" if forced else "", max(deadline.left(), 0.0))
         answered = interrupt.pressed()  # a Ctrl-C before this solve: told already, this plan is greedy
-        choice, solution, info = solvers.solve(time_limit_s, forbidden, started, weight_s,
-                                               held_bytes() if weight_s else None)
+        choice, solution, info = solvers.solve(deadline, forbidden, weight_s, held_bytes() if weight_s else None)
         log.info("rhino_jax: ILP %s in %.2f s%s: predicted %.4g ms", solution.status, solution.solve_s,
                  " (its LP relaxation was integral)" if solution.relaxation_exact else "",
                  solution.objective_s * 1e3)
@@ -310,7 +308,7 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: st
         if st["status"] == "interrupted" and not answered:
             interrupt.warn(f"strategy search ({solution.solve_s:.1f} s of solving, {gap})", stacklevel=4)
         if st["status"] == "feasible":
-            warnings.warn(f"strategy solver stopped at its {time_limit_s:g} s time limit with {gap}; the plan is "
+            warnings.warn(f"strategy solver stopped at its {deadline.seconds:g} s time limit with {gap}; the plan is "
                           "feasible but may not be optimal (raise solver_time_limit_s for a better one)",
                           SolverTimeLimitWarning, stacklevel=4)
         return dataclasses.replace(plan, interrupted=st["status"] == "interrupted" or interrupt.pressed())
@@ -324,7 +322,7 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, opt_level: st
             _raise_memory_error([plan], memory_limit_bytes, graph, least)
         candidates = _by_size(graph, units, groups, sizes)
         plan = _fit_memory(plan_with, candidates, [units[groups[g].root].ref for g in candidates],
-                           plan, memory_limit_bytes, graph, least)
+                           plan, memory_limit_bytes, graph, least, deadline)
     return plan
 
 
@@ -356,7 +354,7 @@ def _by_size(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -> 
 
 
 def _fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Plan, limit: int,
-                graph: Graph, least: int) -> Plan:
+                graph: Graph, least: int, deadline: levels.Deadline | None = None) -> Plan:
     """The fastest plan within the limit among every plan solved on the way.
 
     First Rhino §4.4: forbid replicating the k largest parameters (and optimizer states), k found
@@ -366,58 +364,79 @@ def _fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pl
     best plan for those larger k, so a plan that does not fit rules them out too (`_leading`).
     Memory need not fall as k grows (a plan forced to shard its weights may replicate its
     activations instead), so when no k fits, the ILP prices memory itself (`_weigh_memory`).
-    `least`: a lower bound on every plan's memory, for the error."""
+    `least`: a lower bound on every plan's memory, for the error. No trial starts after the
+    `deadline`: the best plan that fits so far, else a SolverError that says so."""
     tried = [unlimited]
+    out_of_time = [False]
 
     def fits(plan: Plan) -> bool:
         return plan.cost.memory_bytes <= limit
 
+    def stop() -> bool:
+        """Whether to end the search here: interrupted, or out of time (Ctrl-C with no plan that
+        fits: KeyboardInterrupt)."""
+        _stop_if_interrupted(tried, fits)
+        out_of_time[0] = deadline is not None and deadline.left() <= 0
+        return out_of_time[0] or tried[-1].search_stats["status"] == "interrupted"
+
     lo, hi, step = _leading(unlimited, args), None, 1  # the plan with k = lo does not fit
-    while lo < len(candidates):  # gallop up to a k = hi that fits
+    while lo < len(candidates) and not stop():  # gallop up to a k = hi that fits
         k = min(lo + step, len(candidates))
         tried.append(_try(plan_with, candidates, k, limit))
         if fits(tried[-1]):
             hi = k
             break
-        _stop_if_interrupted(tried, fits)
         lo, step = max(k, _leading(tried[-1], args)), 2 * step
-    while hi is not None and hi - lo > 1 and tried[-1].search_stats["status"] != "interrupted":
+    while hi is not None and hi - lo > 1 and not stop():
         k = (lo + hi) // 2  # bisect down to the smallest k that fits
         tried.append(_try(plan_with, candidates, k, limit))
         if fits(tried[-1]):
             hi = k
         else:
             lo = max(k, min(_leading(tried[-1], args), hi - 1))
-    if hi is None:
-        tried += _weigh_memory(plan_with, unlimited, limit, fits, lambda: _stop_if_interrupted(tried, fits))
+    if hi is None and not stop():
+        _weigh_memory(plan_with, tried, limit, fits, stop)
     fitting = [p for p in tried if fits(p)]
+    if not fitting and out_of_time[0]:
+        smallest = min(p.cost.memory_bytes for p in tried)
+        raise SolverError(
+            f"the search reached its solver_time_limit_s={deadline.seconds:g} before it found a plan within "
+            f"memory_limit_bytes={limit:,}: the smallest of the {len(tried)} plans solved needs {smallest:,} bytes "
+            f"per device. Raise solver_time_limit_s (or memory_limit_bytes).")
     if not fitting:
         _raise_memory_error(tried, limit, graph, least)
+    if out_of_time[0]:
+        warnings.warn(f"the memory limit's search stopped at its {deadline.seconds:g} s time limit after "
+                      f"{len(tried)} plans: the plan fits memory_limit_bytes, but a faster one may (raise "
+                      "solver_time_limit_s)", SolverTimeLimitWarning, stacklevel=4)
     return min(fitting, key=lambda p: p.cost.total_s)
 
 
-def _weigh_memory(plan_with, unlimited: Plan, limit: int, fits, check, steps: int = 8) -> list[Plan]:
+def _weigh_memory(plan_with, tried: list[Plan], limit: int, fits, stop, steps: int = 8) -> None:
     """Plans of the ILP with each byte a device holds on average (`memory.held_fractions`) priced
-    at w seconds: w galloping up (x4) from the unlimited plan's seconds per byte until a plan
-    fits, then two bisections (geometric) back down towards the fastest plan that fits. The
-    average stands in for the peak, which is not linear in the choices; each plan's own peak
-    decides whether it fits. Returns every plan solved."""
+    at w seconds, added to `tried` (whose first is the unlimited plan): w galloping up (x4) from
+    the unlimited plan's seconds per byte until a plan fits, then two bisections (geometric) back
+    down towards the fastest plan that fits, while `stop()` says go on. The average stands in
+    for the peak, which is not linear in the choices; each plan's own peak decides whether it
+    fits."""
+    unlimited = tried[0]
     base = unlimited.cost.total_s / max(unlimited.cost.memory_bytes, 1)
-    plans: list[Plan] = []
     low, high = 0.0, None
     for i in range(steps):
         w = base * 4.0 ** i
-        plans.append(_try_weight(plan_with, w, limit))
-        if fits(plans[-1]):
+        tried.append(_try_weight(plan_with, w, limit))
+        if fits(tried[-1]):
             high = w
             break
-        check()
         low = w
+        if stop():
+            return
     for _ in range(2 if high is not None and low else 0):
+        if stop():
+            return
         w = (low * high) ** 0.5
-        plans.append(_try_weight(plan_with, w, limit))
-        low, high = (low, w) if fits(plans[-1]) else (w, high)
-    return plans
+        tried.append(_try_weight(plan_with, w, limit))
+        low, high = (low, w) if fits(tried[-1]) else (w, high)
 
 
 def _held_bytes(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -> list[np.ndarray]:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rhino_jax.errors import SolverError
+from rhino_jax.errors import SolverError, SolverTimeLimitWarning
 from rhino_jax.search import ilp
 from rhino_jax.search.planner import _fit_memory
 from rhino_jax.search.specs import ShardingSpec
@@ -77,6 +77,41 @@ def test_memory_search_finds_the_smallest_k_in_few_solves(smallest):
     best = _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - smallest, graph=None, least=0)
     assert best.cost.memory_bytes == 1000 - smallest
     assert len(solved) - 1 <= 2 * np.log2(smallest) + 2, solved
+
+
+def test_memory_search_past_its_deadline_keeps_the_best_plan_that_fits():
+    """No trial of `_fit_memory` starts after the search's deadline: the best plan that fits so
+    far is kept, with a warning that a faster one may exist; with none that fits, SolverError."""
+    n, sizes = 64, {"x": 8}
+    sharded, replicated = ShardingSpec((("x",),)), ShardingSpec.replicated(1)
+    solved = []
+
+    def plan_with(forced):
+        solved.append(len(forced))
+        return SimpleNamespace(cost=SimpleNamespace(memory_bytes=1000 - len(forced), total_s=len(forced)),
+                               mesh_axes=sizes, search_stats={"status": "optimal"},
+                               arg_specs=[sharded if i < len(forced) else replicated for i in range(n)])
+
+    def deadline(solves: int):  # passes once `solves` plans are solved
+        return SimpleNamespace(seconds=7.0, left=lambda: 1.0 if len(solved) < solves else 0.0)
+
+    unlimited = plan_with([])
+    with pytest.warns(SolverTimeLimitWarning, match="stopped at its 7 s time limit after 4 plans"):
+        best = _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - 5, None, 0, deadline(4))
+    assert solved == [0, 1, 3, 7] and best.cost.memory_bytes == 1000 - 7  # the gallop's plan; no bisection
+    solved.clear()
+    unlimited = plan_with([])
+    with pytest.raises(SolverError, match="reached its solver_time_limit_s=7 before .* smallest of the 3 plans"):
+        _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - 37, None, 0, deadline(3))
+
+
+def test_polish_past_its_deadline_sweeps_once():
+    """Polishing thousands of groups takes seconds: past the deadline it stops after one sweep."""
+    problem = _chain(3, groups=12, k=4)
+    start = tuple(0 for _ in problem.costs)
+    once = ilp.polish(problem, start, deadline=0.0)
+    assert once == tuple(ilp._sweeps(problem, list(start), *ilp._edges_by_group(problem), sweeps=1))
+    assert ilp.evaluate(problem, ilp.polish(problem, start)) < ilp.evaluate(problem, once)
 
 
 def test_polish_leaves_no_group_that_could_do_better_alone():

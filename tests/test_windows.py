@@ -2,6 +2,7 @@
 launches priced exactly; a model whose layers differ only in width is planned as O3 plans it."""
 import dataclasses
 import itertools
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 import rhino_jax as rj
 from rhino_jax.models import gpt
-from rhino_jax.search import ilp, windows
+from rhino_jax.search import ilp, levels, windows
 
 from helpers import assert_same_numbers, on_host
 
@@ -73,6 +74,32 @@ def test_windowed_solve_never_loses_to_its_start_and_one_window_is_the_optimum(s
     one = windows.Windowed(problem, list(range(30)))  # the default budget holds all of it
     assert len(one.windows) == 1
     assert one.solve().objective_s == pytest.approx(whole.objective_s)
+
+
+def test_o2_too_large_for_one_ilp_runs_windows_then_the_whole_ilp_in_the_time_left(monkeypatch):
+    """When neither the exact tying nor layers alike make a small ILP, windows give a plan in
+    seconds and the whole ILP improves it in the time left; a time limit that passes during the
+    whole ILP leaves the windows' plan, not a greedy one."""
+    problem = _random_problem(0, groups=30)
+    tied = levels.tying(problem, list(range(30)), list(range(30)))
+    monkeypatch.setattr(windows, "WHOLE_VARS", 100)
+    monkeypatch.setattr(windows, "WINDOW_VARS", 80)
+    allowed = [np.zeros(len(c), dtype=bool) for c in problem.costs]
+    solvers = levels.Levels(lambda: tied, tied, lambda: tied, 0, False, "HIGHS")
+    assert [whole for _, whole in solvers.stages] == [False, True]
+    _, solution, info = solvers.solve(levels.Deadline.after(60.0), allowed)
+    (_, first, by_windows, _), (_, last, best, _) = info["stages"]
+    assert (first, last) == ("windowed", "optimal") and best <= by_windows + 1e-12
+    assert solution.objective_s == pytest.approx(ilp.solve(problem).objective_s)
+
+    windowed = []
+    solve = windows.Windowed.solve
+    monkeypatch.setattr(windows.Windowed, "solve", lambda self, *a, **k: windowed.append(1) or solve(self, *a, **k))
+    out_of_time_after_windows = SimpleNamespace(seconds=1.0, left=lambda: 0.0 if windowed else 60.0)
+    _, solution, info = levels.Levels(lambda: tied, tied, lambda: tied, 0, False, "HIGHS").solve(
+        out_of_time_after_windows, allowed)
+    assert solution.status == "feasible" and len(info["stages"]) == 1
+    assert solution.objective_s == pytest.approx(by_windows)
 
 
 def _distinct_widths(layers: int, abstract: bool):
