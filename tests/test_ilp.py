@@ -58,21 +58,26 @@ def test_one_model_re_solves_with_strategies_forbidden():
         model.solve(forbidden=tuple(np.full(len(c), g == 2) for g, c in enumerate(problem.costs)))
 
 
-@pytest.mark.parametrize("smallest", [1, 3, 37, 64])
-def test_memory_search_finds_the_smallest_k_in_few_solves(smallest):
-    """`_fit_memory` on plans whose memory falls as more candidates are kept off replication: it
-    returns the plan of the smallest k that fits, after about 2 log2(k) solves."""
-    n, sizes = 64, {"x": 8}
+def _shrinking_plans(n: int = 64):
+    """A stand-in for the search's `plan_with` over n candidates: the plan that keeps k of them
+    off replication needs 1000 - k bytes and takes k seconds. Returns it and the k's it solved."""
     sharded, replicated = ShardingSpec((("x",),)), ShardingSpec.replicated(1)
     solved = []
 
     def plan_with(forced):
         solved.append(len(forced))
         return SimpleNamespace(cost=SimpleNamespace(memory_bytes=1000 - len(forced), total_s=len(forced)),
-                               mesh_axes=sizes,
-                               search_stats={"status": "optimal"},
+                               mesh_axes={"x": 8}, search_stats={"status": "optimal"},
                                arg_specs=[sharded if i < len(forced) else replicated for i in range(n)])
+    return plan_with, solved
 
+
+@pytest.mark.parametrize("smallest", [1, 3, 37, 64])
+def test_memory_search_finds_the_smallest_k_in_few_solves(smallest):
+    """`_fit_memory` on plans whose memory falls as more candidates are kept off replication: it
+    returns the plan of the smallest k that fits, after about 2 log2(k) solves."""
+    n = 64
+    plan_with, solved = _shrinking_plans(n)
     unlimited = plan_with([])
     best = _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - smallest, graph=None, least=0)
     assert best.cost.memory_bytes == 1000 - smallest
@@ -82,15 +87,8 @@ def test_memory_search_finds_the_smallest_k_in_few_solves(smallest):
 def test_memory_search_past_its_deadline_keeps_the_best_plan_that_fits():
     """No trial of `_fit_memory` starts after the search's deadline: the best plan that fits so
     far is kept, with a warning that a faster one may exist; with none that fits, SolverError."""
-    n, sizes = 64, {"x": 8}
-    sharded, replicated = ShardingSpec((("x",),)), ShardingSpec.replicated(1)
-    solved = []
-
-    def plan_with(forced):
-        solved.append(len(forced))
-        return SimpleNamespace(cost=SimpleNamespace(memory_bytes=1000 - len(forced), total_s=len(forced)),
-                               mesh_axes=sizes, search_stats={"status": "optimal"},
-                               arg_specs=[sharded if i < len(forced) else replicated for i in range(n)])
+    n = 64
+    plan_with, solved = _shrinking_plans(n)
 
     def deadline(solves: int):  # passes once `solves` plans are solved
         return SimpleNamespace(seconds=7.0, left=lambda: 1.0 if len(solved) < solves else 0.0)
