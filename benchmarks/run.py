@@ -514,9 +514,16 @@ NOTES = [
     "above the plan's cost; on a Flax step with global-norm clipping the embedding gradient's all-reduce "
     "three times, enough to pass over data parallelism, `THIRD_PARTY.md`). It is exact when the readers "
     "share one layout; readers in several layouts pay from the hub's. Hubs add cones (about 30 % on "
-    "GPT-Medium) and search time: O2 on Wide-ResNet (2, 4) takes about a minute with the test suite "
-    "running beside it on the same 2 cores (63 s in this run, 34 s before hubs); O3 on (2, 4) stops at "
-    "its limit on GPT and MoE (O2's plan) and on Wide-ResNet without a plan (its H100 row is then skipped).",
+    "GPT-Medium) and search time.",
+    "- **Since the previous run (2026-11-25, second)**: `solver_time_limit_s` is one deadline for the whole "
+    "search (build, every stage, memory-limit trials), where each solve had its own. Wide-ResNet (2, 4)'s "
+    "exact tying and its layers-alike tying are both too large for one ILP: O2 now runs windows from the "
+    "replicated plan (9 s, 531 ms predicted) and then the whole ILP (its LP relaxation alone 38 s) in the "
+    "time left, 52 s in all for 509 ms; O3 at its 45 s limit keeps the windows' plan (531 ms) where it "
+    "found no plan within 90 s before; the H100 search is then skipped. O3 on GPT (2, 4) reached its "
+    "untied ILP's plan within the limit this time (133.2 vs O2's 133.4 ms), and stops at MoE's with "
+    "O2's plan. This run's machine was faster than the previous one's (21 min in all, 34 min before; the "
+    "same search code): compare search times within one run only.",
     "- **Fixed since the first 2026-11-23 run**, which had MoE on (2, 4) at 1.14-1.18: a reshard is now a "
     "path of steps that XLA compiles exactly as priced, and the rewrite pins every intermediate layout "
     "(`search/collectives.py` `reshard_path`). Left to itself between two distant layouts, XLA often "
@@ -528,7 +535,7 @@ NOTES = [
     "sum is reduce-scattered only into a dim that still divides (MoE's combine cut 4 groups 8 ways). Earlier (2026-11-22 run): rules for `select_and_scatter`, "
     "`reverse` and a vocabulary-split lookup; cone DP ties; axes left in another order priced as permutes; "
     "partial sums settled as priced; stride changes priced as XLA compiles them.",
-    "- **Since the previous run (2026-11-25, first)**: (1) the one-device step run whole on every device "
+    "- **Before that (2026-11-25, first run)**: (1) the one-device step run whole on every device "
     "(each cone's replicated strategy) is the search's first incumbent: on the tiny presets the "
     "relaxation's rounding had stopped within one collective launch of its bound at sharded plans up to "
     "27 % costlier than replicated under the model's own prices (VGG19 (2, 4) 0.0267 vs 0.0210 ms, BERT "
@@ -540,7 +547,7 @@ NOTES = [
     "adds to put its result back in the program's layout (`collectives._gather`): predicted steps rose by "
     "up to 0.3 % (Wide-ResNet (8,) 509.5 -> 510.9 ms). (5) The priced baselines in `THIRD_PARTY.md` no "
     "longer count collectives' buffers as memory traffic (not used here).",
-    "- **Before that (2026-11-25, first run)**: (1) a partial sum is settled as XLA's partitioner "
+    "- **Earlier the same day**: (1) a partial sum is settled as XLA's partitioner "
     "compiles it, one all-reduce of the whole local buffer per dim its axes are scattered into (a "
     "reduce-scatter only when there is one such dim), then the axes scattered nowhere on the slice "
     "(`search/collectives.py` `_settle_step`): GPT-Medium on (2, 4) had its gradients scattered into "
@@ -565,7 +572,7 @@ NOTES = [
     "replicates the tiny models (no collectives: a check that cannot fail), so each tiny table also has "
     "rhino_jax O2 under a memory limit that the replicated plan exceeds by half of what sharding all "
     "parameters and Adam moments would save (`models.sharding_memory_limit`): that plan shards state "
-    "and runs with collectives. Its search takes 1-4 s on (8,) and 7-58 s on (2, 4) (§4.4: one ILP solve "
+    "and runs with collectives. Its search takes 0.5-2.3 s on (8,) and 5-43 s on (2, 4) (§4.4: one ILP solve "
     "per trial k, about 2 log2(k) of them; a tiny model's ILP on (2, 4) is large, BERT's 115,000 variables). Adam's first step moves a weight "
     "by about lr·sign(g), so a weight whose gradient is ~1e-6 can differ by 2·lr where float rounding in "
     "the split reductions flips the sign (Wide-ResNet's Megatron and DP x TP rows). Not a plan error.",
