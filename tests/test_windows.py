@@ -78,8 +78,8 @@ def test_windowed_solve_never_loses_to_its_start_and_one_window_is_the_optimum(s
 
 def test_o2_too_large_for_one_ilp_runs_windows_then_the_whole_ilp_in_the_time_left(monkeypatch):
     """When neither the exact tying nor layers alike make a small ILP, windows give a plan in
-    seconds and the whole ILP improves it in the time left; a time limit that passes during the
-    whole ILP leaves the windows' plan, not a greedy one."""
+    seconds and the whole ILP improves it in the time left; a time limit that passes once the
+    windows are done leaves their plan, not a greedy one."""
     problem = _random_problem(0, groups=30)
     tied = levels.tying(problem, list(range(30)), list(range(30)))
     monkeypatch.setattr(windows, "WHOLE_VARS", 100)
