@@ -8,8 +8,8 @@ plan and of data parallelism, their ratio, the plan's predicted and compiled col
 bodies counted per trip), search time, ops kept replicated, and max |Δ| of the compiled step
 against one device. At GPT-2-like sizes (`LARGE`), planned only: the scanned step's predicted
 step over its unrolled twin's. A scan pays costs per trip that its twin does not (each layer's
-weights copied out of their stack, each trip's gradient settled in the loop); at the test size
-they are a large share of the step, at real sizes a small one.
+weights copied out of their stack, each trip's gradient settled in the loop); they grow with the
+weights, not the tokens: a large share of the step at the test size, a small one at real sizes.
 """
 import os
 
@@ -170,7 +170,7 @@ def main():
                    f"of their stack every trip (forward, and again in the backward pass) and settles each "
                    f"trip's gradient inside the loop (XLA's partitioner carries no partial sum through a "
                    f"loop), where the twin reads separate weights and combines its gradient all-reduces: "
-                   f"fixed costs per trip, a large share of a small step.\n\n{gap_table}\n")
+                   f"costs that grow with the weights rather than with the tokens: a large share of a small step, a small share of a real one.\n\n{gap_table}\n")
 
 
 if __name__ == "__main__":

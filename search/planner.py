@@ -367,7 +367,7 @@ def _fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pl
     `least`: a lower bound on every plan's memory, for the error. No trial starts after the
     `deadline`: the best plan that fits so far, else a SolverError that says so."""
     tried = [unlimited]
-    out_of_time = [False]
+    out_of_time = False
 
     def fits(plan: Plan) -> bool:
         return plan.cost.memory_bytes <= limit
@@ -375,9 +375,10 @@ def _fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pl
     def stop() -> bool:
         """Whether to end the search here: interrupted, or out of time (Ctrl-C with no plan that
         fits: KeyboardInterrupt)."""
+        nonlocal out_of_time
         _stop_if_interrupted(tried, fits)
-        out_of_time[0] = deadline is not None and deadline.left() <= 0
-        return out_of_time[0] or tried[-1].search_stats["status"] == "interrupted"
+        out_of_time = deadline is not None and deadline.left() <= 0
+        return out_of_time or tried[-1].search_stats["status"] == "interrupted"
 
     lo, hi, step = _leading(unlimited, args), None, 1  # the plan with k = lo does not fit
     while lo < len(candidates) and not stop():  # gallop up to a k = hi that fits
@@ -397,7 +398,7 @@ def _fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pl
     if hi is None and not stop():
         _weigh_memory(plan_with, tried, limit, fits, stop)
     fitting = [p for p in tried if fits(p)]
-    if not fitting and out_of_time[0]:
+    if not fitting and out_of_time:
         smallest = min(p.cost.memory_bytes for p in tried)
         raise SolverError(
             f"the search reached its solver_time_limit_s={deadline.seconds:g} before it found a plan within "
@@ -405,7 +406,7 @@ def _fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pl
             f"per device. Raise solver_time_limit_s (or memory_limit_bytes).")
     if not fitting:
         _raise_memory_error(tried, limit, graph, least)
-    if out_of_time[0]:
+    if out_of_time:
         warnings.warn(f"the memory limit's search stopped at its {deadline.seconds:g} s time limit after "
                       f"{len(tried)} plans: the plan fits memory_limit_bytes, but a faster one may (raise "
                       "solver_time_limit_s)", SolverTimeLimitWarning, stacklevel=4)
