@@ -42,8 +42,8 @@ from .hlo_stats import (
 )
 from .jax_internals import UnsupportedJaxError, hlo_cost_analysis
 
-__all__ = ["CompiledCost", "price_compiled", "price_collectives", "program_cost", "collective_traffic",
-           "dot_dtype"]
+__all__ = ["CompiledCost", "price_compiled", "price_collectives", "program_cost", "program_device",
+           "collective_traffic", "dot_dtype"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,19 @@ def _module_header(text: str) -> str:
     return f"HloModule loop_body{counts}"
 
 
-def _body_cost(module: ComputationRuns, body: str, header: str) -> dict[str, float]:
+def program_device(compiled: Any) -> jax.Device:
+    """A device the program was compiled for: one of its arguments' (their shardings name them),
+    not the default backend's, so that a program compiled for CPU devices is read as a CPU program
+    on a machine whose default backend is a GPU. A program without array arguments runs where
+    `jax.jit` puts it: on the default device."""
+    for sharding in jax.tree.leaves(getattr(compiled, "input_shardings", None)):
+        devices = getattr(sharding, "device_set", None)
+        if devices:
+            return min(devices, key=lambda d: d.id)
+    return jax.devices()[0]
+
+
+def _body_cost(module: ComputationRuns, body: str, header: str, device: jax.Device) -> dict[str, float]:
     """XLA's cost analysis of one loop body run once: the module re-parsed with it as ENTRY."""
     parts = [header]
     for name, block in module.texts.items():
@@ -101,7 +113,7 @@ def _body_cost(module: ComputationRuns, body: str, header: str) -> dict[str, flo
             parts.append("ENTRY " + block if name == body else block)
     text = re.sub(r",?\s*stack_frame_id=\d+", "", "\n\n".join(parts))
     try:
-        return _cost_dict(hlo_cost_analysis(text, jax.devices()[0]))
+        return _cost_dict(hlo_cost_analysis(text, device))
     except UnsupportedJaxError:
         raise
     except Exception as e:  # XLA may reject the re-parsed body: say which and why
@@ -127,7 +139,7 @@ def program_cost(compiled: Any) -> tuple[float, float, int]:
     for lp in module.loops:
         extra = module.runs.get(lp.body, 0) - module.runs[lp.parent]
         if extra > 0:
-            body = _body_cost(module, lp.body, header)
+            body = _body_cost(module, lp.body, header, program_device(compiled))
             flops += extra * float(body.get("flops", 0.0))
             nbytes += extra * float(body.get("bytes accessed", 0.0))
     return flops, nbytes, sum(lp.trip_count is None for lp in module.loops)
@@ -244,7 +256,7 @@ def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype:
     flops, nbytes, unknown = program_cost(compiled)
     dtype = dtype or dot_dtype(text)
     stats = collective_stats(text)
-    charged = collective_traffic(stats) if jax.devices()[0].platform in _CHARGES_COLLECTIVES else 0
+    charged = collective_traffic(stats) if program_device(compiled).platform in _CHARGES_COLLECTIVES else 0
     nbytes = max(0.0, nbytes - charged)
     compute = max(flops / cluster.flops(dtype), nbytes / cluster.memory_bandwidth)
     comm = price_collectives(stats, cluster, _num_partitions(text))

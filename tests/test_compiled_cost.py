@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rhino_jax.hlo_passes.compiled_cost import collective_traffic, dot_dtype, price_compiled, program_cost
+from rhino_jax.hlo_passes.compiled_cost import (collective_traffic, dot_dtype, price_compiled, program_cost,
+                                               program_device)
 from rhino_jax.hlo_passes.hlo_stats import collective_stats
 from rhino_jax.hlo_passes.jax_internals import hlo_cost_analysis
 from rhino_jax.search.cluster import H100_8X, M8_V100
@@ -102,6 +103,15 @@ def test_flops_are_per_device():
     mesh = _mesh((8,), ("d",))
     compiled = _compile(lambda a, b: a @ b, mesh, (P("d"), P()), P("d"), (M, K), (K, N))
     assert price_compiled(compiled).flops == 2 * M * N * K / 8
+
+
+def test_the_programs_device_comes_from_its_arguments_not_the_default_backend():
+    """Pricing asks XLA's analysis of the program's own backend (a CPU program on a GPU machine is
+    still read as CPU): the device is taken from the arguments' shardings."""
+    upper = Mesh(np.array(jax.devices()[4:8]), ("d",))
+    compiled = _compile(lambda a, b: a @ b, upper, (P("d"), P()), P("d"), (M, K), (K, N))
+    assert program_device(compiled) == jax.devices()[4]
+    assert program_device(jax.jit(lambda: jnp.ones(3)).lower().compile()) == jax.devices()[0]
 
 
 def test_loop_bodies_count_once_per_trip_nested_too():
