@@ -149,11 +149,13 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bo
             producer_unit[r] = len(units)
         units.append(_Unit("node", node.id, node.operands, node.results, carried.per_trip(strategies, node.trips),
                            node.name, live, _join(node, live, has_rule, graph)))
+    pinned = {pin.value: pin for pin in graph.pins}
     for k, out in enumerate(graph.outputs):
         if k in aliased or graph.values[out].constant:
             continue
         shape = graph.values[out].shape
-        strategies = [Strategy((s,), (), 0.0) for s in tensor_specs(shape, topo)]
+        strategies = [Strategy((s,), (), 0.0) for s in tensor_specs(shape, topo)
+                      if out not in pinned or _matches(s, pinned[out])]  # a pinned result leaves as pinned
         units.append(_Unit("output", k, (out,), (), strategies, graph.output_paths[k],
                            _live((out,), graph, producer_unit)))
     for u in units[:len(graph.args)]:  # tied arguments read their output

@@ -216,3 +216,20 @@ def test_a_pinned_result_keeps_its_pin():
     assert args["arg[0]['w']"] != outs["out['w']"]
     assert outs["out['b']"] == args["arg[0]['b']"]
     assert_same_numbers(jax.jit(step)(params, batch), lowered.compile()(params, batch))
+
+
+def test_a_result_pinned_less_split_than_it_could_be_leaves_as_pinned():
+    """A result pinned to P("data", None) leaves in that layout, not split further along "model"
+    (a local slice the search would take to save memory): the caller asked for that layout."""
+    mesh = _mesh()
+
+    def step(w, x):
+        y = jnp.tanh(x @ w)
+        return rj.annotate(w * 2.0 + y.sum(), P("data", None)), y.sum()
+
+    w, x = jnp.ones((64, 64)), jnp.ones((16, 64))
+    lowered = rj.parallelize(step, mesh=mesh).lower(w, x)
+    assert str(lowered.plan.output_specs[0]) == "[data, -]"
+    out = lowered.compile()(w, x)
+    assert out[0].sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P("data", None)), 2)
+    assert_same_numbers(jax.jit(step)(w, x), out)
