@@ -102,10 +102,14 @@ class PipelinedLowered(SeveralProgramsLowered):
                                              lambda: plan_on(graph, topology[prog.stage], cluster, opts))
 
         def search_apply(i: int) -> Planned:
-            """apply-gradients' program i, its arguments pinned to the stage's layouts of them."""
+            """apply-gradients' program i, its arguments pinned to the stage's layouts of them, and
+            its results fed back pinned to where the stage takes their arguments, when an earlier
+            program (another wave) already fixed that."""
             prog, graph = cut[i]
             held = _held_layouts(self._programs, prog.stage, cg)
             pins = tuple(Pin(a.value, held[j].dims, a.path) for a, j in zip(graph.args, prog.args) if j in held)
+            earlier = [self._programs[key] for key in sorted(self._programs, key=stage_programs.run_order)]
+            pins += _fed_back_pins(prog, graph, earlier + self._applies[:i], ag)
             return search(prog, dataclasses.replace(graph, pins=graph.pins + pins), options)
 
         self._programs: dict[tuple[str, int], Planned] = {}
@@ -126,7 +130,9 @@ class PipelinedLowered(SeveralProgramsLowered):
             prog, graph = _on_stage(prog, axes[prog.stage], [a.path for a in ag.args], [a.role for a in ag.args],
                                     _fed_back_names(prog, ag))
             cut.append((prog, _with_donation(graph, prog, ag, donated)))
-        self._applies: list[Planned] = [search_apply(i) for i in range(len(cut))]
+        self._applies: list[Planned] = []
+        for i in range(len(cut)):  # in order: a later wave's results are pinned to an earlier's arguments
+            self._applies.append(search_apply(i))
 
         stages = [self._stage_plan(s) for s in range(p)]
         limit = options.memory_limit_bytes if given is None else None  # a saved plan's stages are final
@@ -165,11 +171,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         out = []
         for i in range(n):
             s = self._home.get(i)
-            read = [plan.arg_specs[prog.args.index(i)] for prog, _, plan in everyone
-                    if prog.stage == s and i in prog.args]
-            made = [plan.output_specs[prog.outputs.index(fed[i])] for prog, _, plan in self._applies
-                    if prog.stage == s and i in fed and fed[i] in prog.outputs]
-            spec = (read + made + [None])[0]
+            spec = _taken_layout(everyone, s, i, fed.get(i))
             out.append((self.mesh, ShardingSpec.replicated(len(ag.values[ag.args[i].value].shape))) if spec is None
                        else (self.meshes[s], spec))
         return out
@@ -302,6 +304,30 @@ def _with_donation(graph: Graph, prog: stage_programs.Program, ag: Graph, donate
         if i in donated and k is not None and ag.outputs[k] in prog.outputs:
             args[pos] = dataclasses.replace(args[pos], donated_to=prog.outputs.index(ag.outputs[k]))
     return dataclasses.replace(graph, args=tuple(args))
+
+
+def _taken_layout(planned: list[Planned], s: int | None, i: int, fed: int | None) -> ShardingSpec | None:
+    """The layout stage s takes step argument i in, as far as `planned` (in run order) fixes it:
+    as the first of them that reads it, else as an apply-gradients program makes `fed`, the
+    result fed back into it; None when none does."""
+    read = [plan.arg_specs[prog.args.index(i)] for prog, _, plan in planned if prog.stage == s and i in prog.args]
+    made = [plan.output_specs[prog.outputs.index(fed)] for prog, _, plan in planned
+            if prog.kind == "A" and prog.stage == s and fed is not None and fed in prog.outputs]
+    return (read + made + [None])[0]
+
+
+def _fed_back_pins(prog: stage_programs.Program, graph: Graph, earlier: list[Planned], ag: Graph) -> tuple[Pin, ...]:
+    """Pins for an apply-gradients program's results that the training loop feeds back into an
+    argument whose layout `earlier` programs of the stage fixed (an optimizer state read in one
+    wave and made in a later one): the result leaves in it, else every step would reshard it
+    outside every program and every count."""
+    into = {ag.outputs[k]: i for k, i in ag.fed_back().items()}
+    pins = []
+    for pos, v in enumerate(prog.outputs):
+        spec = _taken_layout(earlier, prog.stage, into[v], v) if v in into else None
+        if spec is not None:
+            pins.append(Pin(graph.outputs[pos], spec.dims, graph.output_paths[pos]))
+    return tuple(pins)
 
 
 def _held_layouts(plans: dict[tuple[str, int], Planned], s: int, cg: Graph) -> dict[int, ShardingSpec]:
