@@ -186,7 +186,8 @@ def layers(graph: Graph, ops: list[int]) -> tuple[str, ...]:
     """The named scopes `ops` come from, in program order, runs of numbered names folded
     ("layer0-layer15"). The scope level is the first one at which the graph's ops differ (a
     Flax model's top module, common to every op, is skipped)."""
-    paths = {n.id: [_WRAPPER.sub(r"\1", part) for part in n.name.split("/")[:-1]] for n in graph.nodes}
+    paths = {n.id: [name for name in (_WRAPPER.sub(r"\1", part) for part in n.name.split("/")[:-1]) if name]
+             for n in graph.nodes}  # jvp() of an unnamed function: no scope, else it hides the model's
     depth = 0
     while len({p[depth] for p in paths.values() if len(p) > depth}) == 1:
         depth += 1

@@ -94,3 +94,14 @@ def test_a_heads_weight_gradient_stays_by_the_logits_gradient():
     logits_bytes = batch // 2 * vocab * 4
     assert crossing and max(cg.values[v].nbytes for v in crossing) < logits_bytes, \
         [(cg.values[v].shape, stage_of[v], p.kind, p.stage) for p in progs for v in p.inputs]
+
+
+def test_a_stages_layers_skip_the_scope_of_an_unnamed_function():
+    """jax.value_and_grad of a local loss function names some ops "jvp()/slice": that empty scope
+    is no layer, and it must not hide the model's layers behind its top module ("LM")."""
+    from types import SimpleNamespace
+    from rhino_jax.hlo_passes.graph import Node
+    names = ["jvp()/slice", "jvp(LM)/Embed_0/gather", "jvp(LM)/Block_0/Dense_0/dot_general",
+             "jvp(LM)/Block_1/Dense_0/dot_general", "jvp(LM)/Dense_0/dot_general", "lt"]
+    graph = SimpleNamespace(nodes=[Node(i, "op", (), (), name=name) for i, name in enumerate(names)])
+    assert stages.layers(graph, list(range(len(names)))) == ("Embed_0", "Block_0-Block_1", "Dense_0")
