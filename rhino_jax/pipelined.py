@@ -63,9 +63,20 @@ def sub_meshes(mesh: Mesh, p: int) -> list[Mesh]:
     n = mesh.devices.shape[0]
     if p < 2 or n % p:
         raise MeshError(f"pipeline={p} stages need the mesh's first axis ({mesh.axis_names[0]}={n}) to split into "
-                        f"{p} equal parts; use a mesh like rj.device_mesh(({p}, ...), ...)")
+                        f"{p} equal parts; use {_stage_counts(mesh, p)}")
     size = n // p
     return [Mesh(mesh.devices[i * size:(i + 1) * size], mesh.axis_names, axis_types=mesh.axis_types) for i in range(p)]
+
+
+def _stage_counts(mesh: Mesh, p: int) -> str:
+    """What to pass instead of p stages: the counts the mesh's first axis splits into, and a mesh
+    of p rows only when the devices make one (3 stages cannot run on 8 devices)."""
+    n = mesh.devices.shape[0]
+    fits = [q for q in range(2, n + 1) if n % q == 0]
+    listed = ", ".join(map(str, fits[:-1])) + " or " if len(fits) > 1 else ""
+    counts = f"pipeline={listed}{fits[-1]}" if fits else "pipeline='off'"
+    rows = f", or a mesh like rj.device_mesh(({p}, ...), ...)" if p >= 2 and mesh.devices.size % p == 0 else ""
+    return counts + rows
 
 
 class PipelinedLowered(SeveralProgramsLowered):
