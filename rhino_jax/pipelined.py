@@ -94,7 +94,8 @@ class PipelinedLowered(SeveralProgramsLowered):
         if given is None:
             loss = _loss_sum(cg)
             coarse, node_of = stager.forward_stage_graph(cg, loss)
-            staging = stager.stage(coarse, p, EPSILON, backend=options.solver, time_limit_s=options.solver_time_limit_s)
+            staging = stager.stage(coarse, p, EPSILON, backend=options.solver, time_limit_s=options.solver_time_limit_s,
+                                   advice=f"use fewer stages than pipeline={p}, or pipeline='auto'")
             place = stage_programs.assign(cg, loss, {i: staging.stage[node_of[i]] for i in node_of})
             staged = {"stage_cut_bytes": staging.cut_bytes, "stage_flops": staging.stage_compute}
         else:

@@ -103,12 +103,16 @@ def bounds(g: StageGraph, stages: int, epsilon: float) -> tuple[np.ndarray, np.n
 
 
 def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = True,
-          backend: str = "HIGHS", time_limit_s: float = 60.0) -> Staging:
-    """The division of g into `stages` stages balanced within `epsilon` that cuts the fewest bytes."""
+          backend: str = "HIGHS", time_limit_s: float = 60.0,
+          advice: str = "raise epsilon or use fewer stages") -> Staging:
+    """The division of g into `stages` stages balanced within `epsilon` that cuts the fewest bytes.
+    `advice`: what an unbalanceable graph's error tells the caller to change (a caller whose
+    user cannot change epsilon says what they can)."""
     start = time.perf_counter()
     n, d = len(g.compute), stages
     if d < 1 or d > n:
-        raise StagingError(f"{d} stages for a graph of {n} nodes: use between 1 and {n} stages")
+        nodes = f" ({'; '.join(g.names)})" if g.names and any(g.names) else ""  # a loop says to unroll it
+        raise StagingError(f"{d} stages for a graph of {n} nodes{nodes}: use between 1 and {n} stages")
     if epsilon < 0:
         raise StagingError(f"epsilon (the imbalance allowed between stages) must be >= 0, got {epsilon}")
     c = np.asarray(g.compute, dtype=float)
@@ -121,10 +125,12 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
     if c[heaviest] > (1 + epsilon) * share:
         name = g.names[heaviest] if g.names else f"node {heaviest}"
         raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share: {name} "
-                           f"alone computes {c[heaviest] / share:.2f} shares; raise epsilon or use fewer stages")
+                           f"alone computes {c[heaviest] / share:.2f} shares; {advice}")
     if (lo > hi).any():
+        stuck = int(np.argmax(lo > hi))
+        name = g.names[stuck] if g.names and g.names[stuck] else f"node {stuck}"
         raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share: the "
-                           "graph's dependencies leave some node no stage; raise epsilon or use fewer stages")
+                           f"graph's dependencies leave {name} no stage; {advice}")
 
     # Variables: x[i, k] for k in lo_i..hi_i, then F_e per edge.
     width = hi - lo + 1
@@ -172,8 +178,8 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
     # Ctrl-C propagates: no plan exists before the stages are chosen.
     result = ilp.run(program, backend, time_limit_s - (time.perf_counter() - start))
     if result.status == "INFEASIBLE":
-        raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share; "
-                           "raise epsilon or use fewer stages")
+        raise StagingError(f"no division of {n} nodes into {d} stages within epsilon={epsilon:g} of a balanced "
+                           f"share; {advice}")
     if result.status not in ("OPTIMAL", "FEASIBLE"):
         raise SolverError(f"the stage ILP found no division within its {time_limit_s:g} s time limit "
                           f"({result.status}); raise the time limit or epsilon")

@@ -65,6 +65,25 @@ def test_bad_pipelines_say_what_to_change():
     mlp, mlp_args = make_mlp_train_step(), mlp_example((16, 16), 8)  # one layer cannot fill 8 stages
     with pytest.raises(StagingError, match="stages"):
         rj.parallelize(mlp, mesh=rj.device_mesh((8,), ("data",)), pipeline=8, num_micro_batches=2).lower(*mlp_args)
+    with pytest.raises(StagingError, match="use fewer stages than pipeline=8, or pipeline='auto'$"):  # not epsilon
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=8, num_micro_batches=2).lower(*args)
+
+
+def _scanned_step(params, batch):
+    def loss_fn(p):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch["x"], p)
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    loss, g = jax.value_and_grad(loss_fn)(params)
+    return params - 0.1 * g, loss
+
+
+def test_a_step_that_is_one_scan_says_to_unroll_it():
+    """The forward pass is one loop, which runs whole in one stage: the error says so."""
+    params, batch = jnp.ones((4, 16, 16)) / 16, {"x": jnp.ones((8, 16)), "y": jnp.zeros((8, 16))}
+    with pytest.raises(StagingError, match="unroll it"):
+        rj.parallelize(_scanned_step, mesh=rj.device_mesh((8,), ("data",)), pipeline=2,
+                       num_micro_batches=2).lower(params, batch)
 
 
 def test_flax_with_global_norm_clipping_keeps_its_numbers_and_its_state_layouts():
