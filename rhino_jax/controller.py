@@ -93,13 +93,22 @@ def _lower_candidates(parallelized, call, key, limit: int) -> tuple[list[tuple[C
     return tried, errors
 
 
+def _reasons(tried: list[tuple[Candidate, object]], errors: list[RhinoError]) -> str:
+    """Why each candidate has no plan, whole (the report's table keeps a line of it), candidates
+    with the same reason named together: every candidate failing alike says so once."""
+    by_reason: dict[str, list[str]] = {}
+    for (c, _), e in zip(tried, errors):  # none planned: each tried one failed with its error
+        by_reason.setdefault(str(e), []).append(c.label)
+    return "; ".join(f"{' / '.join(labels)}: {why}" for why, labels in by_reason.items())
+
+
 def _choose(tried: list[tuple[Candidate, object]], errors: list[RhinoError], options, limit: int, interrupted: bool):
     """The fastest candidate that fits (see `choose`), its plan marked `interrupted` when Ctrl-C
     cut the comparison short."""
     planned = [t for t in tried if t[1] is not None]
     if not planned:
         kind = MemoryLimitError if all(isinstance(e, MemoryLimitError) for e in errors) else RhinoError
-        raise kind("pipeline='auto': no candidate has a plan: " + "; ".join(f"{c.label}: {c.why}" for c, _ in tried))
+        raise kind("pipeline='auto': no candidate has a plan: " + _reasons(tried, errors))
     fitting = [t for t in planned if not t[0].why]
     if not fitting:
         listing = "; ".join(f"{c.label}: {c.memory_bytes / 2**30:.1f} GiB" for c, _ in planned)

@@ -204,6 +204,16 @@ def test_auto_under_a_memory_limit_no_candidate_meets_says_so():
                        memory_limit_bytes=1024).lower(*args)
 
 
+def test_auto_with_no_candidate_says_each_reason_whole_and_once():
+    """Micro-batches of one example fail alike for every candidate: the error gives the reason
+    once, whole, with the candidates it stopped (it repeated it cut at 160 characters)."""
+    mlp, mlp_args = make_mlp_train_step(), mlp_example((16, 16), 8)
+    once = (r"no candidate has a plan: SPMD only, 8 micro-batches / 2 stages, 8 micro-batches / 4 stages, 8 "
+            r"micro-batches / 8 stages, 8 micro-batches: jax lowered [^/]*\(try another num_micro_batches\)$")
+    with pytest.raises(rj.RhinoError, match=once):
+        rj.parallelize(mlp, mesh=rj.device_mesh((8,), ("data",)), pipeline="auto", num_micro_batches=8).lower(*mlp_args)
+
+
 def test_each_stage_reports_its_layers_sub_mesh_and_memory():
     step, args = _case("gpt")
     lowered = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")), pipeline=2,
