@@ -56,8 +56,9 @@ def test_bad_pipelines_say_what_to_change():
     step, args = _case("gpt")
     with pytest.raises(MeshError, match=r"split into 3 equal parts; use pipeline=2, 4 or 8$"):  # no (3, ...) mesh
         rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=3, num_micro_batches=2).lower(*args)
+    two_rows = rj.device_mesh((2, 4), ("data", "model"))
     with pytest.raises(MeshError, match=r"use pipeline=2, or a mesh like rj.device_mesh\(\(4, "):
-        rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")), pipeline=4, num_micro_batches=2).lower(*args)
+        rj.parallelize(step, mesh=two_rows, pipeline=4, num_micro_batches=2).lower(*args)
     with pytest.raises(ValueError, match="needs num_micro_batches >= 2"):
         rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=2)
     with pytest.raises(ValueError, match="pipeline must be"):
