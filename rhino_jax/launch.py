@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import warnings
 
 _CHILD = "RHINO_JAX_LAUNCH_CHILD"  # "process_id,num_processes,coordinator,heartbeat_s" in a child
@@ -115,7 +116,28 @@ def _child(spec: str, script: str, args: list[str]) -> None:
 
     jax.distributed.initialize = joined
     sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BaseException as e:  # noqa: BLE001 (every failure must end this process now)
+        _exit_now(e)
+
+
+def _exit_now(error: BaseException) -> None:
+    """End a failed child at once: a normal exit runs jax.distributed's shutdown barrier, which
+    waits (minutes) for peers still blocked in a collective with this process, so the launcher
+    would not see the failure and the job would hang until its --timeout."""
+    if isinstance(error, SystemExit):
+        if error.code in (None, 0):
+            raise error
+        code = error.code if isinstance(error.code, int) else 1
+        if not isinstance(error.code, int):
+            print(error.code, file=sys.stderr)
+    else:
+        traceback.print_exception(error)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

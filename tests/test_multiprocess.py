@@ -44,6 +44,23 @@ def test_a_dead_process_stops_the_job_within_a_minute():
     assert "process 1 exited with code 3; stopped the other processes" in done.stderr
 
 
+def test_an_exception_in_one_process_stops_the_job_with_its_code(tmp_path):
+    """A Python error on one process, the others waiting in a collective with it: the failed
+    process exits at once (no shutdown barrier) and the launcher stops the rest."""
+    script = tmp_path / "fails.py"
+    script.write_text("import jax\nfrom jax.experimental import multihost_utils\n"
+                      "multihost_utils.sync_global_devices('start')\n"
+                      "if jax.process_index() == 1:\n    raise ValueError('bad data on process 1')\n"
+                      "multihost_utils.sync_global_devices('process 1 never comes')\n")
+    done = subprocess.run([sys.executable, "-m", "rhino_jax.launch", "-n", "2", "--local-devices", "1",
+                           "--timeout", "60", str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=HERE.parent)
+    assert done.returncode == 1, done.stderr[-3000:]  # not 124: the job did not wait for its --timeout
+    assert "ValueError: bad data on process 1" in done.stderr
+    # process 0 may fail as well (its collective's peer is gone) and be reported first
+    assert re.search(r"process [01] exited with code 1; stopped the other processes", done.stderr)
+
+
 def test_the_launcher_refuses_bad_requests():
     for args, message in [(["-n", "0", str(STEP)], "-n must be at least 1"), (["-n", "2", "missing.py"], "no script")]:
         done = subprocess.run([sys.executable, "-m", "rhino_jax.launch", *args], capture_output=True, text=True,
