@@ -44,15 +44,30 @@ def _decisions(plan: Plan):
     yield sorted(plan.placement.items())
 
 
+def target_digest(plan: Plan) -> str:
+    """A hash of what the plan was made for (`plan.target`: the step's program, its arguments'
+    shapes and dtypes, the donated ones, the mesh): two processes can find the same layouts for
+    different programs, e.g. a batch of another shape, and would then run different programs."""
+    return hashlib.sha256(repr(plan.target).encode()).hexdigest()
+
+
 def agree(plan: Plan) -> None:
-    """Raise PlanMismatchError on every process unless all processes hold the same plan (a no-op
-    in a single-process run). A collective: every process must call it at the same point."""
+    """Raise PlanMismatchError on every process unless all processes hold the same plan made for
+    the same step (a no-op in a single-process run). A collective: every process must call it at
+    the same point."""
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils  # noqa: PLC0415 (only in distributed runs)
 
-    mine = np.frombuffer(bytes.fromhex(digest(plan)), dtype=np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 32]
+    mine = np.frombuffer(bytes.fromhex(target_digest(plan) + digest(plan)), dtype=np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 64]: target, then plan
+    stepped = [p for p in range(every.shape[0]) if not np.array_equal(every[p, :32], every[0, :32])]
+    if stepped:
+        raise PlanMismatchError(
+            f"processes {stepped} lowered a different step than process 0 (its program, the arguments' global "
+            "shapes or dtypes, the donated arguments or the mesh differ); every process must run the same code "
+            "with the same options and build each argument with the same global shape (e.g. "
+            "jax.make_array_from_process_local_data(sharding, local_rows, global_shape))")
     differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
     if differ:
         raise PlanMismatchError(

@@ -81,12 +81,34 @@ def test_plans_that_differ_across_processes_are_refused(monkeypatch):
     plan = rj.parallelize(make_mlp_train_step(), mesh=rj.device_mesh((8,), ("data",))).lower(
         *mlp_example((8, 8), 8)).plan
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(multihost_utils, "process_allgather",
-                        lambda x: np.stack([x, np.roll(x, 1)]))  # process 1's digest differs
+    other = lambda x: np.concatenate([x[:32], np.roll(x[32:], 1)])  # noqa: E731 (same step, plan differs)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, other(x)]))
     with pytest.raises(multiprocess.PlanMismatchError, match=r"processes \[1\] found a different plan"):
         multiprocess.agree(plan)
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, x]))
     multiprocess.agree(plan)  # the same digest everywhere: nothing to say
+
+
+def test_one_plan_for_steps_of_other_shapes_across_processes_is_refused(monkeypatch):
+    """Process 1 lowered the step for a batch of another size: the layouts (and so the plan
+    digests) are the same, the programs are not, and running them would mix different steps."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import rhino_jax as rj
+    from rhino_jax import multiprocess
+    from rhino_jax.models import make_mlp_train_step, mlp_example
+
+    step = rj.parallelize(make_mlp_train_step(), mesh=rj.device_mesh((8,), ("data",)))
+    plan, theirs = (step.lower(*mlp_example((8, 8), n)).plan for n in (8, 16))
+    assert multiprocess.digest(plan) == multiprocess.digest(theirs)
+    mine, other = (np.frombuffer(bytes.fromhex(multiprocess.target_digest(p) + multiprocess.digest(p)), np.uint8)
+                   for p in (plan, theirs))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, other]))
+    with pytest.raises(multiprocess.PlanMismatchError, match=r"processes \[1\] lowered a different step"):
+        multiprocess.agree(plan)
 
 
 def test_a_pipeline_stage_per_process_matches_one_device(tmp_path):
