@@ -10,6 +10,7 @@ difference and what to change.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import jax
@@ -108,4 +109,11 @@ def _axes(axes: dict[str, int]) -> str:
 
 
 def _paths(target: PlanTarget) -> str:
-    return "[" + ", ".join(target.arg_paths[i] for i in target.donated) + "]"
+    """The donated arguments, one entry per argument of the step (donate_argnums names those), not
+    one per array: a train state donated is hundreds of arrays."""
+    counts: dict[str, int] = {}
+    for i in target.donated:
+        top = re.match(r"arg\[[^\]]*\]", target.arg_paths[i])
+        key = top.group(0) if top else target.arg_paths[i]
+        counts[key] = counts.get(key, 0) + 1
+    return "[" + ", ".join(key if n == 1 else f"{key} ({n} arrays)" for key, n in counts.items()) + "]"
