@@ -51,11 +51,21 @@ def target_digest(plan: Plan) -> str:
     return hashlib.sha256(repr(plan.target).encode()).hexdigest()
 
 
+def _spans_processes(plan: Plan) -> bool:
+    """Does the plan's mesh hold devices of other processes? A mesh of this process's own devices
+    (e.g. jax.local_devices()) runs a step of this process alone, which the others need not share
+    (each process has its own mesh and may run another step, or none, at this point)."""
+    if plan.target is None:
+        return True
+    ids = set(plan.target.device_ids)
+    return any(d.process_index != jax.process_index() for d in jax.devices() if d.id in ids)
+
+
 def agree(plan: Plan) -> None:
     """Raise PlanMismatchError on every process unless all processes hold the same plan made for
-    the same step (a no-op in a single-process run). A collective: every process must call it at
-    the same point."""
-    if jax.process_count() == 1:
+    the same step (a no-op in a single-process run and for a mesh of this process's devices). A
+    collective for a mesh across processes: every process must call it at the same point."""
+    if jax.process_count() == 1 or not _spans_processes(plan):
         return
     from jax.experimental import multihost_utils  # noqa: PLC0415 (only in distributed runs)
 

@@ -81,6 +81,7 @@ def test_plans_that_differ_across_processes_are_refused(monkeypatch):
     plan = rj.parallelize(make_mlp_train_step(), mesh=rj.device_mesh((8,), ("data",))).lower(
         *mlp_example((8, 8), 8)).plan
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multiprocess, "_spans_processes", lambda _plan: True)  # one process here: as if it did
     other = lambda x: np.concatenate([x[:32], np.roll(x[32:], 1)])  # noqa: E731 (same step, plan differs)
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, other(x)]))
     with pytest.raises(multiprocess.PlanMismatchError, match=r"processes \[1\] found a different plan"):
@@ -106,10 +107,32 @@ def test_one_plan_for_steps_of_other_shapes_across_processes_is_refused(monkeypa
     mine, other = (np.frombuffer(bytes.fromhex(multiprocess.target_digest(p) + multiprocess.digest(p)), np.uint8)
                    for p in (plan, theirs))
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multiprocess, "_spans_processes", lambda _plan: True)  # one process here: as if it did
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, other]))
     with pytest.raises(multiprocess.PlanMismatchError, match=r"processes \[1\] lowered a different step"):
         multiprocess.agree(plan)
 
+
+
+def test_a_step_on_this_process_devices_alone_is_not_compared_across_processes(monkeypatch):
+    """A mesh of this process's devices (jax.local_devices()) runs a step of this process alone:
+    the others hold other meshes (other device ids), so comparing would refuse a valid job."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    import rhino_jax as rj
+    from rhino_jax import multiprocess
+    from rhino_jax.models import make_mlp_train_step, mlp_example
+
+    plan = rj.parallelize(make_mlp_train_step(), mesh=rj.device_mesh((8,), ("data",), jax.local_devices())).lower(
+        *mlp_example((8, 8), 8)).plan
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+    def gather(_x):
+        raise AssertionError("compared a process-local plan across processes")
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", gather)
+    multiprocess.agree(plan)
 
 def test_a_pipeline_stage_per_process_matches_one_device(tmp_path):
     """pipeline=2 on a (2, 4) mesh: each stage on one process's 4 devices; every move between
