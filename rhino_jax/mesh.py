@@ -28,7 +28,8 @@ def device_mesh(shape: Sequence[int], axis_names: Sequence[str], devices: Sequen
         raise MeshError("devices repeat: a mesh needs distinct devices, e.g. jax.devices()[:8]")
     n = int(np.prod(shape))
     if n != len(devices):
+        fewer = f"pass devices=jax.devices()[:{n}] or " if n < len(devices) else ""  # never more than there are
         raise MeshError(f"mesh shape {shape} needs {n} devices but {len(devices)} are given; "
-                        f"pass devices=jax.devices()[:{n}] or a shape whose product is {len(devices)}")
+                        f"{fewer}pass a shape whose product is {len(devices)}")
     return Mesh(np.array(devices, dtype=object).reshape(shape), axis_names,
                 axis_types=(AxisType.Auto,) * len(shape))

@@ -86,6 +86,10 @@ def test_bad_options_and_meshes_are_rejected():
         rj.parallelize(lambda x: x, mesh=mesh, cluster="tpu-v9")
     with pytest.raises(rj.MeshError, match="needs 6 devices"):
         rj.device_mesh((2, 3), ("a", "b"))
+    with pytest.raises(rj.MeshError) as too_many:  # no devices=jax.devices()[:16] advice with 8 devices
+        rj.device_mesh((4, 4), ("a", "b"))
+    assert str(too_many.value) == ("mesh shape (4, 4) needs 16 devices but 8 are given; pass a shape whose "
+                                   "product is 8")
     explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     with pytest.raises(rj.MeshError, match="Explicit"):
         rj.parallelize(lambda x: x, mesh=explicit)
