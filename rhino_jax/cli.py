@@ -67,9 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(args)
     except UsageError as e:
         parser.error(str(e))  # exits with status 2
+    except BrokenPipeError:  # `show plan.json | head`: the reader has what it wanted
+        _quiet_stdout()
+        return 0
     except (RhinoError, ValueError, OSError) as e:  # a bad option, no plan, an unreadable file
         print(f"rhino_jax: error: {e}", file=sys.stderr)
         return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so Python's flush at exit does not fail on the closed pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -53,6 +53,17 @@ def test_plan_writes_the_plan_this_process_finds_and_accepts(workdir):
     assert digest(loaded) == digest(rj.parallelize(step, mesh=mesh).lower(*args).plan)
 
 
+
+def test_show_piped_into_a_reader_that_stops_early_is_not_an_error(workdir):
+    """`python -m rhino_jax show plan.json | head -1`: the closed pipe is the reader's choice."""
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",))).lower(*args).plan.save(workdir / "p.json")
+    show = subprocess.Popen([sys.executable, "-m", "rhino_jax", "show", "p.json"], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    show.stdout.close()  # as head does after its lines; here before the report is written (jax still imports)
+    _, err = show.communicate(timeout=120)
+    assert show.returncode == 0 and b"error" not in err.lower(), err.decode()
+
 def test_plan_takes_a_file_emulated_devices_and_axis_names_and_show_prints_it(workdir):
     done = _run(["plan", "tiny_step.py:setup", "--mesh", "4", "--axes", "batch", "--cpu-devices", "4",
                  "--opt", "O3", "--out", "four.json"], workdir)
