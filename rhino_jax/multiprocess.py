@@ -81,6 +81,7 @@ def agree(plan: Plan) -> None:
     differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
     if differ:
         raise PlanMismatchError(
-            f"processes {differ} found a different plan than process 0 for the same step (a solver time limit "
-            "or a tie broken differently); every process must run the same one. Give the search more time "
-            "(solver_time_limit_s), or plan once and pass the same saved plan to every process")
+            f"processes {differ} found a different plan than process 0 for the same step (other options of "
+            "rj.parallelize: opt_level, memory_limit_bytes, num_micro_batches, pipeline, cluster...; or a solver time "
+            "limit or a tie broken differently); every process must run the same one. Pass the same options "
+            "everywhere, give the search more time (solver_time_limit_s), or plan once and pass the same saved plan to every process")
