@@ -84,4 +84,5 @@ def agree(plan: Plan) -> None:
             f"processes {differ} found a different plan than process 0 for the same step (other options of "
             "rj.parallelize: opt_level, memory_limit_bytes, num_micro_batches, pipeline, cluster...; or a solver time "
             "limit or a tie broken differently); every process must run the same one. Pass the same options "
-            "everywhere, give the search more time (solver_time_limit_s), or plan once and pass the same saved plan to every process")
+            "everywhere, give the search more time (solver_time_limit_s), or plan once and pass the same saved plan "
+            "to every process")
