@@ -73,6 +73,12 @@ def _check_pin(pin: Pin, graph: Graph, topo: MeshTopology) -> None:
             if a not in topo.sizes:
                 raise ShardingPinError(f"pin on {pin.name!r}: mesh has no axis {a!r} "
                                        f"(axes: {list(topo.axis_names)})")
+        order = [topo.axis_names.index(a) for a in axes or ()]
+        if order != sorted(order):  # a layout of the search names a dim's axes in the mesh's order
+            ordered = tuple(sorted(axes, key=topo.axis_names.index))
+            raise ShardingPinError(
+                f"pin on {pin.name!r}: dim {d} names the mesh axes {tuple(axes)} out of the mesh's order "
+                f"{tuple(topo.axis_names)}; pin {ordered} instead, or build the mesh with its axes in that order")
         n = int(np.prod([topo.sizes[a] for a in axes or ()]))
         if shape[d] % n:
             raise ShardingPinError(
