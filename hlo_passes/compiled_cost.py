@@ -84,8 +84,6 @@ def _cost_dict(analysis: Any) -> dict[str, float]:
     return analysis  # a program that only moves data (a reshard) has bytes but no 'flops'
 
 
-
-
 def _module_header(text: str) -> str:
     """An `HloModule` line keeping the device counts, without the entry's layout (it changes)."""
     counts = " ".join(f", {k}={v}" for k, v in re.findall(r"\b(num_partitions|replica_count)=(\d+)",

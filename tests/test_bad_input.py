@@ -57,7 +57,6 @@ def test_pin_with_unknown_axis_names_the_tensor():
         rj.parallelize(f, mesh=mesh).lower(jnp.ones((8, 4)))
 
 
-
 def test_pin_with_axes_out_of_the_mesh_order_says_so():
     mesh = rj.device_mesh((2, 4), ("data", "model"))
 
@@ -67,6 +66,7 @@ def test_pin_with_axes_out_of_the_mesh_order_says_so():
     with pytest.raises(rj.ShardingPinError, match=r"activations.*\('model', 'data'\) out of the mesh's order "
                                                   r"\('data', 'model'\); pin \('data', 'model'\) instead"):
         rj.parallelize(f, mesh=mesh).lower(jnp.ones((8, 4)))
+
 
 def test_solver_time_limit_gives_feasible_plan_and_warns_with_gap():
     mesh = rj.device_mesh((2, 4), ("data", "model"))

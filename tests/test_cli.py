@@ -19,8 +19,10 @@ WIDTHS = (16, 32, 32, 16)
 STEP_MODULE = f"""
 from rhino_jax.models import make_mlp_train_step, mlp_example
 
+
 def setup():
     return make_mlp_train_step(), mlp_example({WIDTHS}, 8, abstract=True)
+
 
 def wrong():
     return make_mlp_train_step()
@@ -53,7 +55,6 @@ def test_plan_writes_the_plan_this_process_finds_and_accepts(workdir):
     assert digest(loaded) == digest(rj.parallelize(step, mesh=mesh).lower(*args).plan)
 
 
-
 def test_show_piped_into_a_reader_that_stops_early_is_not_an_error(workdir):
     """`python -m rhino_jax show plan.json | head -1`: the closed pipe is the reader's choice."""
     step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
@@ -63,6 +64,7 @@ def test_show_piped_into_a_reader_that_stops_early_is_not_an_error(workdir):
     show.stdout.close()  # as head does after its lines; here before the report is written (jax still imports)
     _, err = show.communicate(timeout=120)
     assert show.returncode == 0 and b"error" not in err.lower(), err.decode()
+
 
 def test_plan_takes_a_file_emulated_devices_and_axis_names_and_show_prints_it(workdir):
     done = _run(["plan", "tiny_step.py:setup", "--mesh", "4", "--axes", "batch", "--cpu-devices", "4",

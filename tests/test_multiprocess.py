@@ -114,7 +114,6 @@ def test_one_plan_for_steps_of_other_shapes_across_processes_is_refused(monkeypa
         multiprocess.agree(plan)
 
 
-
 def test_a_step_on_this_process_devices_alone_is_not_compared_across_processes(monkeypatch):
     """A mesh of this process's devices (jax.local_devices()) runs a step of this process alone:
     the others hold other meshes (other device ids), so comparing would refuse a valid job."""
@@ -134,6 +133,7 @@ def test_a_step_on_this_process_devices_alone_is_not_compared_across_processes(m
 
     monkeypatch.setattr(multihost_utils, "process_allgather", gather)
     multiprocess.agree(plan)
+
 
 def test_a_pipeline_stage_per_process_matches_one_device(tmp_path):
     """pipeline=2 on a (2, 4) mesh: each stage on one process's 4 devices; every move between

@@ -113,7 +113,6 @@ def test_parallelize_records_the_target_and_runs_a_saved_plan_without_a_search(t
         rj.parallelize(step, mesh=mesh, plan=42)
 
 
-
 def test_a_plan_donating_other_arguments_names_them_per_argument_not_per_array():
     """A train state donated is hundreds of arrays: the error names the step's arguments."""
     step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
@@ -124,6 +123,7 @@ def test_a_plan_donating_other_arguments_names_them_per_argument_not_per_array()
     n = [len(jax.tree.leaves(a)) for a in args[:2]]
     assert (f"made with the arguments [arg[0] ({n[0]} arrays), arg[1] ({n[1]} arrays)] donated and is applied "
             "with [] donated; pass the same donate_argnums") in str(refused.value)
+
 
 def _no_search(monkeypatch):
     """Make every search (SPMD programs, the stager) fail the test."""
