@@ -133,11 +133,11 @@ def program_cost(compiled: Any) -> tuple[float, float, int]:
     module = computation_runs(text, every_branch=True)
     if not module.entry:
         raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text()")
-    header = _module_header(text)
+    header, device = _module_header(text), program_device(compiled)
     for lp in module.loops:
         extra = module.runs.get(lp.body, 0) - module.runs[lp.parent]
         if extra > 0:
-            body = _body_cost(module, lp.body, header, program_device(compiled))
+            body = _body_cost(module, lp.body, header, device)
             flops += extra * float(body.get("flops", 0.0))
             nbytes += extra * float(body.get("bytes accessed", 0.0))
     return flops, nbytes, sum(lp.trip_count is None for lp in module.loops)

@@ -155,13 +155,11 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bo
             producer_unit[r] = len(units)
         units.append(_Unit("node", node.id, node.operands, node.results, carried.per_trip(strategies, node.trips),
                            node.name, live, _join(node, live, has_rule, graph)))
-    pinned = {pin.value: pin for pin in graph.pins}
     for k, out in enumerate(graph.outputs):
         if k in aliased or graph.values[out].constant:
             continue
         shape = graph.values[out].shape
-        strategies = [Strategy((s,), (), 0.0) for s in tensor_specs(shape, topo)
-                      if out not in pinned or _matches(s, pinned[out])]  # a pinned result leaves as pinned
+        strategies = [Strategy((s,), (), 0.0) for s in tensor_specs(shape, topo)]
         units.append(_Unit("output", k, (out,), (), strategies, graph.output_paths[k],
                            _live((out,), graph, producer_unit)))
     for u in units[:len(graph.args)]:  # tied arguments read their output
@@ -183,11 +181,15 @@ def _live(operands, graph: Graph, producer_unit: dict[int, int]) -> tuple[int, .
 
 
 def _apply_pins(graph: Graph, units: list[_Unit], producer_unit: dict[int, int], topo) -> None:
-    """Restrict the pinned values' producers to strategies that make the pinned layout. A value
-    computed from constants alone (a causal mask from iota) has no unit: XLA builds it where it is
-    used, and its pin, a constraint in the module, stays for XLA to keep."""
+    """Restrict the pinned values' producers to strategies that make the pinned layout, and a
+    pinned result to leave in it (the output could take a further split, a free local slice that
+    saves memory). A value computed from constants alone (a causal mask from iota) has no unit:
+    XLA builds it where it is used, and its pin, a constraint in the module, stays for XLA to keep."""
     for pin in graph.pins:
         _check_pin(pin, graph, topo)
+        for u in units:
+            if u.kind == "output" and u.operands == (pin.value,):
+                u.strategies = [s for s in u.strategies if _matches(s.operands[0], pin)]
         if pin.value not in producer_unit:
             continue
         u = units[producer_unit[pin.value]]
