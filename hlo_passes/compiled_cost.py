@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from rhino_jax.search.cluster import Cluster, MeshTopology, combiner_for, get_cluster
+from rhino_jax.search.cluster import Cluster, MeshTopology, combiner_for, get_cluster, is_described
 from rhino_jax.search.collectives import Collective
 
 from .hlo_stats import (
@@ -43,7 +43,7 @@ from .hlo_stats import (
 from .jax_internals import UnsupportedJaxError, hlo_cost_analysis
 
 __all__ = ["CompiledCost", "price_compiled", "price_collectives", "program_cost", "program_device",
-           "collective_traffic", "dot_dtype"]
+           "collective_traffic", "dot_dtype", "xla_cost_analysis"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,8 @@ class CompiledCost:
 
 def _cost_dict(analysis: Any) -> dict[str, float]:
     """`cost_analysis()` is a dict in new jax and a list of one dict per executable in old."""
+    if analysis is None:
+        raise RuntimeError("cost_analysis() returned None: this backend cannot be priced")
     if isinstance(analysis, (list, tuple)):
         if not analysis:
             raise RuntimeError("cost_analysis() returned no entries")
@@ -103,15 +105,38 @@ def program_device(compiled: Any) -> jax.Device:
     return jax.devices()[0]
 
 
+def _without_frames(text: str) -> str:
+    """HLO text XLA's parser takes back: the stack frames it prints refer to a table it does not."""
+    return re.sub(r",?\s*stack_frame_id=\d+", "", text)
+
+
+def _analysis_device(device: jax.Device) -> jax.Device:
+    """A device whose client runs XLA's cost analysis on HLO text: the program's own, or for
+    described devices (a compile-only client, `rj.gpu_topology`) the CPU's, whose analysis is
+    XLA's generic HloCostAnalysis."""
+    return jax.devices("cpu")[0] if is_described(device) else device
+
+
+def xla_cost_analysis(compiled: Any) -> dict[str, float]:
+    """XLA's cost analysis of a compiled program ('flops', 'bytes accessed', ...): jax's
+    `cost_analysis()`, or for a program compiled for described GPUs, for which jax gives None,
+    XLA's generic HloCostAnalysis of its optimized HLO, parsed back from its text (GEMMs are
+    Triton fusions there, whose dots it counts; the collectives' buffers it charges as bytes
+    accessed, as the CPU's does)."""
+    device = program_device(compiled)
+    if not is_described(device):
+        return _cost_dict(compiled.cost_analysis())
+    return _cost_dict(hlo_cost_analysis(_without_frames(compiled.as_text()), _analysis_device(device)))
+
+
 def _body_cost(module: ComputationRuns, body: str, header: str, device: jax.Device) -> dict[str, float]:
     """XLA's cost analysis of one loop body run once: the module re-parsed with it as ENTRY."""
     parts = [header]
     for name, block in module.texts.items():
         if name != module.entry:
             parts.append("ENTRY " + block if name == body else block)
-    text = re.sub(r",?\s*stack_frame_id=\d+", "", "\n\n".join(parts))
     try:
-        return _cost_dict(hlo_cost_analysis(text, device))
+        return _cost_dict(hlo_cost_analysis(_without_frames("\n\n".join(parts)), _analysis_device(device)))
     except UnsupportedJaxError:
         raise
     except Exception as e:  # XLA may reject the re-parsed body: say which and why
@@ -127,7 +152,7 @@ def program_cost(compiled: Any) -> tuple[float, float, int]:
     loops nested in x once each (checked on nested loops in the tests). Every branch of a
     conditional counts as taken: an upper bound for loops in branches (XLA's cost analysis takes
     the costliest branch, once)."""
-    whole = _cost_dict(compiled.cost_analysis())
+    whole = xla_cost_analysis(compiled)
     flops, nbytes = float(whole.get("flops", 0.0)), float(whole.get("bytes accessed", 0.0))
     text = compiled.as_text()
     module = computation_runs(text, every_branch=True)
@@ -143,10 +168,12 @@ def program_cost(compiled: Any) -> tuple[float, float, int]:
     return flops, nbytes, sum(lp.trip_count is None for lp in module.loops)
 
 
-# Backends whose `cost_analysis()` charges a collective its operands and results as bytes
-# accessed (XLA's default HloCostAnalysis: checked per kind, in loop bodies per trip, in the
-# tests). GPU XLA's own analysis prices collectives otherwise (unchecked here): left as it is.
-_CHARGES_COLLECTIVES = ("cpu",)
+def _charges_collectives(device: jax.Device) -> bool:
+    """Does the program's cost analysis charge a collective its operands and results as bytes
+    accessed? XLA's generic HloCostAnalysis does (the CPU's, and the one described devices are
+    priced by: checked per kind, in loop bodies per trip, in the tests); GPU XLA's own analysis
+    prices collectives otherwise (unchecked here): left as it is."""
+    return device.platform == "cpu" or is_described(device)
 
 
 def collective_traffic(stats: CollectiveStats) -> int:
@@ -254,7 +281,7 @@ def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype:
     flops, nbytes, unknown = program_cost(compiled)
     dtype = dtype or dot_dtype(text)
     stats = collective_stats(text)
-    charged = collective_traffic(stats) if program_device(compiled).platform in _CHARGES_COLLECTIVES else 0
+    charged = collective_traffic(stats) if _charges_collectives(program_device(compiled)) else 0
     nbytes = max(0.0, nbytes - charged)
     compute = max(flops / cluster.flops(dtype), nbytes / cluster.memory_bandwidth)
     comm = price_collectives(stats, cluster, _num_partitions(text))

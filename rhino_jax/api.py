@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
+from rhino_jax.hlo_passes.compiled_cost import xla_cost_analysis
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.hlo_stats import CollectiveStats, CompiledMemory, collective_stats, compiled_memory
 from rhino_jax.hlo_passes.importer import import_module
@@ -29,6 +30,7 @@ from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
 from .errors import MeshError
+from .gpu_topology import refuse_described
 from .mesh_search import plan_on, search_meshes
 from .controller import choose
 from .micro_batched import MicroBatchedLowered
@@ -119,8 +121,11 @@ class Compiled:
         return self._executable.memory_analysis()
 
     def cost_analysis(self):
-        """XLA's cost analysis (FLOPs, bytes accessed) of the compiled program, as jax gives it."""
-        return self._executable.cost_analysis()
+        """XLA's cost analysis (FLOPs, bytes accessed) of the compiled program, as jax gives it; for
+        described GPUs (`rj.gpu_topology`), for which jax gives None, XLA's generic analysis of the
+        compiled HLO (`compiled_cost.xla_cost_analysis`)."""
+        analysis = self._executable.cost_analysis()
+        return analysis if analysis is not None else xla_cost_analysis(self._executable)
 
     @functools.cached_property
     def collectives(self) -> CollectiveStats:
@@ -131,6 +136,7 @@ class Compiled:
         return compiled_memory(self._executable)
 
     def __call__(self, *args, **kwargs):
+        refuse_described(self._lowered.mesh)
         leaves, tree = jax.tree.flatten((args, kwargs))
         avals = tuple((tuple(np.shape(x)), str(jax.numpy.result_type(x))) for x in leaves)
         want_tree, _, want = self._lowered._signature
@@ -289,7 +295,7 @@ class Parallelized:
                 self.given_plan.check_matches(PlanTarget.of(step, mesh, donated_leaves(call)))
                 plan = self.given_plan
             else:
-                cluster = get_cluster(options.cluster)
+                cluster = get_cluster(options.cluster, list(mesh.devices.flat))
                 plan = plan_on(graph, MeshTopology.from_mesh(mesh, cluster), cluster, options)
         tree = jax.tree.structure((call.args, call.kwargs))
         out_tree = step.lowered.out_tree
@@ -305,6 +311,7 @@ class Parallelized:
         key = (tree, static, *map(_leaf_key, leaves))
         compiled = self._hits.get(key)
         if compiled is None:
+            refuse_described(self.mesh if self.mesh is not None else self.devices)  # before a search for nothing
             lowered = self.lower(*args, **kwargs)
             compiled = lowered.compile()
             if lowered is self._cache.get(lowered._signature):

@@ -59,7 +59,7 @@ def choose(parallelized, call, key):
     if parallelized.mesh is None:
         raise MeshError("pipeline='auto' needs a mesh: pass mesh=rj.device_mesh(...)")
     options = parallelized.options
-    limit = options.memory_limit_bytes or get_cluster(options.cluster).memory_per_device
+    limit = options.memory_limit_bytes or get_cluster(options.cluster, list(parallelized.mesh.devices.flat)).memory_per_device
     with interrupt.session():
         tried, errors = _lower_candidates(parallelized, call, key, limit)
         return _choose(tried, errors, options, limit, interrupt.pressed())

@@ -226,7 +226,7 @@ def search_meshes(call: Call, devices, options: Options) -> tuple[Mesh, LoweredS
     import jax
 
     devices = list(jax.devices() if devices is None else devices)
-    cluster = get_cluster(options.cluster)
+    cluster = get_cluster(options.cluster, devices)
     shapes = candidate_meshes(host_ids(devices, cluster.devices_per_host), options.axis_names)
     n = len(shapes)
     log.info("rhino_jax: mesh=None: %d candidate mesh shapes over %d devices: %s", n, len(devices),

@@ -31,6 +31,7 @@ from rhino_jax.search.cluster import MeshTopology, get_cluster
 
 from .arguments import Call, call_tree, donated_leaves
 from .errors import MeshError
+from .gpu_topology import refuse_described
 from .mesh_search import plan_on
 from .options import Options
 from .plan import Plan, PlanCost
@@ -209,7 +210,7 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         target = PlanTarget.of(whole, mesh, step.donated)
         if given is not None:
             given.check_matches(target)
-        cluster = get_cluster(options.cluster)
+        cluster = get_cluster(options.cluster, list(mesh.devices.flat))
         topo = MeshTopology.from_mesh(mesh, cluster)
 
         def plan(name: str, module, graph: Graph) -> Plan:
@@ -294,6 +295,7 @@ class MicroBatchedCompiled(SeveralPrograms):
 
     def __call__(self, *args, **kwargs):
         low = self._lowered
+        refuse_described(low.mesh)
         total = None
         for flat in micro_batches_of(low, args, kwargs):
             part = self._compute(*jax.device_put(flat, self._compute_in))

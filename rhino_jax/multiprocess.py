@@ -57,8 +57,7 @@ def _spans_processes(plan: Plan) -> bool:
     (each process has its own mesh and may run another step, or none, at this point)."""
     if plan.target is None:
         return True
-    ids = set(plan.target.device_ids)
-    return any(d.process_index != jax.process_index() for d in jax.devices() if d.id in ids)
+    return any(p != jax.process_index() for p in plan.target.processes)
 
 
 def agree(plan: Plan) -> None:

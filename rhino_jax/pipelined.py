@@ -44,6 +44,7 @@ from rhino_jax.search.memory import local_bytes
 from rhino_jax.search.specs import ShardingSpec
 
 from .errors import MemoryLimitError, MeshError, StagingError
+from .gpu_topology import refuse_described
 from .mesh_search import plan_on
 from .arguments import Call, call_tree
 from .micro_batched import (SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of, named,
@@ -101,7 +102,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         else:
             given.check_matches(target)
             place, staged = _saved_placement(given, cg, p)
-        cluster = get_cluster(options.cluster)
+        cluster = get_cluster(options.cluster, list(mesh.devices.flat))
         axes = [dict(zip(mesh.axis_names, sub.devices.shape)) for sub in meshes]
         topology = [MeshTopology.from_mesh(sub, cluster) for sub in meshes]
         self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
@@ -527,6 +528,7 @@ class PipelinedCompiled(SeveralPrograms):
 
     def __call__(self, *args, **kwargs):
         low = self._lowered
+        refuse_described(low.mesh)
         micro = micro_batches_of(low, args, kwargs)
         whole = jax.tree.leaves((args, kwargs))
         cg = low._step.compute_graph

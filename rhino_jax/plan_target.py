@@ -4,9 +4,11 @@ A plan names values by their position in the imported module and layouts by mesh
 only means something for the program it was searched on and a mesh of the same axes; laid on
 other devices it would also move data the user did not expect. `PlanTarget.of` records a hash of
 the step's StableHLO (as lowered for the search, before the plan's shardings), its arguments'
-paths, shapes and dtypes, which are donated, and the mesh's shape, axis names and device ids. A consumer builds the
-target of what it is about to run and calls `Plan.check_matches`, which names the first
-difference and what to change.
+paths, shapes and dtypes, which are donated, and the mesh's shape, axis names, platform and
+process layout (which process holds each device). Device ids are not compared: a plan made for a
+described cluster (`rj.gpu_topology`) runs on a real one of the same shape, whose ids differ. A
+consumer builds the target of what it is about to run and calls `Plan.check_matches`, which names
+the first difference and what to change.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ class PlanTarget:
     arg_dtypes: tuple[str, ...]
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
-    device_ids: tuple[int, ...]  # the mesh's devices, row-major
+    platform: str  # the devices' ("gpu", "cpu"): XLA compiles the program differently for each
+    processes: tuple[int, ...]  # the process of each of the mesh's devices, row-major
     jax_version: str  # the program's text may change with jax: named in the error when it differs
     # the flat arguments donated (`arguments.donated_leaves`): the search ties a donated
     # argument's layout to its output's, so a plan made otherwise would not reuse the buffers
@@ -54,7 +57,7 @@ class PlanTarget:
             arg_dtypes=tuple(str(a.dtype) for a in avals),
             mesh_shape=tuple(int(n) for n in mesh.devices.shape),
             axis_names=tuple(mesh.axis_names),
-            device_ids=tuple(int(d.id) for d in mesh.devices.flat),
+            platform=_platform(mesh), processes=_processes(mesh),
             jax_version=jax.__version__,
             donated=tuple(donated))
 
@@ -70,7 +73,7 @@ class PlanTarget:
             arg_dtypes=tuple(v.dtype for v in values),
             mesh_shape=tuple(int(n) for n in mesh.devices.shape),
             axis_names=tuple(mesh.axis_names),
-            device_ids=tuple(int(d.id) for d in mesh.devices.flat),
+            platform=_platform(mesh), processes=_processes(mesh),
             jax_version=jax.__version__,
             donated=tuple(a.index for a in graph.args if a.donated_to is not None))
 
@@ -81,10 +84,14 @@ class PlanTarget:
         if mine != theirs or self.axis_names != other.axis_names:
             return (f"the plan was made for the mesh {_axes(mine)} and is applied to {_axes(theirs)}; build the mesh "
                     f"as rj.device_mesh({self.mesh_shape}, {self.axis_names}) or plan again")
-        if self.device_ids != other.device_ids:
-            return (f"the plan was made for the devices {list(self.device_ids)} (row-major over the mesh) and is "
-                    f"applied to {list(other.device_ids)}; build the mesh from the same devices in that order "
-                    "(rj.device_mesh(shape, names, devices=...)) or plan again")
+        if self.platform != other.platform:
+            return (f"the plan was made for {self.platform} devices and is applied to {other.platform} devices, "
+                    f"which XLA compiles for otherwise; build the mesh of {self.platform} devices or plan again")
+        if self.processes != other.processes:
+            return (f"the plan was made for a mesh whose devices lie in the processes {_runs(self.processes)} "
+                    f"(row-major) and is applied to one of {_runs(other.processes)}; build the mesh with each "
+                    "process's devices where the plan had them (rj.device_mesh(shape, names, devices=...)) or plan "
+                    "again")
         if len(self.arg_paths) != len(other.arg_paths):
             return (f"the plan was made for a step of {len(self.arg_paths)} array arguments and is applied to one "
                     f"of {len(other.arg_paths)}; plan again for these arguments")
@@ -102,6 +109,25 @@ class PlanTarget:
             return ("the step's program differs from the one the plan was made for, though its arguments match "
                     f"(changed code, closed-over values or static arguments){version}; plan again")
         return None
+
+
+def _platform(mesh: Mesh) -> str:
+    return str(mesh.devices.flat[0].platform)
+
+
+def _processes(mesh: Mesh) -> tuple[int, ...]:
+    return tuple(int(d.process_index) for d in mesh.devices.flat)
+
+
+def _runs(processes: tuple[int, ...]) -> str:
+    """[0 x8, 1 x8] for sixteen devices of two processes: a process layout in a line."""
+    runs: list[list[int]] = []
+    for p in processes:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return "[" + ", ".join(f"{p} x{n}" for p, n in runs) + "]"
 
 
 def _axes(axes: dict[str, int]) -> str:

@@ -136,6 +136,20 @@ H100_8X = Cluster(
     memory_bandwidth=3.0e12, memory_per_device=80 << 30, host_to_device_bandwidth=50e9,  # PCIe 5 x16
 )
 
+# One HGX H200 host: the H100's chip, links and network, HBM3e (4.8 TB/s, 4.3 TB/s measured in a
+# device-to-device copy) and 141 GB.
+H200_8X = dataclasses.replace(H100_8X, name="8x-h200", memory_bandwidth=4.3e12, memory_per_device=140 << 30)
+
+# One DGX/HGX A100 80 GB host: NVLink3 (300 GB/s per direction per GPU, ~240 achieved in rings),
+# 8x200 Gb/s HDR InfiniBand (25 GB/s per GPU, ~22.5 achieved), TF32 156 and bf16 312 TFLOP/s
+# dense at ~80 %, HBM2e 2.04 TB/s at ~90 %, PCIe 4 x16.
+A100_8X = Cluster(
+    name="8x-a100", devices_per_host=8,
+    intra_host_bandwidth=240e9, intra_host_latency=0.8e-6,
+    inter_host_bandwidth=8 * 22.5e9, inter_host_latency=10e-6, collective_launch_s=8e-6,
+    flops_per_s={"float32": 125e12, "bfloat16": 250e12, "float16": 250e12},
+    memory_bandwidth=1.83e12, memory_per_device=80 << 30, host_to_device_bandwidth=25e9,
+)
 
 
 def _hosts(cluster: Cluster, n: int) -> Cluster:
@@ -144,12 +158,18 @@ def _hosts(cluster: Cluster, n: int) -> Cluster:
 
 # Rhino §7.2 runs GPT and MoE on 2 M8 hosts (16 GPUs); 4 hosts and the H100 twins are the same
 # machines, more of them.
-PRESETS = {c.name: c for c in (M8_V100, H100_8X, *(_hosts(c, n) for c in (M8_V100, H100_8X) for n in (2, 4)))}
+PRESETS = {c.name: c for c in (M8_V100, H100_8X, H200_8X, A100_8X,
+                                *(_hosts(c, n) for c in (M8_V100, H100_8X) for n in (2, 4)))}
+# The preset of a GPU by the name jax gives it (`device_kind`, e.g. "NVIDIA H100 80GB HBM3").
+_PRESET_OF_KIND = (("H100", H100_8X), ("H200", H200_8X), ("A100", A100_8X))
 
 
-def get_cluster(cluster: "Cluster | str | None") -> Cluster:
+def get_cluster(cluster: "Cluster | str | None", devices: Sequence = ()) -> Cluster:
+    """The cluster to price for: `cluster` as given, or with None the preset of the GPUs
+    `devices` are (H100, H200, A100, real or described), else M8 (V100s)."""
     if cluster is None:
-        return M8_V100
+        kind = getattr(next(iter(devices), None), "device_kind", "")
+        return next((preset for key, preset in _PRESET_OF_KIND if key in kind), M8_V100)
     if isinstance(cluster, Cluster):
         return cluster
     if cluster in PRESETS:
@@ -158,13 +178,20 @@ def get_cluster(cluster: "Cluster | str | None") -> Cluster:
                      "or pass a rhino_jax.Cluster(...)")
 
 
+def is_described(device) -> bool:
+    """A device that XLA compiles for but that runs nothing (`rj.gpu_topology`): its hosts are
+    the processes its topology names."""
+    return getattr(device.client, "runtime_type", "") == "compile_only_runtime"
+
+
 def host_ids(devices: Sequence, devices_per_host: int) -> list[int]:
-    """The host of each device: its process in a multi-process run (jax.distributed runs a process
-    per host), else its position in `jax.devices()` divided by the cluster's devices per host
-    (one process standing for several hosts)."""
-    if jax.process_count() > 1:
+    """The host of each device: its process where processes stand for hosts (a multi-process run,
+    jax.distributed running a process per host; a described topology), else its position among
+    its backend's devices divided by the cluster's devices per host (one process standing for
+    several hosts, as 8 emulated CPU devices do for a preset's)."""
+    if jax.process_count() > 1 or (devices and is_described(devices[0])):
         return [d.process_index for d in devices]
-    order = {d.id: i for i, d in enumerate(jax.devices())}
+    order = {d.id: i for i, d in enumerate(jax.devices(devices[0].platform))} if devices else {}
     return [order[d.id] // devices_per_host for d in devices]
 
 

@@ -72,7 +72,7 @@ def test_plan_takes_a_file_emulated_devices_and_axis_names_and_show_prints_it(wo
     assert done.returncode == 0, done.stderr
     plan = rj.Plan.load(workdir / "four.json")
     assert plan.mesh_axes == {"batch": 4} and plan.opt_level == "O3"
-    assert plan.target.device_ids == (0, 1, 2, 3)
+    assert plan.target.processes == (0, 0, 0, 0) and plan.target.platform == "cpu"
     shown = _run(["show", "four.json"], workdir)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("rhino_jax plan  mesh [batch=4]  cluster m8-v100  opt O3")

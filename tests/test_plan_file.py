@@ -50,7 +50,7 @@ def test_the_plan_of_the_same_program_and_mesh_is_accepted_after_loading(tmp_pat
     ("program", "program differs"),
     ("shapes", r"argument arg\[2\]\['x'\] is float32\[16, 16\], the plan was made for .* float32\[8, 16\]"),
     ("mesh", r"made for the mesh \(data=2, model=4\) and is applied to \(data=4, model=2\)"),
-    ("devices", "made for the devices"),
+    ("processes", r"devices lie in the processes \[0 x8\] \(row-major\) and is applied to one of \[0 x4, 1 x4\]"),
 ])
 def test_a_plan_for_another_program_or_mesh_is_refused(change, message, tmp_path):
     step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
@@ -64,10 +64,21 @@ def test_a_plan_for_another_program_or_mesh_is_refused(change, message, tmp_path
         other_args = mlp_example(WIDTHS, 16, abstract=True)
     elif change == "mesh":
         other_mesh = rj.device_mesh((4, 2), ("data", "model"))
-    else:
-        other_mesh = rj.device_mesh((2, 4), ("data", "model"), devices=jax.devices()[::-1])
+    other = _target(other_step, other_args, other_mesh)
+    if change == "processes":  # the same mesh shape over two processes' devices (a job of 2 hosts)
+        other = dataclasses.replace(other, processes=(0,) * 4 + (1,) * 4)
     with pytest.raises(PlanTargetError, match=message):
-        loaded.check_matches(_target(other_step, other_args, other_mesh))
+        loaded.check_matches(other)
+
+
+def test_a_plan_runs_on_the_same_mesh_shape_over_other_devices(tmp_path):
+    """Device ids are not compared: the same processes' devices in another order take the plan
+    (as a real cluster takes a plan made for its described twin, whose ids differ)."""
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    plan = dataclasses.replace(rj.parallelize(step, mesh=mesh).lower(*args).plan, target=_target(step, args, mesh))
+    other = rj.device_mesh((2, 4), ("data", "model"), devices=jax.devices()[::-1])
+    _round_trip(plan, tmp_path).check_matches(_target(step, args, other))
 
 
 def test_a_plan_that_records_no_target_is_refused():

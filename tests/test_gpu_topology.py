@@ -1,0 +1,123 @@
+"""Described GPU clusters (`rj.gpu_topology`): planned, compiled and priced for GPUs without one.
+
+Needs jax's CUDA plugin (the test extra installs it on Python >= 3.12, where jax 0.11 and newer
+run); the plugin compiles for the devices it is told about, no GPU or CUDA toolkit needed.
+"""
+import dataclasses
+import importlib.metadata
+import importlib.util
+
+import jax
+import numpy as np
+import pytest
+
+import rhino_jax as rj
+from rhino_jax.hlo_passes.compiled_cost import price_compiled
+from rhino_jax.models.mlp import make_mlp_train_step, mlp_example
+from rhino_jax.plan_target import PlanTargetError
+from rhino_jax.search.cluster import H100_8X, MeshTopology, get_cluster, host_ids
+
+
+def _plugin_skip() -> str | None:
+    """Why these tests cannot run here, or None: no CUDA plugin, or one of another version."""
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        return "jax's CUDA plugin is not installed (pip install -e '.[test]' on Python >= 3.12)"
+    plugin, jaxlib = (importlib.metadata.version(p) for p in ("jax-cuda12-plugin", "jaxlib"))
+    if plugin != jaxlib:
+        return f"jax-cuda12-plugin {plugin} is not jaxlib's version {jaxlib}: pip install jax-cuda12-plugin=={jaxlib}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
+
+WIDTHS = (64, 128, 64)
+
+
+def _mlp():
+    return make_mlp_train_step(), mlp_example(WIDTHS, 16, abstract=True)
+
+
+def test_described_hosts_are_the_topologys_processes():
+    devices = rj.gpu_topology("h100", hosts=2, devices_per_host=8)
+    assert [d.process_index for d in devices] == [0] * 8 + [1] * 8
+    assert {d.device_kind for d in devices} == {"NVIDIA H100 80GB HBM3"} and devices[0].platform == "gpu"
+    assert host_ids(devices, devices_per_host=4) == [0] * 8 + [1] * 8  # the topology's, not the preset's
+    topo = MeshTopology.from_mesh(rj.device_mesh((2, 8), ("data", "model"), devices=devices), H100_8X)
+    assert topo.hosts_spanned == (2, 1)  # the outer axis crosses hosts, the inner one stays inside
+    assert topo.bandwidth == (H100_8X.inter_host_bandwidth, H100_8X.intra_host_bandwidth)
+
+
+@pytest.mark.parametrize("kind, preset", [("h100", "8x-h100"), ("h200", "8x-h200"), ("a100", "8x-a100")])
+def test_each_gpu_kind_is_priced_by_its_preset_unless_told(kind, preset):
+    devices = rj.gpu_topology(kind, devices_per_host=2)
+    assert get_cluster(None, devices).name == preset
+    assert get_cluster("m8-v100", devices).name == "m8-v100"
+    assert get_cluster(None, jax.devices()).name == "m8-v100"  # CPU devices: the default preset
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: rj.gpu_topology("v100"), r"unknown GPU kind 'v100'; described GPUs are \['a100', 'h100', 'h200'\]"),
+    (lambda: rj.gpu_topology("h100", hosts=0), "hosts must be a positive int, got 0"),
+    (lambda: rj.device_mesh((4, 8), ("data", "model"), devices=rj.gpu_topology("h100", hosts=2)),
+     r"mesh shape \(4, 8\) needs 32 devices but 16 are given"),
+])
+def test_bad_topologies_say_what_to_change(call, message):
+    with pytest.raises((ValueError, rj.MeshError), match=message):
+        call()
+
+
+def test_a_topology_of_more_hosts_than_the_cluster_is_refused():
+    mesh = rj.device_mesh((4, 8), ("data", "model"), devices=rj.gpu_topology("h100", hosts=4))
+    step, args = _mlp()
+    with pytest.raises(ValueError, match="lie on 4 hosts of 8, but cluster '8x-h100-2hosts' has 2"):
+        rj.parallelize(step, mesh=mesh, cluster="8x-h100-2hosts").lower(*args)
+
+
+def test_a_described_step_compiles_and_is_analysed_but_not_called():
+    step, args = _mlp()
+    mesh = rj.device_mesh((2, 4), ("data", "model"), devices=rj.gpu_topology("h100"))
+    parallel = rj.parallelize(step, mesh=mesh)
+    lowered = parallel.lower(*args)
+    assert lowered.plan.cluster == "8x-h100"
+    compiled = lowered.compile()
+    assert {d.device_kind for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == {
+        "NVIDIA H100 80GB HBM3"}
+    cost = compiled.cost_analysis()  # jax gives None for described devices: XLA's generic analysis
+    batch, (d0, d1, d2) = 16, WIDTHS
+    dense = 2 * batch * (d0 * d1 + d1 * d2)  # forward FLOPs of the MLP's two matmuls, whole batch
+    assert dense * 3 / 8 <= cost["flops"] <= dense * 3 * 1.5  # at least the plan's share, at most all
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
+    assert "as XLA's gpu backend combines it" in compiled.report()
+    assert price_compiled(compiled, "8x-h100").compute_s > 0
+    data = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), args)
+    for call in (lambda: parallel(*data), lambda: compiled(*data)):
+        with pytest.raises(rj.DescribedDeviceError, match=r"compiled for described devices \(8 x NVIDIA H100.*"
+                                                          r"save the plan .* plan='plan.json'"):
+            call()
+
+
+def test_a_described_micro_batched_step_is_not_called():
+    step, args = _mlp()
+    mesh = rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("a100"))
+    compiled = rj.parallelize(step, mesh=mesh, num_micro_batches=2).lower(*args).compile()
+    with pytest.raises(rj.DescribedDeviceError, match="8 x NVIDIA A100-SXM4-80GB"):
+        compiled(*jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), args))
+
+
+def test_a_plan_for_a_described_cluster_runs_on_one_of_the_same_shape(tmp_path):
+    """Device ids are not compared, the mesh, platform and process layout are: another topology of
+    the same shape (a real cluster's devices, here another description) takes the plan."""
+    step, args = _mlp()
+    made = rj.device_mesh((2, 8), ("data", "model"), devices=rj.gpu_topology("h100", hosts=2))
+    rj.parallelize(step, mesh=made).lower(*args).plan.save(tmp_path / "plan.json")
+    same = rj.device_mesh((2, 8), ("data", "model"), devices=rj.gpu_topology("h100", hosts=2))
+    loaded = rj.parallelize(step, mesh=same, plan=tmp_path / "plan.json").lower(*args)
+    assert loaded.compile().collectives.count() >= 0
+    one_host = rj.device_mesh((2, 8), ("data", "model"), devices=rj.gpu_topology("h100", devices_per_host=16))
+    with pytest.raises(PlanTargetError, match=r"processes \[0 x8, 1 x8\] \(row-major\) and is applied to one of "
+                                              r"\[0 x16\]"):
+        rj.parallelize(step, mesh=one_host, plan=tmp_path / "plan.json").lower(*args)
+    cpu = rj.device_mesh((8,), ("data",))
+    plan = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))).lower(*args).plan
+    with pytest.raises(PlanTargetError, match="made for gpu devices and is applied to cpu devices"):
+        plan.check_matches(dataclasses.replace(rj.parallelize(step, mesh=cpu).lower(*args).plan.target))
