@@ -58,6 +58,7 @@ from rhino_jax.hlo_passes.compiled_cost import price_compiled, xla_cost_analysis
 
 HERE = pathlib.Path(__file__).parent
 PRESET = {"h100": "8x-h100", "h200": "8x-h200", "a100": "8x-a100"}
+PARTS = ["device", "compiles", "steps", "plan round trip", "described plans", "calibrate"]
 
 
 class Budget:
@@ -294,6 +295,8 @@ def markdown(result: dict) -> str:
              f"Device: {d.get('device_kind')} ({d.get('platform')}), jax {d.get('jax')}, "
              f"{(d.get('memory_bytes') or 0) / 2**30:.1f} GiB usable; run of {result.get('wall_s', 0):.0f} s "
              f"on {result.get('date')}. Command: `{result.get('command')}`.", ""]
+    if result.get("notes"):
+        lines += [result["notes"], ""]
     if d.get("fields"):
         differ = {k: v for k, v in d["fields"].items() if v[0] != v[1]}
         lines += ["## 1. The description beside the device's own (GpuTargetConfigProto fields)", "",
@@ -346,6 +349,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-s", type=float, default=420.0, help="the whole run's seconds")
     parser.add_argument("--models", nargs="+", default=None, help="third-party cases (default: all)")
     parser.add_argument("--calibrate-models", nargs="*", default=["gpt", "bert", "vgg19", "wresnet"])
+    parser.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS, help="the parts to run (default all)")
     parser.add_argument("--dry-run", action="store_true", help="on the CPU: two cases and no calibration (pass a "
                         "short --budget-s)")
     args = parser.parse_args(argv)
@@ -362,15 +366,18 @@ def main(argv=None) -> None:
         except Exception as e:
             result["errors"].append(f"case {name}: {type(e).__name__}: {str(e)[:300]}")
     device_config = None
-    # Shares of the budget: the calibration gets what the others leave (at least a quarter).
-    share = budget.left() / 7
+    # Each part's share of the budget, among the parts run; the calibration gets what the others leave.
+    weights = {"compiles": 1.2, "steps": 1.6, "plan round trip": 0.4, "described plans": 1.0, "calibrate": 2.8}
+    unit = budget.left() / sum(w for p, w in weights.items() if p in args.parts)
     parts = [("device", lambda: device_facts(result)),
-             ("compiles", lambda: compare_compiles(result, cases, device_config, budget.part(1.2 * share))),
-             ("steps", lambda: time_steps(result, cases, budget.part(1.6 * share))),
-             ("plan round trip", lambda: plan_roundtrip(result, cases, budget.part(0.4 * share))),
-             ("described plans", lambda: described_plans(result, cases, device_config, budget.part(share))),
+             ("compiles", lambda: compare_compiles(result, cases, device_config, budget.part(1.2 * unit))),
+             ("steps", lambda: time_steps(result, cases, budget.part(1.6 * unit))),
+             ("plan round trip", lambda: plan_roundtrip(result, cases, budget.part(0.4 * unit))),
+             ("described plans", lambda: described_plans(result, cases, device_config, budget.part(unit))),
              ("calibrate", lambda: calibrate(args.out, [] if args.dry_run else args.calibrate_models, budget))]
     for label, part in parts:
+        if label not in args.parts and label != "device":  # the device's facts name the run
+            continue
         t0 = time.perf_counter()
         try:
             found = part()

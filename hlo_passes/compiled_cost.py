@@ -111,10 +111,11 @@ def _without_frames(text: str) -> str:
 
 
 def _analysis_device(device: jax.Device) -> jax.Device:
-    """A device whose client runs XLA's cost analysis on HLO text: the program's own, or for
-    described devices (a compile-only client, `rj.gpu_topology`) the CPU's, whose analysis is
-    XLA's generic HloCostAnalysis."""
-    return jax.devices("cpu")[0] if is_described(device) else device
+    """A device whose client runs XLA's cost analysis on HLO text: a CPU program's own, else the
+    CPU's, whose analysis is XLA's generic HloCostAnalysis (GPU clients reached through PJRT's C
+    API, jax's CUDA plugins, do not run it: "PJRT C API does not support GetHloCostAnalysis",
+    seen on an H100 with jax 0.11.2; described devices have a compile-only client)."""
+    return device if device.platform == "cpu" else jax.devices("cpu")[0]
 
 
 def xla_cost_analysis(compiled: Any) -> dict[str, float]:

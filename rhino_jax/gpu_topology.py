@@ -83,12 +83,14 @@ device_description_str: "{self.name}"
 
 
 # H100 SXM5 80 GB: 132 SMs of 128 FP32 cores, 1.98 GHz boost, HBM3 at 2619 MHz on 5120 bits
-# (3.35 TB/s), 50 MB L2, 228 KB shared memory per SM (227 KB for one block); 81,559 MiB as
-# nvidia-smi reports the card.
-H100_SXM = GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 81_559 << 20, 2 * 2_619_000_000 * 640,
+# (3.35 TB/s), 50 MB L2, 228 KB shared memory per SM (227 KB for one block); 85,017,493,504
+# bytes as the CUDA runtime reports the card to XLA (benchmarks/gpu.md: the device's own
+# description, dumped by XLA on an H100, agrees with this one on every other field written here).
+H100_SXM = GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 85_017_493_504, 2 * 2_619_000_000 * 640,
                    50 << 20, 228 << 10, 227 << 10)
-# H200 SXM 141 GB: the H100's SMs and clocks, HBM3e at 4.8 TB/s; 143,771 MiB and a 60 MB L2 as the
-# CUDA runtime reports the card.
+# H200 SXM 141 GB: the H100's SMs and clocks, HBM3e at 4.8 TB/s; 143,771 MiB as nvidia-smi and a
+# 60 MB L2 as PyTorch reported an H200 here (not read through XLA: the H100's smi figure was
+# 479 MiB above what CUDA gives XLA).
 H200_SXM = GpuSpec("NVIDIA H200", (9, 0), 132, 128, 1.98, 143_771 << 20, 4_800_000_000_000, 60 << 20,
                    228 << 10, 227 << 10)
 # A100 SXM4 80 GB: 108 SMs of 64 FP32 cores, 1.41 GHz boost, HBM2e at 1593 MHz on 5120 bits
