@@ -10,6 +10,8 @@ import importlib.util
 import jax
 import numpy as np
 import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
 from rhino_jax.hlo_passes.compiled_cost import price_compiled
@@ -94,6 +96,19 @@ def test_a_described_step_compiles_and_is_analysed_but_not_called():
         with pytest.raises(rj.DescribedDeviceError, match=r"compiled for described devices \(8 x NVIDIA H100.*"
                                                           r"save the plan .* plan='plan.json'"):
             call()
+
+
+def test_a_hand_plan_with_async_collectives_is_priced():
+    """GPU XLA prints an async all-reduce's start with `output_to_operand_aliasing`, which XLA's
+    HLO parser refuses there: the analysis parses the text without it."""
+    step, args = _mlp()
+    mesh = Mesh(np.array(rj.gpu_topology("h100")), ("data",), axis_types=(AxisType.Auto,))
+    shard = lambda spec: jax.tree.map(lambda _: NamedSharding(mesh, spec), args[:2])  # noqa: E731
+    compiled = jax.jit(step, in_shardings=(*shard(P()), NamedSharding(mesh, P("data"))),
+                       out_shardings=(*shard(P()), NamedSharding(mesh, P()))).lower(*args).compile()
+    assert "output_to_operand_aliasing" in compiled.as_text()
+    cost = price_compiled(compiled, "8x-h100")
+    assert cost.collectives["all-reduce"][0] >= 1 and cost.compute_s > 0
 
 
 def test_a_described_micro_batched_step_is_not_called():
