@@ -5,11 +5,14 @@ program (rhino_jax's or a hand plan compiled by plain `jax.jit`) the same way, s
 compare on what XLA really built:
 
 - compute: one roofline over the whole per-device program, max(flops / F(dtype),
-  bytes accessed / memory bandwidth), from XLA's `cost_analysis()`. XLA prices a while loop's
-  body once; bodies with a known trip count are priced again on their own and scaled up here
-  (`program_cost`, run counts from `hlo_stats.computation_runs`), so a `scan` over layers costs
-  all of its layers. The CPU's analysis counts every collective's operands and results as bytes
-  accessed; they are taken out (`collective_traffic`), as communication prices them already.
+  bytes accessed / memory bandwidth), from XLA's cost analysis: a CPU program's own
+  (`cost_analysis()`), a GPU program's (real or described, `rj.gpu_topology`) XLA's generic
+  analysis of its HLO text plus its cuDNN convolutions' FLOPs, which that analysis leaves out.
+  XLA prices a while loop's body once; bodies with a known trip count are priced again on their
+  own and scaled up here (`program_cost`, run counts from `hlo_stats.computation_runs`), so a
+  `scan` over layers costs all of its layers. Both analyses count every collective's operands
+  and results as bytes accessed; they are taken out (`collective_traffic`), as communication
+  prices them already.
 - communication: every compiled collective (`hlo_stats.collective_stats`, once per execution:
   loop trips counted) at the α-β ring cost of `search.collectives.Collective.time`, on a one-axis
   topology of its group size and link. For a GPU cluster, an all-reduce whose result is only read
@@ -39,6 +42,7 @@ from .hlo_stats import (
     collective_stats,
     compiled_memory,
     computation_runs,
+    library_conv_flops,
 )
 from .jax_internals import UnsupportedJaxError, hlo_cost_analysis
 
@@ -120,34 +124,39 @@ def _without_frames(text: str) -> str:
     return _ASYNC_START_RE.sub(lambda m: _ALIASING_RE.sub("", m.group(0)), text)
 
 
-def _analysis_device(device: jax.Device) -> jax.Device:
-    """A device whose client runs XLA's cost analysis on HLO text: a CPU program's own, else the
-    CPU's, whose analysis is XLA's generic HloCostAnalysis (GPU clients reached through PJRT's C
-    API, jax's CUDA plugins, do not run it: "PJRT C API does not support GetHloCostAnalysis",
-    seen on an H100 with jax 0.11.2; described devices have a compile-only client)."""
-    return device if device.platform == "cpu" else jax.devices("cpu")[0]
+def _generic_cost(text: str) -> dict[str, float]:
+    """XLA's generic HloCostAnalysis of an HLO module's text, by the CPU's client (GEMMs are Triton
+    fusions in a described GPU's program, whose dots it counts; cuDNN convolutions are library
+    calls it does not count: `hlo_stats.library_conv_flops`)."""
+    return _cost_dict(hlo_cost_analysis(_without_frames(text), jax.devices("cpu")[0]))
 
 
 def xla_cost_analysis(compiled: Any) -> dict[str, float]:
     """XLA's cost analysis of a compiled program ('flops', 'bytes accessed', ...): jax's
     `cost_analysis()`, or for a program compiled for described GPUs, for which jax gives None,
-    XLA's generic HloCostAnalysis of its optimized HLO, parsed back from its text (GEMMs are
-    Triton fusions there, whose dots it counts; the collectives' buffers it charges as bytes
-    accessed, as the CPU's does)."""
-    device = program_device(compiled)
-    if not is_described(device):
+    XLA's generic analysis of its optimized HLO, parsed back from its text, with its cuDNN
+    convolutions' FLOPs (each once, as XLA counts a loop's body once; the collectives' buffers
+    it charges as bytes accessed, as the CPU's does)."""
+    if not is_described(program_device(compiled)):
         return _cost_dict(compiled.cost_analysis())
-    return _cost_dict(hlo_cost_analysis(_without_frames(compiled.as_text()), _analysis_device(device)))
+    text = compiled.as_text()
+    cost = dict(_generic_cost(text))
+    cost["flops"] = cost.get("flops", 0.0) + sum(library_conv_flops(text).values())
+    return cost
 
 
 def _body_cost(module: ComputationRuns, body: str, header: str, device: jax.Device) -> dict[str, float]:
-    """XLA's cost analysis of one loop body run once: the module re-parsed with it as ENTRY."""
+    """XLA's cost analysis of one loop body run once: the module re-parsed with it as ENTRY (by a
+    CPU program's own client; a GPU program's by the CPU's, `_generic_cost`)."""
     parts = [header]
     for name, block in module.texts.items():
         if name != module.entry:
             parts.append("ENTRY " + block if name == body else block)
+    text = "\n\n".join(parts)
     try:
-        return _cost_dict(hlo_cost_analysis(_without_frames("\n\n".join(parts)), _analysis_device(device)))
+        if device.platform == "cpu":
+            return _cost_dict(hlo_cost_analysis(_without_frames(text), device))
+        return _generic_cost(text)
     except UnsupportedJaxError:
         raise
     except Exception as e:  # XLA may reject the re-parsed body: say which and why
@@ -162,29 +171,32 @@ def program_cost(compiled: Any) -> tuple[float, float, int]:
     true = cost(entry) + Σ_loops (M(body) - M(caller)) · cost(body), where cost(x) counts the
     loops nested in x once each (checked on nested loops in the tests). Every branch of a
     conditional counts as taken: an upper bound for loops in branches (XLA's cost analysis takes
-    the costliest branch, once)."""
-    whole = xla_cost_analysis(compiled)
-    flops, nbytes = float(whole.get("flops", 0.0)), float(whole.get("bytes accessed", 0.0))
+    the costliest branch, once).
+
+    A GPU program, real or described, is priced by XLA's generic analysis throughout (a real
+    GPU's client runs no analysis of HLO text: "PJRT C API does not support GetHloCostAnalysis",
+    seen on an H100 with jax 0.11.2), so both price alike; its cuDNN convolutions, which that
+    analysis leaves out, are added at M(c) runs each."""
     text = compiled.as_text()
+    device = program_device(compiled)
+    generic = device.platform != "cpu"
+    whole = _generic_cost(text) if generic else xla_cost_analysis(compiled)
+    flops, nbytes = float(whole.get("flops", 0.0)), float(whole.get("bytes accessed", 0.0))
     module = computation_runs(text, every_branch=True)
     if not module.entry:
         raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text()")
-    header, device = _module_header(text), program_device(compiled)
+    header = _module_header(text)
     for lp in module.loops:
         extra = module.runs.get(lp.body, 0) - module.runs[lp.parent]
         if extra > 0:
             body = _body_cost(module, lp.body, header, device)
             flops += extra * float(body.get("flops", 0.0))
             nbytes += extra * float(body.get("bytes accessed", 0.0))
+    if generic:
+        flops += sum(module.runs.get(comp, 0) * f for comp, f in library_conv_flops(text).items())
     return flops, nbytes, sum(lp.trip_count is None for lp in module.loops)
 
 
-def _charges_collectives(device: jax.Device) -> bool:
-    """Does the program's cost analysis charge a collective its operands and results as bytes
-    accessed? XLA's generic HloCostAnalysis does (the CPU's, and the one described devices are
-    priced by: checked per kind, in loop bodies per trip, in the tests); GPU XLA's own analysis
-    prices collectives otherwise (unchecked here): left as it is."""
-    return device.platform == "cpu" or is_described(device)
 
 
 def collective_traffic(stats: CollectiveStats) -> int:
@@ -292,7 +304,7 @@ def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype:
     flops, nbytes, unknown = program_cost(compiled)
     dtype = dtype or dot_dtype(text)
     stats = collective_stats(text)
-    charged = collective_traffic(stats) if _charges_collectives(program_device(compiled)) else 0
+    charged = collective_traffic(stats)  # XLA's analysis (the CPU's, the generic one) charges them
     nbytes = max(0.0, nbytes - charged)
     compute = max(flops / cluster.flops(dtype), nbytes / cluster.memory_bandwidth)
     comm = price_collectives(stats, cluster, _num_partitions(text))

@@ -46,6 +46,7 @@ __all__ = [
     "computation_runs",
     "CompiledMemory",
     "compiled_memory",
+    "library_conv_flops",
 ]
 
 COLLECTIVE_KINDS: tuple[str, ...] = (
@@ -708,8 +709,11 @@ def _measure(
     """The array shapes whose sizes make up the collective's `bytes` (see CompiledCollective)."""
     result = instr.shape
     operand_part: _Shape | None = None
-    if is_start and kind != "all-reduce" and isinstance(result, tuple) and len(result) >= 2:
-        # Async starts other than all-reduce return (operands, outputs[, contexts...]).
+    # Async starts return (operands, outputs[, contexts...]); an all-reduce's start did so only
+    # in newer XLA (GPU, jax 0.12: `((f32[n]), f32[n]) all-reduce-start(...)`, its operands a
+    # tuple), in older XLA it returns its outputs (a combined one a tuple of leaves).
+    split = kind != "all-reduce" or (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], tuple))
+    if is_start and split and isinstance(result, tuple) and len(result) >= 2:
         operand_part, result = result[0], result[1]
     if kind != "reduce-scatter":
         return _leaves(result)
@@ -897,3 +901,40 @@ def collective_stats(hlo_text: str) -> CollectiveStats:
         tuple(replace(c, executions=module.runs[comp]) for comp, cs in found.items() for c in cs),
         module.loops,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Library convolutions
+# ----------------------------------------------------------------------------------------------
+
+# Which of a cuDNN convolution's operands and result are the forward convolution's input, kernel
+# and output (its dim_labels always describe the forward one).
+_CONV_ROLES = {"convForward": ("input", "kernel", "output"), "convBiasActivationForward": ("input", "kernel", "output"),
+               "convBackwardInput": ("output", "kernel", "input"), "convBackwardFilter": ("input", "output", "kernel")}
+_CUDNN_RE = re.compile(r'custom_call_target="__cudnn\$(\w+)"')
+_DIM_LABELS_RE = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+
+
+def library_conv_flops(hlo_text: str) -> dict[str, float]:
+    """FLOPs of the cuDNN convolutions in each computation (each instruction once): GPU XLA
+    compiles a convolution to a library call, whose FLOPs XLA's generic cost analysis (what a
+    described GPU's program is priced by) does not count. A forward convolution does 2 x its
+    output's elements x the kernel's elements / its output features; a backward one the same as
+    its forward twin, whose shapes its operands and result are (`_CONV_ROLES`)."""
+    comps, _, _ = _computations(hlo_text)
+    shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
+    out: dict[str, float] = {}
+    for comp, instrs in comps.items():
+        for i in instrs:
+            target, labels = _CUDNN_RE.search(i.attrs), _DIM_LABELS_RE.search(i.attrs)
+            if i.opcode != "custom-call" or target is None or labels is None or target.group(1) not in _CONV_ROLES:
+                continue
+            operands = [shapes.get(name) for name in _REF_RE.findall(i.operands)]
+            tensors = dict(zip(_CONV_ROLES[target.group(1)], operands[:2] + [_leaves(i.shape)[0]]))
+            if any(not isinstance(t, str) for t in tensors.values()):
+                continue  # an operand whose shape the text does not give: not counted
+            kernel_dims = [int(d) for d in _LEAF_RE.match(tensors["kernel"]).group(2).split(",") if d.strip()]
+            features = kernel_dims[labels.group(2).index("o")]
+            flops = 2.0 * _elements(tensors["output"]) * math.prod(kernel_dims) / max(features, 1)
+            out[comp] = out.get(comp, 0.0) + flops
+    return out

@@ -44,6 +44,8 @@ class PlannedCollective:
     trip: int = 0  # in a loop's body: which trip it runs in (one copy per trip)
     trips: int = 1  # how many trips its loop runs (1 outside loops)
     branch: tuple[int, ...] = ()  # the conditional branches it runs in (`Node.attrs["branch"]`), outermost first
+    group: int = 1  # devices in each of its groups (the product of its axes' sizes)
+    dtype: str = ""  # the element type it moves (XLA combines all-reduces of one type only)
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ class Collective:
         else:
             steps = (n - 1) * (2 if kind == "all-reduce" else 1) / n
             fixed = topo.launch + steps * n * lat
-        share = topo.combiner.latency_share(kind, self.bytes) if combined else 1.0
+        share = topo.combiner.latency_share(kind, self.bytes, n) if combined else 1.0
         return share * fixed + steps * self.bytes / bw
 
 

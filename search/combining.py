@@ -33,6 +33,8 @@ class Planned(Protocol):
     kind: str
     axes: tuple[str, ...]
     bytes: int
+    group: int  # devices in each of its groups
+    dtype: str  # element type: all-reduces and reduce-scatters combine per type
     depends_on: int  # bit i set: depends on the i-th planned collective
     trip: int  # which trip of its loop's body it runs in (0 outside loops)
     trips: int  # its loop's trip count (1 outside loops): only the same loop's collectives combine
@@ -137,26 +139,28 @@ def families(topo: MeshTopology, trips: Sequence[int] = (1,)) -> Families:
 def combine(planned: Sequence[Planned], combiner: Combiner) -> list[list[int]]:
     """The combined ops, as lists of indices into `planned`, the way XLA's combiners group them:
     walking in program order (a loop body's collectives trip by trip), a collective joins the
-    open group of its kind and axes (in its loop and conditional branch: each is its own
-    computation) unless it and a member depend on one another or the group
-    would pass a threshold; then the group is closed and it opens the next. Kinds the backend
-    does not combine stay alone."""
+    open group of its kind and axes (and element type for all-reduces and reduce-scatters; in its
+    loop and conditional branch: each is its own computation) unless it and a member depend on
+    one another or the group would pass a threshold (counted as XLA counts it,
+    `Combiner.counted`); then the group is closed and it opens the next. Kinds the backend does
+    not combine stay alone."""
     groups: list[list[int]] = []
     open_group: dict[tuple, tuple[int, int, int, int]] = {}  # key → (group, members, their needs, bytes)
     for i in sorted(range(len(planned)), key=lambda i: (planned[i].trip, i)):
         c = planned[i]
         kind = combiner.compiled_kind(c.kind)
         limit = combiner.limit(kind)
-        key = (kind, frozenset(c.axes), c.trips, c.branch)
+        key = (kind, frozenset(c.axes), c.trips, c.branch, c.dtype if combiner.keyed_by_dtype(kind) else "")
+        counted = combiner.counted(kind, c.bytes, c.group)
         if limit and key in open_group:
             g, members, needs, total = open_group[key]
-            if not c.depends_on & members and not needs >> i & 1 and total + c.bytes <= limit \
+            if not c.depends_on & members and not needs >> i & 1 and total + counted <= limit \
                     and len(groups[g]) < combiner.threshold_count:
                 groups[g].append(i)
-                open_group[key] = (g, members | 1 << i, needs | c.depends_on, total + c.bytes)
+                open_group[key] = (g, members | 1 << i, needs | c.depends_on, total + counted)
                 continue
         groups.append([i])
-        open_group[key] = (len(groups) - 1, 1 << i, c.depends_on, c.bytes)
+        open_group[key] = (len(groups) - 1, 1 << i, c.depends_on, counted)
     return groups
 
 

@@ -5,10 +5,15 @@ XLA fuses chains of elementwise ops into one kernel: only the tensors a fusion w
 outside it reach memory, and the tensors it reads stay live until its last fused reader has run.
 A tensor read in another layout than it was made in is moved into a buffer of its own, which
 lives from the first to the last reader of that layout (XLA makes one move per layout, as the
-planner prices it)."""
+planner prices it), unless the move is a local slice (no collective): XLA fuses the slice into
+its reader (checked on GPU compiles of five Flax models: no such buffer is live at XLA's peak)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..hlo_passes.graph import Graph
+from .cluster import MeshTopology
+from .collectives import reshard
 from .specs import ShardingSpec
 from .strategies import FUSED_READERS, FUSIBLE
 
@@ -20,13 +25,24 @@ def local_bytes(graph: Graph, vid: int, spec: ShardingSpec | None, sizes: dict[s
     return full if spec is None else full // spec.shard_factor(sizes)
 
 
-def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], sizes: dict[str, int],
-                reads: dict[tuple[int, int], ShardingSpec] | None = None) -> int:
+def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], topo: MeshTopology,
+                reads: dict[tuple[int, int], ShardingSpec] | None = None,
+                out_specs: Sequence[ShardingSpec] | None = None) -> int:
     """Bytes per device at the step's peak. `specs`: each value's layout; `reads`: the layout
-    operand `pos` of node `id` is read in, keyed (id, pos), where it differs from the value's."""
+    operand `pos` of node `id` is read in, keyed (id, pos), where it differs from the value's;
+    `out_specs`: the layout each output is returned in (default: its value's), which is the
+    buffer XLA returns (a ZeRO-like plan gathers its updated parameters into it)."""
+    sizes = topo.sizes
+
+    def moved_by_collectives(v: int, spec: ShardingSpec) -> bool:
+        src = specs.get(v)
+        value = graph.values[v]
+        return src is None or bool(reshard(src, spec, value.nbytes, topo, value.shape))
+
     moves = {key: spec for key, spec in (reads or {}).items()
              if not graph.values[graph.nodes[key[0]].operands[key[1]]].constant
-             and specs.get(graph.nodes[key[0]].operands[key[1]]) != spec}
+             and specs.get(graph.nodes[key[0]].operands[key[1]]) != spec
+             and moved_by_collectives(graph.nodes[key[0]].operands[key[1]], spec)}
     stored = _stored(graph)
     end, moved = _lifetimes(graph, stored, moves)
     alloc: list[int] = [0] * (len(graph.nodes) + 2)  # bytes allocated at step t, freed after end
@@ -51,7 +67,8 @@ def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], sizes: dict[str, i
         peak = max(peak, live)
     args = sum(local_bytes(graph, a.value, specs.get(a.value), sizes) for a in graph.args)
     donated = {a.donated_to for a in graph.args if a.donated_to is not None}
-    outputs = sum(local_bytes(graph, o, specs.get(o), sizes) for k, o in enumerate(graph.outputs)
+    returned_specs = list(out_specs) if out_specs is not None else [specs.get(o) for o in graph.outputs]
+    outputs = sum(local_bytes(graph, o, returned_specs[k], sizes) for k, o in enumerate(graph.outputs)
                   if k not in donated and not graph.values[o].constant)
     return args + outputs + peak
 

@@ -729,9 +729,9 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
     after: dict[int, int] = {}
     layout_after: dict[tuple[int, ShardingSpec], int] = {}
 
-    def add(c, u: _Unit, together: bool, needs: int, trip: int = 0, trips: int = 1, branch=()) -> int:
+    def add(c, u: _Unit, dtype: str, together: bool, needs: int, trip: int = 0, trips: int = 1, branch=()) -> int:
         planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind,
-                                         together, needs, trip, trips, branch))
+                                         together, needs, trip, trips, branch, topo.link(c.axes)[0], dtype))
         return 1 << (len(planned) - 1)
 
     # Program order; arguments tied to an output read it at the end of the step.
@@ -741,8 +741,13 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
         needs = 0
         for pos, v in enumerate(u.operands):
             needs |= after.get(v, 0) | layout_after.get((v, s.operands[pos]), 0)
-            if graph.values[v].constant and s.operands[pos].strides and u.kind in ("node", "slot"):
-                read_specs[u.ref, u.slot + pos] = s.operands[pos]  # built locally, but split like its reader
+            if graph.values[v].constant and graph.values[v].shape and not s.operands[pos].partial \
+                    and u.kind in ("node", "slot"):
+                # built locally, but split like its reader: left unpinned, XLA's partitioner may
+                # split it over an axis the plan leaves idle and add collectives to undo that (on
+                # (2, 8), an embedding gradient's zeros split over hosts cost an all-reduce and a
+                # cross-host permute in five Flax models)
+                read_specs[u.ref, u.slot + pos] = s.operands[pos]
             if graph.values[v].constant or v not in specs or specs[v] == s.operands[pos]:
                 continue
             if u.kind in ("node", "slot"):
@@ -764,16 +769,18 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
                 for c in step.collectives:
                     compute += c.copy_time(topo) * graph.values[v].trips
                     for trip in range(graph.values[v].trips):  # in a loop's body: each trip after the last
-                        step_mask |= add(c, u, prices.combined(c, prices.sides.get(v)), mask | step_mask, trip,
-                                         graph.values[v].trips, branch)
+                        step_mask |= add(c, u, graph.values[v].dtype, prices.combined(c, prices.sides.get(v)),
+                                         mask | step_mask, trip, graph.values[v].trips, branch)
                 mask |= step_mask
                 layout_after[v, step.spec] = mask
             needs |= mask
         side = prices.side_of(u.results)
         trips = graph.values[u.results[0]].trips if u.results else 1
         per_trip = max(1, len(s.collectives) // trips)
+        dtype = graph.values[u.results[0]].dtype if u.results else ""
         for k, c in enumerate(s.collectives):  # in a loop's body listed once per trip (`carried.per_trip`)
-            needs |= add(c, u, prices.combined(c, side), needs, k // per_trip, trips, _read_branch(u, None, graph))
+            needs |= add(c, u, dtype, prices.combined(c, side), needs, k // per_trip, trips,
+                         _read_branch(u, None, graph))
         for r in u.results:
             after[r] = needs
     planned = _taken_branches(planned, graph)
@@ -790,7 +797,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
             out_specs.append(chosen[output_unit[k]].operands[0])
         else:
             out_specs.append(ShardingSpec.replicated(len(graph.values[o].shape)))
-    memory = plan_memory(graph, specs, topo.sizes, read_specs)
+    memory = plan_memory(graph, specs, topo, read_specs, out_specs)
     strided = [v for v, spec in specs.items() if spec.strides]
     examples = dict.fromkeys(f"{graph.values[v].shape} {specs[v]}" for v in strided)
     stats = dict(stats, strided_values=len(strided), strided_examples=tuple(examples)[:3], off_chain_comm_s=off_chain)

@@ -52,6 +52,24 @@ def test_the_cpu_combines_only_all_reduces_and_runs_reduce_scatters_as_all_reduc
     assert combine(planned, CPU) == [[0], [1], [2, 3]]
 
 
+def test_a_reduce_scatter_counts_its_scattered_result_against_the_threshold():
+    """XLA's combiner adds up results: 8 reduce-scatters over 8 devices whose operands are half
+    the threshold each are one op (their results, 1/8 of that, fit), as 8 all-gathers are not."""
+    limit = GPU.limit("reduce-scatter")
+    scatters = [dataclasses.replace(_planned("reduce-scatter", limit // 2), group=8)] * 8
+    gathers = [dataclasses.replace(_planned("all-gather", limit // 2), group=8)] * 8
+    assert [len(g) for g in combine(scatters, GPU)] == [8]
+    assert [len(g) for g in combine(gathers, GPU)] == [2] * 4
+
+
+def test_all_reduces_and_reduce_scatters_combine_per_element_type_all_gathers_across():
+    """A bf16 step's f32 LayerNorm gradients are reduce-scattered in an op of their own (measured
+    on GPU compiles of a bf16 Flax LM); its all-gathers mix bf16 and f32 in one op."""
+    for kind, groups in (("reduce-scatter", [[0, 2], [1]]), ("all-reduce", [[0, 2], [1]]), ("all-gather", [[0, 1, 2]])):
+        planned = [dataclasses.replace(_planned(kind, 64), dtype=t) for t in ("bfloat16", "float32", "bfloat16")]
+        assert combine(planned, GPU) == groups, kind
+
+
 def test_the_count_threshold_splits_a_family():
     planned = [_planned("all-reduce", 4)] * (GPU.threshold_count + 1)
     assert [len(g) for g in combine(planned, GPU)] == [GPU.threshold_count, 1]

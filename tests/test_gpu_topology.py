@@ -8,13 +8,14 @@ import importlib.metadata
 import importlib.util
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
-from rhino_jax.hlo_passes.compiled_cost import price_compiled
+from rhino_jax.hlo_passes.compiled_cost import price_compiled, xla_cost_analysis
 from rhino_jax.models.mlp import make_mlp_train_step, mlp_example
 from rhino_jax.plan_target import PlanTargetError
 from rhino_jax.search.cluster import H100_8X, MeshTopology, get_cluster, host_ids
@@ -136,3 +137,20 @@ def test_a_plan_for_a_described_cluster_runs_on_one_of_the_same_shape(tmp_path):
     plan = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))).lower(*args).plan
     with pytest.raises(PlanTargetError, match="made for gpu devices and is applied to cpu devices"):
         plan.check_matches(dataclasses.replace(rj.parallelize(step, mesh=cpu).lower(*args).plan.target))
+
+
+def test_a_described_programs_cudnn_convolutions_are_counted():
+    """GPU XLA compiles convolutions to cuDNN calls, which XLA's generic analysis does not count:
+    their FLOPs (forward, backward input as a forward convolution, backward filter) are added."""
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                         feature_group_count=2)
+        return jnp.sum(jnp.tanh(y) ** 2)
+
+    mesh = Mesh(np.array(rj.gpu_topology("h100", devices_per_host=1)), ("d",), axis_types=(AxisType.Auto,))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1)), in_shardings=NamedSharding(mesh, P())).lower(
+        jax.ShapeDtypeStruct((3, 3, 32, 64), jnp.float32), jax.ShapeDtypeStruct((8, 16, 16, 64), jnp.float32)).compile()
+    assert "__cudnn$conv" in compiled.as_text()
+    convolutions = 3 * 2 * (8 * 16 * 16 * 64) * (3 * 3 * 32)  # three of them, each 2 x out x kernel / out features
+    assert convolutions <= xla_cost_analysis(compiled)["flops"] <= 1.01 * convolutions
+    assert convolutions <= price_compiled(compiled, "8x-h100").flops <= 1.01 * convolutions

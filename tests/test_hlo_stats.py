@@ -412,6 +412,21 @@ def test_async_start_done_pairs_count_once():
     assert [c.group_size for c in stats.collectives] == [2, 4, 0]
 
 
+def test_an_all_reduce_start_returning_operands_and_outputs_counts_its_outputs():
+    """GPU XLA (jax 0.12) writes an async all-reduce's start as ((operands), outputs): the
+    buffer is counted once, not as both halves."""
+    text = _module(
+        "%p = f32[8,16]{1,0} parameter(0)",
+        "%q = f32[4]{0} parameter(1)",
+        "%ars = ((f32[8,16]{1,0}, f32[4]{0}), (f32[8,16]{1,0}, f32[4]{0})) all-reduce-start(%p, %q), "
+        "channel_id=1, replica_groups={{0,1}}, to_apply=%add",
+        "%one = ((f32[8,16]{1,0}), f32[8,16]{1,0}) all-reduce-start(%p), channel_id=2, "
+        "replica_groups={{0,1}}, to_apply=%add",
+        "ROOT %ard = (f32[8,16]{1,0}, f32[4]{0}) all-reduce-done(%ars)",
+    )
+    assert [c.bytes for c in collective_stats(text).collectives] == [(8 * 16 + 4) * 4, 8 * 16 * 4]
+
+
 def test_async_wrapped_collective_counted_in_its_computation():
     text = HEADER + ADD + (
         "%wrapped (p0: f32[32,16]) -> f32[8,16] {\n"
