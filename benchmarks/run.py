@@ -1,13 +1,16 @@
 """Issue 4's benchmark: every model of the zoo x mesh x method, planned by rhino_jax and by the
-expert baselines of `benchmarks/baselines.py`, all through the same API and cost model.
+expert baselines of `benchmarks/baselines.py`, all through the same API and cost model, compiled by
+XLA's CPU compiler and by its GPU compiler.
 
 python -m benchmarks.run [--models gpt moe ...] [--quick] [--out DIR] [--o3-limit S]
+                         [--compiler cpu|gpu|both] [--meshes 8 2x4 2x8]
     → prints progress, writes DIR/RESULTS.md, DIR/results.json, DIR/throughput.png and
       DIR/search_time.png (DIR: benchmarks/ by default)
 
 Per model: the tiny preset, planned, compiled and run on 8 emulated CPU devices and compared
 with jax.jit on one device; and a paper-size preset (PAPER below), planned and compiled from
-ShapeDtypeStructs only, never run. Meshes (8,) and (2, 4) (the 2-D baselines on the latter).
+ShapeDtypeStructs only, never run. Meshes (8,) and (2, 4) of CPU devices (the 2-D baselines on
+the latter; the GPU rows below add (2, 8)).
 Methods: rhino_jax O2 and O3 (O3's whole search, model build included, stops at --o3-limit; a
 wall-clock alarm at twice that catches an overrun; either is reported as "time limit"), on the tiny preset also O2 under
 `models.sharding_memory_limit` (so that agreement with one device checks a sharded plan), and every
@@ -18,7 +21,33 @@ predicted); per-device memory (predicted, and arguments + outputs + temporaries 
 the compiled program); for the tiny preset, the largest absolute difference from one device.
 rhino_jax searches with `memory_limit_bytes` = the preset's device memory (32 GiB on M8, 80 GiB
 on H100); the baselines are pinned and only flagged when they exceed it.
-Then Rhino §7.3's strong scaling (GPT-Medium on 2, 4 and 8 devices) and search time vs layers.
+Then Rhino §7.3's strong scaling (GPT-Medium on 2, 4 and 8 devices) and search time vs layers
+(planned on CPU devices, not compiled).
+
+GPU rows (`TARGETS`, compiler "gpu"): the paper-size preset's plans and baselines searched under
+8x-h100 on 8 described H100s (`rj.gpu_topology`), meshes (8,) and (2, 4), and under
+8x-h100-2hosts on 16 described H100s on two hosts, mesh (2, 8) (the 2-D baselines only); compiled
+by XLA's GPU compiler (jax's CUDA plugin, compile-only, JAX_PLATFORMS=cpu) and priced from that
+HLO by `compiled_cost.price_compiled`, beside the predicted step, collectives (as XLA's GPU
+combiners merge them, per kind) and memory. Their search is the H100 prediction: the CPU rows'
+second search under 8x-h100 runs only without GPU targets (--compiler cpu). What is compiled for
+the GPU, and why (measured 2026-11-26 on 2 cores shared with two other jobs): a GPU compile is
+not cheaper than the CPU's here but 1.4-6 times dearer (GPT-Medium at 12 layers: 18-27 s against
+7-15 s on the CPU; MoE-16E data parallel 29 s against 9 s; WR-12B data parallel 64 s against 10 s.
+XLA's GPU HLO passes take two thirds of it (18 of 27 s for MoE), PTX and ptxas the rest; both
+compilers get --xla_backend_optimization_level=0, and ptxas's optimizations off saved nothing). So the GPU rows
+compile the paper-size presets only (the tiny ones are for running against one device, which
+described devices cannot do, and unlimited their plans replicate) at the same sizes as the CPU
+rows, every baseline and O2 on all three meshes, O3 on (8,) and (2, 4) but not where it hit its
+time limit on the CPU's mesh of that shape, and not on (2, 8) (there GPT's O3 stopped at the 45 s
+limit with a 65 % gap and O2's plan). Measured: `--models gpt --no-strong-scaling` took 11.6 min
+(tiny 1.5, GPT-Medium on the CPU 3.6, on the GPU 6.4 of which 0.8 for O3 on (2, 8), since
+dropped); `--models wresnet --compiler gpu --no-strong-scaling` 15.5 min (WR-12B, the largest:
+searches up to 86 s on (2, 4), compiles 31-74 s; 1.6 of it O3 on (2, 4), which a full run skips
+after the CPU's O3 there hit its limit). Scaled by each model's compile times of the last run, a
+full run is about 70 min on this machine shared with two other jobs (CPU rows ~28, GPU rows
+~40, strong scaling and search time ~3), probably about an hour on 2 idle cores (not measured); `--meshes 8 2x4`
+saves the two-host rows (~10 min), and --compiler cpu is the run as before.
 --quick: tiny presets and the strong-scaling/search-time sections at 2 layers (a smoke run).
 """
 import os
@@ -32,7 +61,9 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import signal  # noqa: E402
+import sys  # noqa: E402
 import datetime  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
@@ -48,15 +79,48 @@ import numpy as np  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
 from benchmarks import baselines as B  # noqa: E402
+from benchmarks import compilers  # noqa: E402
+from benchmarks.compilers import COMPILERS, KIND_ABBR  # noqa: E402
 from benchmarks.models import MODELS, sharding_memory_limit  # noqa: E402
+from rhino_jax.hlo_passes.compiled_cost import price_compiled  # noqa: E402
+from rhino_jax.search.cluster import get_cluster  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 M8, H100 = rj.M8_V100, rj.H100_8X
-MESHES = (((8,), ("devices",)), ((2, 4), ("data", "model")))
 RHINO = ("rhino_jax O2", "rhino_jax O3")
 # Tiny presets only: O2 under `sharding_memory_limit`, so that agreement with one device checks a
 # sharded plan (unlimited, the search replicates a tiny model: the right plan, and a vacuous check).
 LIMITED = "rhino_jax O2, memory-limited"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A mesh of one compiler's devices and the cluster its plans are searched for. cpu: XLA's CPU
+    compiler on the emulated devices, m8-v100 (the plan's collectives predicted as the CPU combines
+    them, to compare with what is compiled); gpu: XLA's GPU compiler for described H100s
+    (`rj.gpu_topology`, `hosts` of 8), the H100 presets as they are, every program also priced
+    from its compiled HLO (`compiled_cost.price_compiled`)."""
+
+    compiler: str  # "cpu" | "gpu"
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    cluster: rj.Cluster
+    hosts: int = 1
+    o3: bool = True  # search (and compile) O3 here too
+
+    @property
+    def label(self) -> str:
+        return "x".join(map(str, self.shape))
+
+    def mesh(self):
+        return rj.device_mesh(self.shape, self.names, compilers.devices(self.compiler, math.prod(self.shape),
+                                                                        self.hosts))
+
+
+_1D, _2D = ("devices",), ("data", "model")
+TARGETS = (Target("cpu", (8,), _1D, M8), Target("cpu", (2, 4), _2D, M8),
+           Target("gpu", (8,), _1D, H100), Target("gpu", (2, 4), _2D, H100),
+           Target("gpu", (2, 8), _2D, get_cluster("8x-h100-2hosts"), hosts=2, o3=False))
 
 
 def _is_rhino(method: str) -> bool:
@@ -156,17 +220,32 @@ def _lower_once(step, args, mesh, cluster, opt_level, memory_limit: int | None, 
     return lowered, seconds, note
 
 
-def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, reference=None,
+def _kinds(summary: dict) -> dict[str, list[int]]:
+    """kind -> [count, bytes] of the kinds present (JSON-friendly)."""
+    return {k: [n, b] for k, (n, b) in summary.items() if n}
+
+
+# Keys a row of O3 takes from O2's when their plans are the same (one compile for both).
+_COMPILED_KEYS = ("compile_s", "hlo_count", "hlo_mib", "hlo_kinds", "mem_hlo_gib", "max_abs_diff", "priced_ms",
+                  "priced_compute_ms", "priced_comm_ms")
+
+
+def measure(model, cfg, target: Target, mesh, method: str, *, concrete: bool, o3_limit: float, reference=None,
             o2_result=None, h100: bool = True) -> dict:
-    """One row. `o2_result`: (lowered, row) of O2 on the same case (O3 reuses its compile when the
-    plans are the same)."""
-    row = dict(method=method, mesh=_mesh_label(mesh), status="ok", note="")
+    """One row: `method` searched for the target's cluster on `mesh` (the target's devices),
+    compiled by the target's compiler; on the GPU also priced from the compiled HLO. `o2_result`:
+    (lowered, row) of O2 on the same case and target (O3 reuses its compile when the plans are the
+    same). `h100`: a second search under 8x-h100 on the same mesh (the CPU rows' H100 estimate
+    when no GPU target is run)."""
+    cluster = target.cluster
+    row = dict(method=method, mesh=_mesh_label(mesh), compiler=target.compiler, cluster=cluster.name, status="ok",
+               note="")
     rhino = _is_rhino(method)
     args = model.example(cfg, abstract=True)
     if rhino:
         step = model.make_train_step(cfg)
         level = "O3" if method == "rhino_jax O3" else "O2"
-        limit = M8.memory_per_device
+        limit = cluster.memory_per_device
         if method == LIMITED:
             if o2_result is None:
                 return dict(row, status="error", note="needs rhino_jax O2's plan, which failed")
@@ -186,7 +265,7 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
         level, limit = "O2", None
     start = time.perf_counter()
     try:
-        lowered, row["search_s"], row["note"] = _lower(step, args, mesh, M8, level, limit, o3_limit)
+        lowered, row["search_s"], row["note"] = _lower(step, args, mesh, cluster, level, limit, o3_limit)
     except rj.ShardingPinError as e:
         return dict(row, status="n/a", note=f"pin does not fit this mesh: {str(e).splitlines()[0][:160]}")
     except WallTimeLimit:
@@ -201,15 +280,16 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
     if row["note"].startswith("time limit") or "; time limit" in row["note"]:
         row["status"] = "time limit"
     s = plan.search_stats
+    # predicted as the target's compiler combines the plan's collectives, to compare with its program
+    predicted = plan.collective_summary(target.compiler)
     row.update(solve_s=s.get("solve_s"), ops=s.get("ops"), step_ms=plan.cost.total_s * 1e3,
                compute_ms=plan.cost.compute_s * 1e3, comm_ms=plan.cost.comm_s * 1e3,
-               # as the CPU compiles the plan here: its combiner merges all-reduces only
-               pred_mib=sum(b for _, b in plan.collective_summary("cpu").values()) / 2**20,
-               pred_count=sum(n for n, _ in plan.collective_summary("cpu").values()),
+               pred_mib=sum(b for _, b in predicted.values()) / 2**20,
+               pred_count=sum(n for n, _ in predicted.values()), pred_kinds=_kinds(predicted),
                mem_pred_gib=plan.cost.memory_bytes / 2**30, batch=getattr(cfg, "batch", None))
     row["samples_per_s"] = row["batch"] / plan.cost.total_s if plan.cost.total_s else None
     if method == "rhino_jax O3" and o2_result is not None and _same_plan(plan, o2_result[0].plan):
-        for k in ("compile_s", "hlo_count", "hlo_mib", "mem_hlo_gib", "max_abs_diff"):
+        for k in _COMPILED_KEYS:
             if k in o2_result[1]:
                 row[k] = o2_result[1][k]
         row["note"] = (row["note"] + "; " if row["note"] else "") + "same plan as O2"
@@ -218,13 +298,20 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
         compiled = lowered.compile()
         row["compile_s"] = time.perf_counter() - start
         stats, mem = compiled.collectives, compiled.memory
-        row.update(hlo_count=stats.count(), hlo_mib=stats.bytes() / 2**20, mem_hlo_gib=mem.total / 2**30)
+        row.update(hlo_count=stats.count(), hlo_mib=stats.bytes() / 2**20, hlo_kinds=_kinds(stats.by_kind()),
+                   mem_hlo_gib=mem.total / 2**30)
+        if target.compiler == "gpu":
+            cost = price_compiled(compiled._executable, cluster)
+            row.update(priced_ms=cost.total_s * 1e3, priced_compute_ms=cost.compute_s * 1e3,
+                       priced_comm_ms=cost.comm_s * 1e3)
         if concrete:
             out = compiled(*model.example(cfg))
             row["max_abs_diff"] = _tree_max_abs_diff(reference, out)
     row["fidelity"] = row["hlo_mib"] / row["pred_mib"] if row["pred_mib"] else None
+    if row.get("priced_ms") is not None:
+        row["priced_over_pred"] = row["priced_ms"] / row["step_ms"] if row["step_ms"] else None
     row["count_fidelity"] = row["hlo_count"] / row["pred_count"] if row["pred_count"] else None
-    row["fits_m8"] = row["mem_pred_gib"] <= M8.memory_per_device / 2**30
+    row["fits"] = row["mem_pred_gib"] <= cluster.memory_per_device / 2**30
     if h100 and row["status"] == "time limit" and rhino:
         row["note"] += "; H100 search not run (M8 search hit the limit)"
     elif h100:
@@ -241,25 +328,45 @@ def measure(model, cfg, mesh, method: str, *, concrete: bool, o3_limit: float, r
     return row
 
 
-def run_case(name, model, preset, cfg, concrete: bool, o3_limit: float, log) -> list[dict]:
+def run_case(name, model, preset, cfg, concrete: bool, o3_limit: float, log, targets) -> list[dict]:
+    """Every target x method of one model preset. The tiny presets (`concrete`) run on the CPU only:
+    they are there to be run and compared with one device, which described GPUs cannot do. O3 is
+    not searched for the GPU where it hit its time limit on the CPU's mesh of that shape (another
+    45-90 s that would end the same way), nor on a target without `o3` (the module docstring says
+    why)."""
     rows = []
     reference = jax.jit(model.make_train_step(cfg))(*model.example(cfg)) if concrete else None
-    for shape, names in MESHES:
-        mesh = _mesh(shape, names)
+    gpu = any(t.compiler == "gpu" for t in targets)
+    o3_limited = set()  # mesh labels where the CPU's O3 search hit its time limit
+    for target in targets:
+        if concrete and target.compiler == "gpu":
+            continue
+        mesh = target.mesh()
         o2 = None
-        methods = list(RHINO) + [LIMITED] * concrete + [b for b in B.BASELINES if B.BASELINES[b].mesh_rank == len(shape)]
+        methods = list(RHINO) + [LIMITED] * concrete + [b for b in B.BASELINES if B.BASELINES[b].mesh_rank == len(target.shape)]
         for method in methods:
             start = time.perf_counter()
-            try:
-                row = measure(model, cfg, mesh, method, concrete=concrete, o3_limit=o3_limit,
-                              reference=reference, o2_result=o2, h100=not concrete)
-            except Exception as e:  # a failure is a result: record it and go on
-                row = dict(method=method, mesh=_mesh_label(mesh), status="error",
-                           note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__)
-                traceback.print_exc()
+            skip = method == "rhino_jax O3" and (
+                "not searched on this mesh (see the script's docstring)" if not target.o3 else
+                "not searched: O3 hit its time limit on the CPU's mesh" if target.label in o3_limited else "")
+            if skip:
+                row = dict(method=method, mesh=target.label, compiler=target.compiler, cluster=target.cluster.name,
+                           status="time limit" if target.o3 else "skipped", note=skip)
+            else:
+                try:
+                    row = measure(model, cfg, target, mesh, method, concrete=concrete, o3_limit=o3_limit,
+                                  reference=reference, o2_result=o2,
+                                  h100=not concrete and not gpu and target.compiler == "cpu")
+                except Exception as e:  # a failure is a result: record it and go on
+                    row = dict(method=method, mesh=target.label, compiler=target.compiler, cluster=target.cluster.name,
+                               status="error",
+                               note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__)
+                    traceback.print_exc()
             row.update(model=name, preset=preset, wall_s=time.perf_counter() - start)
             if method == "rhino_jax O2" and "_lowered" in row:
                 o2 = (row["_lowered"], row)
+            if method == "rhino_jax O3" and target.compiler == "cpu" and row["status"] == "time limit":
+                o3_limited.add(target.label)
             rows.append(row)
             log(row)
         for r in rows:  # free the compiled programs of this mesh
@@ -362,11 +469,35 @@ COLUMNS = [("mesh", "mesh"), ("method", "method"), ("status", "status"), ("searc
            ("step_ms", "step ms M8"), ("compute_ms", "compute ms"), ("comm_ms", "comm ms"),
            ("step_ms_h100", "step ms H100"), ("samples_per_s", "samples/s M8"), ("pred_mib", "pred MiB"),
            ("pred_count", "pred colls"), ("hlo_count", "HLO colls"), ("count_fidelity", "HLO/pred colls"),
-           ("hlo_mib", "HLO MiB"), ("fidelity", "HLO/pred"), ("mem_pred_gib", "mem pred GiB"), ("mem_hlo_gib", "mem HLO GiB"), ("fits_m8", "fits 32 GiB")]
+           ("hlo_mib", "HLO MiB"), ("fidelity", "HLO/pred"), ("mem_pred_gib", "mem pred GiB"), ("mem_hlo_gib", "mem HLO GiB"), ("fits", "fits 32 GiB")]
+# The GPU compile's columns: predicted under the H100 preset of the row's mesh, compiled for described
+# H100s, priced from that HLO (`price_compiled`); `kinds` is predicted -> compiled per collective kind.
+GPU_COLUMNS = [("mesh", "mesh"), ("method", "method"), ("status", "status"), ("search_s", "search s (H100)"),
+               ("step_ms", "step ms H100 pred"), ("priced_ms", "priced ms (GPU HLO)"),
+               ("priced_compute_ms", "priced compute ms"), ("priced_comm_ms", "priced comm ms"),
+               ("priced_over_pred", "priced/pred"), ("pred_count", "pred colls"), ("hlo_count", "HLO colls"),
+               ("count_fidelity", "HLO/pred colls"), ("pred_mib", "pred MiB"), ("hlo_mib", "HLO MiB"),
+               ("fidelity", "HLO/pred"), ("kinds", "per kind: pred → HLO (count/MiB)"),
+               ("mem_pred_gib", "mem pred GiB"), ("mem_hlo_gib", "mem HLO GiB"), ("fits", "fits 80 GiB"),
+               ("compile_s", "GPU compile s")]
 TINY_COLUMNS = [("mesh", "mesh"), ("method", "method"), ("status", "status"), ("search_s", "search s"),
                 ("step_ms", "step ms M8"), ("pred_mib", "pred MiB"), ("pred_count", "pred colls"),
                 ("hlo_count", "HLO colls"), ("count_fidelity", "HLO/pred colls"), ("hlo_mib", "HLO MiB"),
                 ("fidelity", "HLO/pred"), ("max_abs_diff", "max |Δ| vs 1 device")]
+
+
+def _compiler(r) -> str:
+    return r.get("compiler", "cpu")  # rows of runs before the GPU targets are the CPU's
+
+
+def _kinds_cell(r) -> str:
+    """'AR 25/581→25/1161, AG 3/232→3/232': each kind's predicted then compiled count/MiB."""
+    pred, hlo = r.get("pred_kinds") or {}, r.get("hlo_kinds")
+    if hlo is None:
+        return "—"
+    cell = lambda nb: f"{nb[0]}/{nb[1] / 2**20:.0f}" if nb else "0"  # noqa: E731
+    return ", ".join(f"{KIND_ABBR[k]} {cell(pred.get(k))}→{cell(hlo.get(k))}" for k in KIND_ABBR
+                     if k in pred or k in hlo) or "none"
 
 
 def _skipped(r) -> bool:
@@ -381,62 +512,102 @@ def _table(rows, columns) -> list[str]:
     for r in rows:
         cells = []
         for k, _ in columns:
-            v = r.get(k)
-            cells.append(_fmt(v) if k not in ("mesh", "method", "status") else str(v))
+            if k == "kinds":
+                cells.append(_kinds_cell(r))
+            elif k == "fits":
+                cells.append(_fmt(r.get("fits", r.get("fits_m8"))))  # fits_m8: results.json before the GPU rows
+            else:
+                cells.append(_fmt(r.get(k)) if k not in ("mesh", "method", "status") else str(r.get(k)))
         lines.append("| " + " | ".join(cells) + f" | {r.get('note', '')} |")
     if skipped:
         lines += ["", "Not applicable here: " + "; ".join(skipped) + "."]
     return lines
 
 
+def _h100_ms(r) -> float | None:
+    """A row's predicted step under the H100 preset: a GPU row's own search, or the second search
+    of a CPU row (made when no GPU target runs)."""
+    return r.get("step_ms") if _compiler(r) == "gpu" else r.get("step_ms_h100")
+
+
+# Goal columns: (heading, which rows, the value compared).
+GOAL_MEASURES = (("M8 predicted", "cpu", lambda r: r.get("step_ms")),
+                 ("H100 predicted", "h100", _h100_ms),
+                 ("H100 priced from GPU HLO", "gpu", lambda r: r.get("priced_ms")))
+
+
 def goals(rows) -> tuple[list[str], dict]:
-    """Issue 4's goals on the paper-size rows, per model and mesh, under both clusters."""
+    """Issue 4's goals on the paper-size rows, per model and mesh: rhino_jax's best step over the
+    best baseline's, predicted under M8 (CPU rows) and H100 (the GPU rows' searches, else the CPU
+    rows' second searches), and priced from the programs compiled for described H100s."""
     lines, verdict = [], {}
     by_case = defaultdict(list)
     for r in rows:
         if r.get("kind") == "paper":
             by_case[(r["model"], r["mesh"])].append(r)
-    lines += ["| model | mesh | M8: best rhino_jax ms | M8: best baseline ms | ratio | H100: best rhino_jax ms | "
-              "H100: best baseline ms | ratio | never worse (M8, H100) | strictly better (M8, H100) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    heads = [h for h, _, _ in GOAL_MEASURES]
+    lines += ["| model | mesh | " + " | ".join(f"{h}: best rhino_jax ms | {h}: best baseline ms | ratio"
+                                               for h in heads) + " | never worse | strictly better |",
+              "|---|---|" + "---|---|---|" * len(heads) + "---|---|"]
 
-    def best(rs, key):
-        rs = [r for r in rs if r.get(key) is not None]
-        return min(rs, key=lambda r: r[key]) if rs else None
+    def best(rs, value):
+        rs = [r for r in rs if value(r) is not None]
+        return min(rs, key=value) if rs else None
 
-    def cell(r, key, fits=False):
+    def cell(r, value, fits=False):
         if r is None:
             return "—"
-        mark = "" if not fits or r.get("fits_m8") else ", > 32 GiB"
-        return f"{r[key]:.4g} ({r['method']}{mark})"
+        mark = "" if not fits or r.get("fits", r.get("fits_m8", True)) else ", > 32 GiB"
+        return f"{value(r):.4g} ({r['method']}{mark})"
 
+    f = lambda q: "—" if q is None else f"{q:.3f}"  # noqa: E731
     for (model, mesh), rs in by_case.items():
         ok = [r for r in rs if r["status"] in ("ok", "time limit")]
-        rh = [r for r in ok if _is_rhino(r["method"])]
-        bl = [r for r in ok if not _is_rhino(r["method"])]
-        out = []
-        for key in ("step_ms", "step_ms_h100"):
-            r, b = best(rh, key), best(bl, key)
-            if r is None or b is None:
-                out.append((r, b, None, None, None))
-                continue
-            ratio = r[key] / b[key]
-            out.append((r, b, ratio, ratio <= 1 + 1e-9, ratio < 1 - 1e-3))
+        gpu = any(_compiler(r) == "gpu" for r in ok)
+        cells, out = [], []
+        for head, which, value in GOAL_MEASURES:
+            pick = {"cpu": "cpu", "gpu": "gpu", "h100": "gpu" if gpu else "cpu"}[which]
+            mine = [r for r in ok if _compiler(r) == pick]
+            r, b = best([r for r in mine if _is_rhino(r["method"])], value), best(
+                [r for r in mine if not _is_rhino(r["method"])], value)
+            ratio = value(r) / value(b) if r is not None and b is not None else None
+            out.append((r, b, ratio, None if ratio is None else ratio <= 1 + 1e-9,
+                        None if ratio is None else ratio < 1 - 1e-3))
+            cells += [cell(r, value, which == "cpu"), cell(b, value, which == "cpu"), f(ratio)]
         verdict[(model, mesh)] = out
-        (r8, b8, q8, nw8, sb8), (rh1, bh1, qh, nwh, sbh) = out
-        f = lambda q: "—" if q is None else f"{q:.3f}"  # noqa: E731
-        lines.append(f"| {model} | {mesh} | {cell(r8, 'step_ms', True)} | {cell(b8, 'step_ms', True)} | {f(q8)} | "
-                     f"{cell(rh1, 'step_ms_h100')} | {cell(bh1, 'step_ms_h100')} | {f(qh)} | "
-                     f"{_fmt(nw8)}, {_fmt(nwh)} | {_fmt(sb8)}, {_fmt(sbh)} |")
-    lines += ["", "ratio = rhino_jax / best baseline (below 1: rhino_jax faster). \"> 32 GiB\": the plan's "
-              "predicted memory exceeds M8's device memory (for rhino_jax: its memory-limited search found no plan within it, see the notes)."]
+        lines.append(f"| {model} | {mesh} | " + " | ".join(cells) + " | "
+                     + ", ".join(_fmt(o[3]) for o in out) + " | " + ", ".join(_fmt(o[4]) for o in out) + " |")
+    lines += ["", "ratio = rhino_jax / best baseline (below 1: rhino_jax faster); never worse / strictly better in "
+              "the order of the columns (M8, H100 predicted, H100 priced; — where not run). \"> 32 GiB\": the plan's "
+              "predicted memory exceeds M8's device memory (for rhino_jax: its memory-limited search found no plan "
+              "within it, see the notes). The 2x8 mesh (two hosts) is compiled for the GPU only."]
     return lines, verdict
 
 
-def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: float, minutes=None) -> str:
+def _fidelity_lines(rows) -> list[str]:
+    """Per compiler: plans whose compiled collective bytes and counts are within ±10 % of predicted."""
+    L = []
+    for compiler in COMPILERS:
+        fid = [r for r in rows if _compiler(r) == compiler and r.get("fidelity") is not None
+               and r["status"] in ("ok", "time limit")]
+        if not fid:
+            continue
+        how = f"predicted as XLA's {compiler.upper()} combiners merge them"
+        for key, what in (("fidelity", "bytes"), ("count_fidelity", "ops")):
+            have = [r for r in fid if r.get(key) is not None]
+            bad = [r for r in have if abs(r[key] - 1) > 0.10]
+            L += [f"{compiler.upper()} compile, fidelity of collective {what} (compiled / {how}) within ±10 %: "
+                  f"{len(have) - len(bad)} of {len(have)} plans" + (": all." if not bad else "; outside: " + ", ".join(
+                      f"{r['model']} {r['mesh']} {r['method']} ({r[key]:.2f})" for r in bad) + "."), ""]
+    return L
+
+
+def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: float, minutes=None,
+           argv=None) -> str:
     minutes = (time.perf_counter() - started) / 60 if minutes is None else minutes
+    command = " ".join(["python -m benchmarks.run", *(argv if argv is not None else ["--quick"] * quick)])
     L = ["# rhino_jax vs expert baselines (issue 4)", "",
-         f"Written by `python -m benchmarks.run{' --quick' if quick else ''}` on {datetime.date.today()}; "
+         f"Written by `{command}` on {datetime.date.today()}; "
          f"jax {jax.__version__}, {platform.platform()}, {os.cpu_count()} CPU cores, 8 emulated CPU devices "
          f"(XLA host platform); whole run {minutes:.1f} min.", "",
          "Everything is planned by `rj.parallelize` and compiled by XLA's SPMD partitioner. Times are the cost "
@@ -447,7 +618,7 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
          "pins leave open, under the same cost model. The baselines are SPMD only, so the manual \"3-D\" plan "
          "is 2-D: DP x TP (pipelines are compared in `benchmarks/controller.md`).", "",
          "Sizes: each model's heading says which paper configuration it is and what we changed. To keep the "
-         "run under half an hour on 2 cores (about nine plans compiled per model and mesh), GPT, MoE, BERT and "
+         "CPU rows under half an hour on 2 cores (about nine plans compiled per model and mesh), GPT, MoE, BERT and "
          "Wide-ResNet are planned and compiled at half their depth; VGG19 and U-Net at full size. The "
          "strong-scaling and search-time sections use GPT-Medium's full 24 layers (planned, not compiled). "
          "Compiles use `--xla_backend_optimization_level=0` (same HLO, a third less CPU time).", "",
@@ -459,19 +630,19 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
          "so temporaries run high); fits 32 GiB = mem pred within M8's device memory. rhino_jax searches with "
          "`memory_limit_bytes` = device memory (32 GiB M8, 80 GiB H100); the baselines are not limited, only "
          "flagged. `n/a`: the baseline does not apply (skipped, not faked).", ""]
+    if any(_compiler(r) == "gpu" for r in rows):
+        L += ["GPU rows (paper sizes only; the tables' second half): the same plans and baselines compiled by XLA's "
+              "GPU compiler (jax's CUDA plugin, compile-only) for described H100 SXM devices (`rj.gpu_topology`), "
+              "meshes 8 and 2x4 on one host of 8, 2x8 on two hosts of 8 (the outer axis across the hosts); planned "
+              "for `8x-h100` (2x8: `8x-h100-2hosts`), rhino_jax with `memory_limit_bytes` 80 GiB; predicted "
+              "collectives combined as XLA's GPU combiners merge them; every program priced from its compiled HLO "
+              "by `compiled_cost.price_compiled` (priced ms: compute from XLA's generic cost analysis of the GPU "
+              "HLO, α-β time of each compiled collective, no overlap); mem HLO is the GPU compiler's buffer "
+              "assignment (it rematerializes towards 80 GiB). Nothing runs on described devices. The CPU rows' "
+              "H100 column is then empty: the GPU rows' search is the H100 prediction.", ""]
     goal_lines, verdict = goals(rows)
     L += ["## Goals", ""] + goal_lines + [""]
-    fid = [r for r in rows if r.get("fidelity") is not None and r["status"] in ("ok", "time limit")]
-    bad = [r for r in fid if abs(r["fidelity"] - 1) > 0.10]
-    L += [f"Fidelity (compiled / predicted collective bytes) within ±10 %: {len(fid) - len(bad)} of {len(fid)} "
-          f"plans" + (": all." if not bad else "; outside: " + ", ".join(
-              f"{r['model']} {r.get('preset', '')} {r['mesh']} {r['method']} ({r['fidelity']:.2f})" for r in bad)
-                       + "."), ""]
-    cfid = [r for r in fid if r.get("count_fidelity") is not None]
-    cbad = [r for r in cfid if abs(r["count_fidelity"] - 1) > 0.10]
-    L += [f"Count fidelity (compiled / predicted collective ops, predicted as XLA's CPU combiner merges them) "
-          f"within ±10 %: {len(cfid) - len(cbad)} of {len(cfid)} plans" + (": all." if not cbad else "; outside: " + ", ".join(
-              f"{r['model']} {r['mesh']} {r['method']} ({r['count_fidelity']:.2f})" for r in cbad) + "."), ""]
+    L += _fidelity_lines(rows)
     models = list(dict.fromkeys(r["model"] for r in rows))
     for m in models:
         paper = [r for r in rows if r["model"] == m and r.get("kind") == "paper"]
@@ -481,7 +652,15 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
             name, over, why = PAPER[m]
             over_text = ", ".join(f"{k}={v}" for k, v in over.items())
             L += [f"### {paper[0]['preset']}" + (f" ({over_text})" if over_text else "") + f" — {why}", ""]
-            L += _table(paper, COLUMNS) + [""]
+            cpu = [r for r in paper if _compiler(r) == "cpu"]
+            gpu = [r for r in paper if _compiler(r) == "gpu"]
+            if cpu:
+                L += ["Compiled by XLA's CPU compiler (8 emulated devices), planned for M8:", ""]
+                L += _table(cpu, COLUMNS) + [""]
+            if gpu:
+                L += ["Compiled by XLA's GPU compiler for described H100s (8 on one host; 2x8: 16 on two hosts), "
+                      "planned for 8x-h100 (2x8: 8x-h100-2hosts) and priced from the compiled HLO:", ""]
+                L += _table(gpu, GPU_COLUMNS) + [""]
         if tiny:
             L += ["### tiny preset: run on the 8 devices, compared with jax.jit on one device", ""]
             L += _table(tiny, TINY_COLUMNS) + [""]
@@ -654,29 +833,39 @@ def plot(rows, layer_rows, out: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     paper = [r for r in rows if r.get("kind") == "paper" and r.get("step_ms") and r["status"] in ("ok", "time limit")]
-    models = list(dict.fromkeys(r["model"] for r in paper))
+    # One bar pair per (model, method, mesh): M8 from the CPU row, H100 from the GPU row where there is one.
+    entries: dict[tuple, dict] = {}
+    for r in paper:
+        e = entries.setdefault((r["model"], r["method"], r["mesh"]), dict(
+            model=r["model"], method=r["method"], mesh=r["mesh"], preset=r["preset"], batch=r["batch"], m8=None,
+            h1=None, fits=True))
+        if _compiler(r) == "cpu":
+            e["m8"], e["fits"] = r["step_ms"], r.get("fits", r.get("fits_m8", True))
+        if _h100_ms(r) is not None and (e["h1"] is None or _compiler(r) == "gpu"):
+            e["h1"] = _h100_ms(r)
+    models = list(dict.fromkeys(e["model"] for e in entries.values()))
     if models:
         cols = 3
         nrows = math.ceil(len(models) / cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4.2 * nrows), squeeze=False)
         for ax, m in zip(axes.flat, models):
-            rs = [r for r in paper if r["model"] == m]
-            labels = [f"{r['method']}\n({r['mesh']})" for r in rs]
+            rs = [e for e in entries.values() if e["model"] == m]
+            labels = [f"{e['method']}\n({e['mesh']})" for e in rs]
             x = np.arange(len(rs))
-            base = [r for r in rs if not _is_rhino(r["method"])]
-            best_m8 = max((r["batch"] / r["step_ms"] for r in base), default=None)
-            best_h1 = max((r["batch"] / r["step_ms_h100"] for r in base if r.get("step_ms_h100")), default=None)
-            m8 = [r["batch"] / r["step_ms"] / best_m8 if best_m8 else 0 for r in rs]
-            h1 = [r["batch"] / r["step_ms_h100"] / best_h1 if best_h1 and r.get("step_ms_h100") else 0 for r in rs]
-            colors = ["tab:red" if _is_rhino(r["method"]) else "tab:blue" for r in rs]
+            base = [e for e in rs if not _is_rhino(e["method"])]
+            best_m8 = max((e["batch"] / e["m8"] for e in base if e["m8"]), default=None)
+            best_h1 = max((e["batch"] / e["h1"] for e in base if e["h1"]), default=None)
+            m8 = [e["batch"] / e["m8"] / best_m8 if best_m8 and e["m8"] else 0 for e in rs]
+            h1 = [e["batch"] / e["h1"] / best_h1 if best_h1 and e["h1"] else 0 for e in rs]
+            colors = ["tab:red" if _is_rhino(e["method"]) else "tab:blue" for e in rs]
             ax.bar(x - 0.2, m8, 0.4, color=colors, label="m8-v100")
             ax.bar(x + 0.2, h1, 0.4, color=colors, alpha=0.45, label="8x-h100")
             ax.axhline(1.0, color="k", lw=0.8, ls="--")
-            for xi, r in zip(x, rs):
-                if not r.get("fits_m8", True):
+            for xi, e in zip(x, rs):
+                if not e["fits"]:
                     ax.text(xi - 0.2, 0.02, "> 32 GiB", rotation=90, va="bottom", ha="center", fontsize=7)
             ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
-            ax.set(title=f"{m} ({rs[0]['preset']}): best baseline {best_m8 * 1e3:.3g} / "
+            ax.set(title=f"{m} ({rs[0]['preset']}): best baseline {(best_m8 or 0) * 1e3:.3g} / "
                          f"{(best_h1 or 0) * 1e3:.3g} samples/s (M8 / H100)",
                    ylabel="predicted throughput / best baseline's")
             ax.title.set_fontsize(9)
@@ -693,7 +882,7 @@ def plot(rows, layer_rows, out: pathlib.Path) -> None:
         fig.savefig(out / "throughput.png", dpi=90)
         plt.close(fig)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    srch = [r for r in paper if _is_rhino(r["method"]) and r["mesh"] == "8"]
+    srch = [r for r in paper if _is_rhino(r["method"]) and r["mesh"] == "8" and _compiler(r) == "cpu"]
     ms = list(dict.fromkeys(r["model"] for r in srch))
     for k, level in enumerate(("O2", "O3")):
         vals = [next((r["search_s"] for r in srch if r["model"] == m and r["method"].endswith(level)), 0) for m in ms]
@@ -731,7 +920,18 @@ def main():
                         "OUT/results.json")
     parser.add_argument("--only-strong-scaling", action="store_true", help="rerun the strong-scaling section "
                         "into OUT/results.json and render")
-    opts = parser.parse_args()
+    parser.add_argument("--compiler", choices=(*COMPILERS, "both"), default="both",
+                        help="which XLA compiler's targets to run (default both; the GPU's for paper sizes only)")
+    meshes = list(dict.fromkeys(t.label for t in TARGETS))
+    parser.add_argument("--meshes", nargs="+", choices=meshes, default=meshes, help="these mesh shapes only")
+    argv = sys.argv[1:]
+    opts = parser.parse_args(argv)
+    targets = [t for t in TARGETS if opts.compiler in ("both", t.compiler) and t.label in opts.meshes]
+    if not targets:
+        parser.error(f"no target is compiled by {opts.compiler} on meshes {' '.join(opts.meshes)}; targets: "
+                     + ", ".join(f"{t.compiler} {t.label}" for t in TARGETS))
+    if not opts.render_only:
+        compilers.check_gpu(parser, {t.compiler for t in targets})
     opts.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     if opts.only_strong_scaling:
@@ -742,7 +942,7 @@ def main():
     if opts.render_only:
         data = json.loads((opts.out / "results.json").read_text())
         text = render(data["rows"], data["scaling"], data["layers"], opts.out, opts.quick, started,
-                      data.get("minutes"))
+                      data.get("minutes"), data.get("argv"))
         (opts.out / "RESULTS.md").write_text(text)
         plot(data["rows"], data["layers"], opts.out)
         print(text)
@@ -751,7 +951,7 @@ def main():
 
     def save():
         data = dict(rows=rows, scaling=scaling, layers=layer_rows, jax=jax.__version__, date=str(datetime.date.today()),
-                    minutes=(time.perf_counter() - started) / 60)
+                    minutes=(time.perf_counter() - started) / 60, argv=argv)
         (opts.out / "results.json").write_text(json.dumps(data, indent=1, default=str))
 
     for name in opts.models:
@@ -762,7 +962,7 @@ def main():
             cases.append((preset, dataclasses.replace(model.PRESETS[preset], **over), False))
         for preset, cfg, concrete in cases:
             print(f"== {name} {preset}", flush=True)
-            for r in run_case(name, model, preset, cfg, concrete, opts.o3_limit, _log):
+            for r in run_case(name, model, preset, cfg, concrete, opts.o3_limit, _log, targets):
                 r["kind"] = "tiny" if concrete else "paper"
                 rows.append(r)
             save()
@@ -773,7 +973,7 @@ def main():
         print("== search time vs layers", flush=True)
         layer_rows = search_vs_layers([1, 2] if opts.quick else [2, 6, 12, 24], opts.o3_limit, _log)
         save()
-    text = render(rows, scaling, layer_rows, opts.out, opts.quick, started)
+    text = render(rows, scaling, layer_rows, opts.out, opts.quick, started, argv=argv)
     (opts.out / "RESULTS.md").write_text(text)
     plot(rows, layer_rows, opts.out)
     print(text)
