@@ -5,10 +5,12 @@ XLA fuses chains of elementwise ops into one kernel: only the tensors a fusion w
 outside it reach memory, and the tensors it reads stay live until its last fused reader has run.
 A tensor read in another layout than it was made in is moved into a buffer of its own, which
 lives from the first to the last reader of that layout (XLA makes one move per layout, as the
-planner prices it), unless the move is a local slice (no collective): XLA fuses the slice into
-its reader (checked on GPU compiles of five Flax models: no such buffer is live at XLA's peak)."""
+planner prices it), unless the move is a local slice (no collective) and the backend is the GPU's,
+which fuses the slice into its reader (checked on GPU compiles of five Flax models: no such
+buffer is live at XLA's peak; the CPU's keeps it, in a tiny LM's ZeRO-3 step)."""
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from ..hlo_passes.graph import Graph
@@ -37,7 +39,8 @@ def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], topo: MeshTopology
     def moved_by_collectives(v: int, spec: ShardingSpec) -> bool:
         src = specs.get(v)
         value = graph.values[v]
-        return src is None or bool(reshard(src, spec, value.nbytes, topo, value.shape))
+        return src is None or topo.combiner.backend != "gpu" or bool(reshard(src, spec, value.nbytes, topo,
+                                                                            value.shape))
 
     moves = {key: spec for key, spec in (reads or {}).items()
              if not graph.values[graph.nodes[key[0]].operands[key[1]]].constant
@@ -45,32 +48,52 @@ def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], topo: MeshTopology
              and moved_by_collectives(graph.nodes[key[0]].operands[key[1]], spec)}
     stored = _stored(graph)
     end, moved = _lifetimes(graph, stored, moves)
-    alloc: list[int] = [0] * (len(graph.nodes) + 2)  # bytes allocated at step t, freed after end
-
-    def hold(start: int, stop: int, nbytes: int) -> None:
-        alloc[start] += nbytes
-        alloc[stop + 1] -= nbytes
-
     # Outputs are counted apart, for the whole step, as XLA's figures count them (a donated
-    # argument's buffer holds its output); XLA may place temporaries in an output's buffer
-    # before the output is written, so this errs high when outputs are not donated.
+    # argument's buffer holds its output); the temporaries XLA puts in an output's buffer before
+    # the output is written are not on the heap (`_heap_peak`).
     returned = {_buffer(graph, o) for o in graph.outputs}
-    for n in graph.nodes:
-        for r in n.results:
-            if stored[r] and r in end and r not in returned and not graph.values[r].constant:
-                hold(n.id, end[r], local_bytes(graph, r, specs.get(r), sizes))
-    for (v, spec), (first, last) in moved.items():
-        hold(first, last, local_bytes(graph, v, spec, sizes))
+    temporaries = [(n.id, end[r], local_bytes(graph, r, specs.get(r), sizes))
+                   for n in graph.nodes for r in n.results
+                   if stored[r] and r in end and r not in returned and not graph.values[r].constant]
+    temporaries += [(first, last, local_bytes(graph, v, spec, sizes)) for (v, spec), (first, last) in moved.items()]
+    args = sum(local_bytes(graph, a.value, specs.get(a.value), sizes) for a in graph.args)
+    donated = {a.donated_to for a in graph.args if a.donated_to is not None}
+    returned_specs = list(out_specs) if out_specs is not None else [specs.get(o) for o in graph.outputs]
+    rooms = []  # (bytes, step at which it is written) of each output buffer no argument holds
+    for k, o in enumerate(graph.outputs):
+        if k in donated or graph.values[o].constant:
+            continue
+        producer = graph.values[_buffer(graph, o)].producer
+        # written where it is made, or at the step's end when it leaves in another layout
+        written = len(graph.nodes) if producer < 0 or returned_specs[k] != specs.get(o) else producer
+        rooms.append((local_bytes(graph, o, returned_specs[k], sizes), written))
+    return args + sum(size for size, _ in rooms) + _heap_peak(temporaries, rooms, len(graph.nodes))
+
+
+def _heap_peak(temporaries: list[tuple[int, int, int]], rooms: list[tuple[int, int]], steps: int) -> int:
+    """The peak of the temporaries (first step, last step, bytes) that XLA's buffer assignment
+    leaves in its temporary heap. It assigns buffers largest first, each to an allocation it fits
+    and is free in: an output's allocation is free until the output is written (on GPU compiles
+    of Flax models, activations and gradients held there; the outputs' allocations kept their
+    outputs' sizes). Here each goes to the smallest output buffer (bytes, written at) that holds
+    it and is free over its life, else to the heap."""
+    order = sorted(range(len(rooms)), key=lambda k: rooms[k][0])
+    sizes = [rooms[k][0] for k in order]
+    busy: list[list[tuple[int, int]]] = [[] for _ in order]
+    alloc = [0] * (steps + 2)  # bytes allocated at step t on the heap, freed after the last
+    for first, last, nbytes in sorted(temporaries, key=lambda t: -t[2]):
+        for i in range(bisect.bisect_left(sizes, nbytes), len(order)):
+            if last < rooms[order[i]][1] and all(last < a or first > b for a, b in busy[i]):
+                busy[i].append((first, last))
+                break
+        else:
+            alloc[first] += nbytes
+            alloc[last + 1] -= nbytes
     live = peak = 0
     for b in alloc:
         live += b
         peak = max(peak, live)
-    args = sum(local_bytes(graph, a.value, specs.get(a.value), sizes) for a in graph.args)
-    donated = {a.donated_to for a in graph.args if a.donated_to is not None}
-    returned_specs = list(out_specs) if out_specs is not None else [specs.get(o) for o in graph.outputs]
-    outputs = sum(local_bytes(graph, o, returned_specs[k], sizes) for k, o in enumerate(graph.outputs)
-                  if k not in donated and not graph.values[o].constant)
-    return args + outputs + peak
+    return peak
 
 
 def _aliases(graph: Graph, v: int) -> bool:

@@ -1,5 +1,6 @@
 """Rhino §4.4: under a memory limit the largest parameters lose replication first; the plan fits,
 keeps the numbers, and an impossible limit gets an error with a true lower bound."""
+import dataclasses
 import re
 import warnings
 
@@ -124,12 +125,14 @@ def test_impossible_limit_states_a_lower_bound(tiny_lm):
 @pytest.mark.parametrize("baseline", ["data parallel", "ZeRO-3"])
 def test_predicted_memory_tracks_compiled(baseline):
     """Predicted per-device memory within 1.3x of XLA's (arguments + outputs + temporaries) for
-    a tiny LM on (8,): fusions keep their intermediates out of memory, gathered copies count."""
+    a tiny LM on (8,): fusions keep their intermediates out of memory, gathered copies count.
+    Compiled for the CPU here, so predicted for it (`backend="cpu"`: it keeps local slices)."""
     cfg = gpt.Config(vocab=256, seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256, batch=32)
     mesh = rj.device_mesh((8,), ("data",))
     build = B.BASELINES[baseline].build
     step = build(gpt, cfg, mesh, persistence_threshold=0) if baseline == "ZeRO-3" else build(gpt, cfg, mesh)
-    lowered = rj.parallelize(step, mesh=mesh, donate_argnums=(0, 1)).lower(*gpt.example(cfg, abstract=True))
+    cpu = dataclasses.replace(rj.M8_V100, backend="cpu")
+    lowered = rj.parallelize(step, mesh=mesh, donate_argnums=(0, 1), cluster=cpu).lower(*gpt.example(cfg, abstract=True))
     compiled = lowered.compile()
     predicted, actual = lowered.plan.cost.memory_bytes, compiled.memory.total
     assert actual / 1.3 <= predicted <= actual * 1.3, (predicted, actual)
