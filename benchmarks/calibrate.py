@@ -110,7 +110,7 @@ def configs(model: str) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- measuring (GPU)
 
-def _timed(fn: Callable[[], Any], min_total_s: float = 0.05, reps: int = 5) -> float:
+def timed(fn: Callable[[], Any], min_total_s: float = 0.05, reps: int = 5) -> float:
     """Median seconds per call of `fn` over `reps` repetitions of back-to-back calls."""
     jax.block_until_ready(fn())
     start = time.perf_counter()
@@ -191,7 +191,7 @@ def time_ops(step, args, seen: set) -> list[dict]:
 
         try:
             fn = jax.jit(one)
-            seconds = _timed(lambda: fn(*operands))
+            seconds = timed(lambda: fn(*operands))
             stablehlo = fn.lower(*operands).as_text()
         except Exception as err:  # an op that cannot run alone: say which, go on with the others
             print(f"  skipped {name}: {type(err).__name__}: {str(err)[:120]}")
@@ -213,7 +213,7 @@ def time_step(module, config) -> float:
         state[0], state[1], loss = step(state[0], state[1], batch)
         return loss
 
-    return _timed(run, min_total_s=0.2, reps=5)
+    return timed(run, min_total_s=0.2, reps=5)
 
 
 def measure(out_dir: pathlib.Path, models: list[str], quick: bool = False) -> None:

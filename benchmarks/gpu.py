@@ -52,6 +52,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
+from benchmarks.calibrate import timed  # noqa: E402
 from benchmarks.third_party_models import CASES  # noqa: E402
 from rhino_jax.gpu_topology import GPUS  # noqa: E402
 from rhino_jax.hlo_passes.compiled_cost import price_compiled, xla_cost_analysis  # noqa: E402
@@ -169,23 +170,6 @@ def compare_compiles(result: dict, cases: dict, device_config: str | None, budge
                              **_compiled_facts(compiled, preset, case.dtype)))
 
 
-def _timed(fn, min_total_s: float = 0.3, reps: int = 5) -> float:
-    """Median seconds per call over `reps` repetitions of back-to-back calls (after two warm-ups)."""
-    jax.block_until_ready(fn())
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    calls = max(1, min(200, int(min_total_s / max(time.perf_counter() - t0, 1e-6))))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = fn()
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / calls)
-    return float(np.median(samples))
-
-
 def _largest_difference(a, b) -> float:
     return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -210,7 +194,7 @@ def time_steps(result: dict, cases: dict, budget: Budget) -> None:
             args[:n_state] = out[:n_state]
             return out[-1]
 
-        seconds = _timed(run)
+        seconds = timed(run, min_total_s=0.3)
         priced = price_compiled(_one_device_compile(case, device), preset, dtype=case.dtype)
         lowered = rj.parallelize(case.step, mesh=mesh, cluster=preset).lower(*case.args)
         fresh = jax.device_put(case.args, device)
@@ -263,7 +247,7 @@ def described_plans(result: dict, cases: dict, device_config: str | None, budget
 
 def calibrate(out: pathlib.Path, models: list[str], budget: Budget) -> None:
     """Part 6. benchmarks.calibrate's measurements, one model after another while time is left."""
-    from benchmarks import calibrate as cal  # noqa: PLC0415
+    from benchmarks import calibrate as cal  # noqa: PLC0415 (the zoo is imported on use)
 
     for model in models:
         if budget.left() < 60:

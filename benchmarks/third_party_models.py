@@ -111,21 +111,34 @@ class GPT(nn.Module):
         return nn.Dense(VOCAB, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
 
-def _linen_lm(name: str, model: GPT, tx: optax.GradientTransformation, dtype: str = "float32") -> Case:
-    batch = _tokens()
-    params = model.init(jax.random.PRNGKey(1), batch["tokens"])["params"]
+def _linen_case(name: str, model: nn.Module, tx: optax.GradientTransformation, batch: dict, inputs: str,
+                loss: Callable, rules, dtype: str = "float32", **extra) -> Case:
+    """A linen step as users write it: `loss(params, batch)`'s value and gradient, optax's update."""
+    params = model.init(jax.random.PRNGKey(1), batch[inputs])["params"]
     opt_state = tx.init(params)
 
     def train_step(params, opt_state, batch):
         def loss_fn(p):
-            logits = model.apply({"params": p}, batch["tokens"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+            return loss(p, batch)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        value, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, value
 
-    return Case(name, "flax.linen", train_step, (params, opt_state, batch), _FLAX_TP, dtype)
+    return Case(name, "flax.linen", train_step, (params, opt_state, batch), rules, dtype, **extra)
+
+
+def _cross_entropy(model: nn.Module, inputs: str, labels: str) -> Callable:
+    def loss(params, batch):
+        logits = model.apply({"params": params}, batch[inputs])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[labels]).mean()
+
+    return loss
+
+
+def _linen_lm(name: str, model: GPT, tx: optax.GradientTransformation, dtype: str = "float32") -> Case:
+    return _linen_case(name, model, tx, _tokens(), "tokens", _cross_entropy(model, "tokens", "targets"), _FLAX_TP,
+                       dtype)
 
 
 def linen_gpt() -> Case:
@@ -179,10 +192,9 @@ class NNXGPT(nnx.Module):
 
 # NNX state paths hold the attribute names: ...['attn']['query']['kernel'] like linen, so the same
 # rules apply; the moments in the optimizer's state repeat the parameter's path.
-def nnx_gpt() -> Case:
+def _nnx_lm(name: str, model: nnx.Module, tp_rules, dtype: str = "float32") -> Case:
     """The functional NNX step: split (model, optimizer) into a graphdef and a state pytree,
     merge inside the step, update with nnx.Optimizer, split again."""
-    model = NNXGPT(nnx.Rngs(1))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3, weight_decay=0.1), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
 
@@ -197,7 +209,11 @@ def nnx_gpt() -> Case:
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
-    return Case("nnx_gpt", "flax.nnx", train_step, (state, _tokens()), _FLAX_TP)
+    return Case(name, "flax.nnx", train_step, (state, _tokens()), tp_rules, dtype)
+
+
+def nnx_gpt() -> Case:
+    return _nnx_lm("nnx_gpt", NNXGPT(nnx.Rngs(1)), _FLAX_TP)
 
 
 # ------------------------------------------------------------------------------ Equinox
@@ -275,21 +291,9 @@ def vit() -> Case:
     k1, k2 = jax.random.split(jax.random.PRNGKey(3))
     batch = {"images": jax.random.normal(k1, (BATCH, IMAGE, IMAGE, CHANNELS)),
              "labels": jax.random.randint(k2, (BATCH,), 0, CLASSES, jnp.int32)}
-    params = model.init(jax.random.PRNGKey(1), batch["images"])["params"]
-    opt_state = tx.init(params)
-
-    def train_step(params, opt_state, batch):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, batch["images"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
     # Megatron as on the GPT blocks; the patch embedding's kernel [P, P, C, D] on its output channels.
     rules = _FLAX_TP + ((r"\['patch'\]\['kernel'\]", -1), (r"\['patch'\]\['bias'\]", -1))
-    return Case("vit", "flax.linen", train_step, (params, opt_state, batch), rules)
+    return _linen_case("vit", model, tx, batch, "images", _cross_entropy(model, "images", "labels"), rules)
 
 
 # ------------------------------------------------------------------------------ Flax NNX Llama
@@ -376,23 +380,7 @@ _LLAMA_TP = ((r"\['(q|k|v|gate|up)'\]\['kernel'\]", -1), (r"\['(o|down)'\]\['ker
 
 
 def _nnx_llama(name: str, dtype, dtype_name: str) -> Case:
-    """The functional NNX step, as `nnx_gpt`."""
-    model = NNXLlama(nnx.Rngs(1), dtype=dtype)
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-3, weight_decay=0.1), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-
-    def train_step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-
-        def loss_fn(model):
-            logits = model(batch["tokens"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
-
-    return Case(name, "flax.nnx", train_step, (state, _tokens()), _LLAMA_TP, dtype_name)
+    return _nnx_lm(name, NNXLlama(nnx.Rngs(1), dtype=dtype), _LLAMA_TP, dtype_name)
 
 
 def nnx_llama() -> Case:
@@ -471,26 +459,18 @@ class MoELM(nn.Module):
 
 def linen_moe() -> Case:
     model, tx = MoELM(), optax.adamw(1e-3, weight_decay=0.1)
-    batch = _tokens()
-    params = model.init(jax.random.PRNGKey(1), batch["tokens"])["params"]
-    opt_state = tx.init(params)
 
-    def train_step(params, opt_state, batch):
-        def loss_fn(p):
-            logits, state = model.apply({"params": p}, batch["tokens"], mutable=["intermediates"])
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-            return ce + 0.01 * sum(jax.tree.leaves(state["intermediates"]))
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    def loss(params, batch):  # cross-entropy and the routers' load-balancing losses (sown)
+        logits, state = model.apply({"params": params}, batch["tokens"], mutable=["intermediates"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        return ce + 0.01 * sum(jax.tree.leaves(state["intermediates"]))
 
     # Megatron: attention and the dense MLPs as _FLAX_TP, the experts' hidden dim F split like an
     # MLP's (w_gate, w_up [E, D, F] on columns, w_down [E, F, D] on rows). Expert parallelism:
     # the experts' dim of the three stacks.
     tp = _FLAX_TP + ((r"\['(w_gate|w_up)'\]", -1), (r"\['w_down'\]", -2))
     ep = ((r"\['(w_gate|w_up|w_down)'\]", -3),)
-    return Case("linen_moe", "flax.linen", train_step, (params, opt_state, batch), tp, ep_rules=ep)
+    return _linen_case("linen_moe", model, tx, _tokens(), "tokens", loss, tp, ep_rules=ep)
 
 
 CASES: dict[str, Callable[[], Case]] = {
