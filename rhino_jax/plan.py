@@ -17,7 +17,9 @@ from rhino_jax.search.specs import ShardingSpec
 from .plain_data import from_plain, to_plain
 from .plan_target import PlanTarget, PlanTargetError
 
-PLAN_FORMAT = 1  # the `rhino_jax_plan` entry of a plan file: bumped when the layout of the file changes
+# The `rhino_jax_plan` entry of a plan file: bumped when the layout of the file changes (2: targets
+# record the platform and process layout, not device ids).
+PLAN_FORMAT = 2
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def test_a_plan_that_records_no_target_is_refused():
 
 @pytest.mark.parametrize("text,message", [
     ("not json", "plan.json: Expecting value"),
-    ('{"mesh_axes": {"data": 8}}', "not a rhino_jax plan file of format 1 \\(found none\\)"),
+    ('{"mesh_axes": {"data": 8}}', "not a rhino_jax plan file of format 2 \\(found none\\)"),
     ('{"rhino_jax_plan": 1, "mesh_axes": {}, "colour": 1}', "Plan has no field 'colour'"),
     ('{"rhino_jax_plan": 1, "mesh_axes": {}}', "Plan lacks field 'cluster'"),
 ])
