@@ -9,6 +9,7 @@ import pytest
 import rhino_jax as rj
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import make_mlp_train_step, mlp_example
+from rhino_jax.plan import PLAN_FORMAT
 from rhino_jax.plan_target import PlanTarget, PlanTargetError
 
 from helpers import assert_same_numbers
@@ -36,7 +37,7 @@ def test_a_saved_plan_loads_equal(options, tmp_path):
     assert loaded == plan
     assert loaded.report() == plan.report()
     assert loaded.target == plan.target
-    assert json.loads((tmp_path / "plan.json").read_text())["rhino_jax_plan"] == 1
+    assert json.loads((tmp_path / "plan.json").read_text())["rhino_jax_plan"] == PLAN_FORMAT
 
 
 def test_the_plan_of_the_same_program_and_mesh_is_accepted_after_loading(tmp_path):
@@ -92,8 +93,8 @@ def test_a_plan_that_records_no_target_is_refused():
 @pytest.mark.parametrize("text,message", [
     ("not json", "plan.json: Expecting value"),
     ('{"mesh_axes": {"data": 8}}', "not a rhino_jax plan file of format 2 \\(found none\\)"),
-    ('{"rhino_jax_plan": 1, "mesh_axes": {}, "colour": 1}', "Plan has no field 'colour'"),
-    ('{"rhino_jax_plan": 1, "mesh_axes": {}}', "Plan lacks field 'cluster'"),
+    ('{"rhino_jax_plan": 2, "mesh_axes": {}, "colour": 1}', "Plan has no field 'colour'"),
+    ('{"rhino_jax_plan": 2, "mesh_axes": {}}', "Plan lacks field 'cluster'"),
 ])
 def test_a_file_that_is_not_a_plan_says_so(text, message, tmp_path):
     (tmp_path / "plan.json").write_text(text)
