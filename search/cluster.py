@@ -42,6 +42,9 @@ class Combiner:
     threshold_bytes: tuple[tuple[str, int], ...] = ()
     threshold_count: int = 256
     reduce_scatter_as_all_reduce: bool = False
+    # XLA GPU's all-reduce reassociation: a sum of all-reduces runs as one all-reduce of the sum
+    # (a global norm's per-gradient partial sums are one op); the CPU pipeline keeps them apart.
+    reassociates: bool = True
 
     def compiled_kind(self, kind: str) -> str:
         return "all-reduce" if kind == "reduce-scatter" and self.reduce_scatter_as_all_reduce else kind
@@ -83,7 +86,7 @@ def combiner_for(backend: str) -> Combiner:
         limits = {k: _flag_value(flag) for k, flag in _GPU_FLAGS.items()}
         return Combiner("gpu", tuple((k, _GPU_COMBINE_BYTES if v is None else v) for k, v in limits.items()))
     if backend == "cpu":
-        return Combiner("cpu", (("all-reduce", 1 << 62),), reduce_scatter_as_all_reduce=True)
+        return Combiner("cpu", (("all-reduce", 1 << 62),), reduce_scatter_as_all_reduce=True, reassociates=False)
     raise ValueError(f"unknown XLA backend {backend!r}; choose one of {BACKENDS}")
 
 

@@ -85,13 +85,18 @@ def combining_sides(graph: Graph) -> dict[int, str]:
     return sides
 
 
-def combined_alone(kind: str, side: str | None) -> bool:
+def combined_alone(kind: str, side: str | None, combiner: Combiner) -> bool:
     """Whether a collective of this (compiled) kind on a value at this side runs as its own op.
     An all-reduce of a DERIVED value (a global norm's partial sums, a metric) follows the
-    gradients' all-reduces one by one: XLA's combiner, greedy in program order, closes a group at
-    each such dependency, so neither it nor the gradient it follows is combined (measured: optax's
-    clip_by_global_norm over 71 sharded gradients compiled to 71 all-reduces)."""
-    return side is None or (side == DERIVED and kind == "all-reduce")
+    gradients' all-reduces one by one on the CPU: XLA's combiner, greedy in program order, closes a
+    group at each such dependency, so neither it nor the gradient it follows is combined
+    (measured: optax's clip_by_global_norm over 71 sharded gradients compiled to 71 all-reduces).
+    The GPU compiler reduce-scatters the gradients instead and reassociates a sum of all-reduces
+    into one (measured: the same clipped Flax LM's FSDP step compiles to one scalar all-reduce):
+    there they are a family like any other."""
+    if side is None:
+        return True
+    return side == DERIVED and kind == "all-reduce" and not combiner.reassociates
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,7 @@ def families(topo: MeshTopology, trips: Sequence[int] = (1,)) -> Families:
                 if topo.link(axes)[0] == 1:
                     continue
                 for side, n in itertools.product((HEAD, TAIL, DERIVED), sorted(set(trips))):
-                    if not combined_alone(kind, side):
+                    if not combined_alone(kind, side, topo.combiner):
                         index[kind, frozenset(axes), side, n] = len(fixed)
                         fixed.append(n * Collective(kind, axes, 0).time(topo) * topo.exposed(True))
     return Families(index, tuple(fixed))

@@ -45,7 +45,7 @@ class Prices:
         return found.pop() if len(found) == 1 else None
 
     def combined(self, c: Collective, side: str | None) -> bool:
-        return not combined_alone(self.topo.combiner.compiled_kind(c.kind), side)
+        return not combined_alone(self.topo.combiner.compiled_kind(c.kind), side, self.topo.combiner)
 
     def _priced(self, collectives: Sequence[Collective], side: str | None, trips: int
                 ) -> tuple[float, frozenset[int]]:

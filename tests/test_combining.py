@@ -12,8 +12,8 @@ from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import mlp
 from rhino_jax.plan import PlannedCollective
 from rhino_jax.search import ilp, pricing
-from rhino_jax.search.cluster import combiner_for, get_cluster
-from rhino_jax.search.combining import DERIVED, HEAD, TAIL, combine, combining_sides
+from rhino_jax.search.cluster import MeshTopology, combiner_for, get_cluster
+from rhino_jax.search.combining import DERIVED, HEAD, TAIL, combine, combining_sides, families
 
 from benchmarks.third_party_models import linen_gpt
 from helpers import assert_same_adam_step, assert_same_numbers, on_host
@@ -68,6 +68,16 @@ def test_all_reduces_and_reduce_scatters_combine_per_element_type_all_gathers_ac
     for kind, groups in (("reduce-scatter", [[0, 2], [1]]), ("all-reduce", [[0, 2], [1]]), ("all-gather", [[0, 1, 2]])):
         planned = [dataclasses.replace(_planned(kind, 64), dtype=t) for t in ("bfloat16", "float32", "bfloat16")]
         assert combine(planned, GPU) == groups, kind
+
+
+def test_a_global_norms_partial_all_reduces_are_one_family_on_the_gpu_only():
+    """GPU XLA reassociates a sum of all-reduces into one; on the CPU each follows its gradient's
+    all-reduce and runs alone (`combined_alone`)."""
+    topo = MeshTopology(("d",), (8,), (1e11,), (1e-6,), 1e-5, combiner=GPU)
+    derived = [key for key in families(topo).index if key[2] == DERIVED]
+    assert [key[0] for key in derived] == ["all-reduce", "all-gather", "reduce-scatter"]
+    cpu = families(dataclasses.replace(topo, combiner=CPU)).index
+    assert not [key for key in cpu if key[2] == DERIVED]
 
 
 def test_the_count_threshold_splits_a_family():

@@ -70,8 +70,10 @@ def test_predicted_collectives_and_memory_match_the_gpu_compile(model, mesh):
     assert 0.85 <= ratio <= 1.15, f"compiled / predicted memory {ratio:.2f}"
 
 
-@pytest.mark.parametrize("model, mesh", [("linen_gpt", "2x4"), ("nnx_llama", "2x4")])
+@pytest.mark.parametrize("model, mesh", [("linen_gpt", "2x4"), ("nnx_llama", "2x4"), ("linen_clip_adamw", "8")])
 def test_the_plan_is_no_slower_than_data_parallel_or_fsdp_on_the_gpu_compile(model, mesh):
+    """With clip_by_global_norm, GPU XLA sums the per-gradient partial norms before one all-reduce:
+    the search priced each apart and chose data parallel, 1.14x FSDP's step."""
     case, mesh, _, compiled = _planned(model, mesh)
     ours = price_compiled(compiled, "8x-h100", dtype=case.dtype).total_s
     for method in ("data parallel", "FSDP"):
