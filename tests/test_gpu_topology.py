@@ -5,7 +5,6 @@ run); the plugin compiles for the devices it is told about, no GPU or CUDA toolk
 """
 import dataclasses
 import importlib.metadata
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +22,11 @@ from rhino_jax.search.cluster import H100_8X, MeshTopology, get_cluster, host_id
 
 def _plugin_skip() -> str | None:
     """Why these tests cannot run here, or None: no CUDA plugin, or one of another version."""
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    try:
+        plugin = importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
         return "jax's CUDA plugin is not installed (pip install -e '.[test]' on Python >= 3.12)"
-    plugin, jaxlib = (importlib.metadata.version(p) for p in ("jax-cuda12-plugin", "jaxlib"))
+    jaxlib = importlib.metadata.version("jaxlib")
     if plugin != jaxlib:
         return f"jax-cuda12-plugin {plugin} is not jaxlib's version {jaxlib}: pip install jax-cuda12-plugin=={jaxlib}"
     return None
