@@ -296,7 +296,7 @@ class Parallelized:
                 plan = self.given_plan
             else:
                 cluster = get_cluster(options.cluster, list(mesh.devices.flat))
-                plan = plan_on(graph, MeshTopology.from_mesh(mesh, cluster), cluster, options)
+                plan = plan_on(graph, MeshTopology.from_mesh(mesh, cluster), cluster, options, mesh)
         tree = jax.tree.structure((call.args, call.kwargs))
         out_tree = step.lowered.out_tree
         named = lambda specs: [NamedSharding(mesh, s.to_partition_spec()) for s in specs]  # noqa: E731

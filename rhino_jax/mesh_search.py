@@ -33,6 +33,7 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.search import interrupt
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster, host_ids
+from rhino_jax.search.gemm_workspace import with_gemm_workspaces
 from rhino_jax.search.meshes import candidate_meshes
 from rhino_jax.search.planner import search
 
@@ -70,11 +71,14 @@ class _Candidate:
         return " × ".join(f"{a}={n}" for a, n in zip(self.names, self.shape))
 
 
-def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options) -> Plan:
-    """The search, with the user's options, on one mesh (Ctrl-C: `search.interrupt`)."""
-    return search(graph, topo, cluster, opt_level=options.opt_level, backend=options.solver,
+def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options, mesh: Mesh | None = None) -> Plan:
+    """The search, with the user's options, on one mesh (Ctrl-C: `search.interrupt`); with the
+    mesh at hand (not in a worker process), its memory counts the GEMM temporaries XLA makes for
+    the mesh's devices (`gemm_workspace`)."""
+    plan = search(graph, topo, cluster, opt_level=options.opt_level, backend=options.solver,
                   time_limit_s=options.solver_time_limit_s, memory_limit_bytes=options.memory_limit_bytes,
                   strided=options.strided_specs)
+    return plan if mesh is None else with_gemm_workspaces(plan, graph, topo, mesh.devices.flat[0])
 
 
 def search_worker(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options):
@@ -114,6 +118,8 @@ def _lower(c: _Candidate, call: Call, cluster: Cluster) -> None:
 
 def _record(c: _Candidate, result, n: int) -> None:
     plan, error, caught, seconds = result
+    if plan is not None:  # searched without the mesh (perhaps in a worker process)
+        plan = with_gemm_workspaces(plan, c.graph, c.topo, c.mesh.devices.flat[0])
     c.plan, c.error, c.search_s, c.seconds, c.done = plan, error, seconds, c.seconds + seconds, True
     for message, category in caught:
         warnings.warn(f"mesh [{c.label}]: {message}", category, stacklevel=4)

@@ -214,7 +214,7 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         topo = MeshTopology.from_mesh(mesh, cluster)
 
         def plan(name: str, module, graph: Graph) -> Plan:
-            return program_plan(name, module, graph, mesh, given, lambda: plan_on(graph, topo, cluster, options))
+            return program_plan(name, module, graph, mesh, given, lambda: plan_on(graph, topo, cluster, options, mesh))
 
         compute_plan = plan("compute_gradients", parts.compute, compute_graph)
         apply_graph = dataclasses.replace(apply_graph, pins=apply_graph.pins + _same_layouts(

@@ -112,7 +112,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         def search(prog: stage_programs.Program, graph: Graph, opts: Options) -> Planned:
             return prog, graph, program_plan(program_name(prog.kind, prog.stage, prog.wave), prog.module, graph,
                                              meshes[prog.stage], given,
-                                             lambda: plan_on(graph, topology[prog.stage], cluster, opts))
+                                             lambda: plan_on(graph, topology[prog.stage], cluster, opts, meshes[prog.stage]))
 
         def search_apply(i: int) -> Planned:
             """apply-gradients' program i, its arguments pinned to the stage's layouts of them, and

@@ -29,11 +29,13 @@ def local_bytes(graph: Graph, vid: int, spec: ShardingSpec | None, sizes: dict[s
 
 def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], topo: MeshTopology,
                 reads: dict[tuple[int, int], ShardingSpec] | None = None,
-                out_specs: Sequence[ShardingSpec] | None = None) -> int:
+                out_specs: Sequence[ShardingSpec] | None = None, workspaces: dict[int, int] | None = None) -> int:
     """Bytes per device at the step's peak. `specs`: each value's layout; `reads`: the layout
     operand `pos` of node `id` is read in, keyed (id, pos), where it differs from the value's;
     `out_specs`: the layout each output is returned in (default: its value's), which is the
-    buffer XLA returns (a ZeRO-like plan gathers its updated parameters into it)."""
+    buffer XLA returns (a ZeRO-like plan gathers its updated parameters into it); `workspaces`:
+    node id → the temporary bytes the compiler adds to run it (`gemm_workspace`), live from the
+    node to its result's first reader (where XLA sums a split GEMM's partial products)."""
     sizes = topo.sizes
 
     def moved_by_collectives(v: int, spec: ShardingSpec) -> bool:
@@ -56,6 +58,10 @@ def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], topo: MeshTopology
                    for n in graph.nodes for r in n.results
                    if stored[r] and r in end and r not in returned and not graph.values[r].constant]
     temporaries += [(first, last, local_bytes(graph, v, spec, sizes)) for (v, spec), (first, last) in moved.items()]
+    if workspaces:
+        first_read = _first_reads(graph)
+        temporaries += [(n, max([n] + [first_read.get(r, n) for r in graph.nodes[n].results]), nbytes)
+                        for n, nbytes in workspaces.items()]
     args = sum(local_bytes(graph, a.value, specs.get(a.value), sizes) for a in graph.args)
     donated = {a.donated_to for a in graph.args if a.donated_to is not None}
     returned_specs = list(out_specs) if out_specs is not None else [specs.get(o) for o in graph.outputs]
@@ -94,6 +100,15 @@ def _heap_peak(temporaries: list[tuple[int, int, int]], rooms: list[tuple[int, i
         live += b
         peak = max(peak, live)
     return peak
+
+
+def _first_reads(graph: Graph) -> dict[int, int]:
+    """The step at which each value is first read."""
+    first: dict[int, int] = {}
+    for n in graph.nodes:
+        for o in n.operands:
+            first.setdefault(o, n.id)
+    return first
 
 
 def _aliases(graph: Graph, v: int) -> bool:

@@ -46,6 +46,10 @@ class ShardingSpec:
         """How many distinct pieces the tensor is cut into (partial axes do not cut)."""
         return self.shard_factor_of(tuple(a for d in self.dims for a in d), axis_sizes)
 
+    def local_shape(self, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> tuple[int, ...]:
+        """The shape of one device's piece."""
+        return tuple(n // self.shard_factor_of(axes, axis_sizes) for n, axes in zip(shape, self.dims))
+
     def without_partial(self) -> "ShardingSpec":
         return ShardingSpec(self.dims, (), self.strides)
 
