@@ -16,6 +16,10 @@ def annotate(x: jax.Array, spec: PartitionSpec, name: str | None = None) -> jax.
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return x
+    if not hasattr(x, "shape") or not hasattr(x, "ndim"):
+        raise ShardingPinError(f"annotate{f'({name})' if name else ''}: x must be one array, got a "
+                               f"{type(x).__name__}; annotate each array of a pytree on its own, e.g. "
+                               "jax.tree.map(lambda a: rj.annotate(a, spec), tree)")
     label = name or f"tensor of shape {tuple(x.shape)}"
     if not isinstance(spec, (PartitionSpec, tuple, list)):
         raise ShardingPinError(f"annotate({label}): spec must be a PartitionSpec, e.g. P('data', None) for a "

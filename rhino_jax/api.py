@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from rhino_jax.runtime.executable import compile_module
 from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
-from .errors import MeshError
+from .errors import MeshError, SolverInterruptedWarning, TracedCallWarning
 from .gpu_topology import refuse_described
 from .mesh_search import plan_on, search_meshes
 from .controller import choose
@@ -252,6 +253,8 @@ class Parallelized:
         self.arguments = arguments  # static and donated arguments
         self.given_plan = plan  # a saved plan to run instead of searching (`parallelize(plan=...)`)
         self._cache: dict = {}  # `_signature` → Lowered
+        self._cut_short: set = set()  # the signatures whose last search Ctrl-C stopped
+        self._said_traced = False  # warned of a call inside a jax transformation (`_traced`)
         self._hits: dict = {}  # (structure, static values, leaf avals) → compiled: the call's fast path
         functools.update_wrapper(self, getattr(fn, "_fun", fn))
 
@@ -266,6 +269,11 @@ class Parallelized:
         key = _signature(call)
         lowered = self._cache.get(key)
         if lowered is None:
+            if key in self._cut_short:
+                warnings.warn("Ctrl-C cut the last search for these arguments short, and its plan was used once: "
+                              "searching again in full (to keep a plan instead, save it, plan.save(path), and pass "
+                              "plan=path)", SolverInterruptedWarning, stacklevel=3)
+                self._cut_short.discard(key)
             if self.options.pipeline == "auto":
                 lowered = choose(self, call, key)
             else:
@@ -274,6 +282,8 @@ class Parallelized:
             # Ctrl-C: use this plan once, search again next time (a saved plan is what it is)
             if self.given_plan is not None or not _interrupted(lowered.plan):
                 self._cache[key] = lowered
+            else:
+                self._cut_short.add(key)
         return lowered
 
     def lower_with(self, options: Options, call: Call, key):
@@ -308,6 +318,8 @@ class Parallelized:
     def __call__(self, *args, **kwargs):
         dyn_args, dyn_kwargs, static = self.arguments.split(args, kwargs)
         leaves, tree = jax.tree.flatten((dyn_args, dyn_kwargs))
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self._traced(args, kwargs)
         key = (tree, static, *map(_leaf_key, leaves))
         compiled = self._hits.get(key)
         if compiled is None:
@@ -317,6 +329,19 @@ class Parallelized:
             if lowered is self._cache.get(lowered._signature):
                 self._hits[key] = compiled
         return compiled._dispatch(dyn_args, dyn_kwargs, leaves)
+
+
+    def _traced(self, args, kwargs):
+        """Inside jax.jit, grad, vmap or eval_shape the step's arguments are tracers and the outer
+        transformation compiles what it traces: the step as written (one device's numbers; its
+        pins are not applied, as outside `parallelize`). The plan needs the call outside them."""
+        if not self._said_traced:
+            self._said_traced = True
+            warnings.warn("a parallelized step called inside a jax transformation (jax.jit, jax.grad, jax.vmap, "
+                          "jax.eval_shape) is traced as written and compiled by that transformation, without "
+                          "rhino_jax's plan; call it outside them to run the plan (shapes and numbers are the "
+                          "same either way)", TracedCallWarning, stacklevel=3)
+        return self._fn(*args, **kwargs)
 
 
 def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices: Sequence | None = None,

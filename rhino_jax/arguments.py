@@ -10,7 +10,7 @@ that is already `jax.jit`-ed brings its own static (and, unless overridden, dona
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -145,7 +145,7 @@ def _parameters(fn: Callable) -> list[inspect.Parameter] | None:
 
 def _argnums(value, option: str, params, name: str) -> tuple[int, ...]:
     """`value` (None, an int or ints) as sorted non-negative positions, checked against `params`."""
-    nums = () if value is None else (value,) if isinstance(value, int) else tuple(value)
+    nums = _items(value, int, option, "an int or a sequence of ints")
     if any(isinstance(i, bool) or not isinstance(i, int) for i in nums):
         raise TypeError(f"{option} must be an int or a sequence of ints, got {value!r}")
     positional = None if params is None else [p for p in params if p.kind in _POSITIONAL]
@@ -164,8 +164,19 @@ def _argnums(value, option: str, params, name: str) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _items(value, one: type, option: str, expected: str) -> tuple:
+    """`value` as a tuple: () for None, (value,) for one `one`, else its items."""
+    if value is None:
+        return ()
+    if isinstance(value, one):
+        return (value,)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{option} must be {expected}, got {value!r}")
+    return tuple(value)
+
+
 def _argnames(value, option: str, params, name: str) -> tuple[str, ...]:
-    names = () if value is None else (value,) if isinstance(value, str) else tuple(value)
+    names = _items(value, str, option, "a str or a sequence of str")
     if any(not isinstance(n, str) for n in names):
         raise TypeError(f"{option} must be a str or a sequence of str, got {value!r}")
     if params is not None and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):

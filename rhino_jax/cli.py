@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "show":
-            print(Plan.load(args.path).report())
+            print(_refused_as_one_line(Plan.load, args.path).report())
             return 0
         return _plan(args)
     except UsageError as e:
@@ -70,9 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `show plan.json | head`: the reader has what it wanted
         _quiet_stdout()
         return 0
-    except (RhinoError, ValueError, OSError) as e:  # a bad option, no plan, an unreadable file
+    except (RhinoError, Refused, OSError) as e:  # a bad option, no plan, an unreadable file
         print(f"rhino_jax: error: {e}", file=sys.stderr)
         return 1
+
+
+class Refused(Exception):
+    """An option or a plan file rhino_jax refuses (a ValueError of its checks): said in one line,
+    where an error raised in the user's own code keeps its traceback."""
+
+
+def _refused_as_one_line(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as e:
+        raise Refused(str(e)) from None
 
 
 def _quiet_stdout() -> None:
@@ -107,7 +119,8 @@ def _plan(args: argparse.Namespace) -> int:
     step, step_args = _load_step(args.target)
     where = f"mesh {args.mesh} ({','.join(names)})" if shape else "every mesh shape"
     print(f"rhino_jax: planning {args.target} on {where} of {jax.devices()[0].platform} devices", flush=True)
-    plan = parallelize(step, **options).lower(*step_args).plan  # records its target: the program and mesh
+    parallelized = _refused_as_one_line(parallelize, step, **options)
+    plan = parallelized.lower(*step_args).plan  # records its target: the program and mesh
     print(plan.report())
     plan.save(args.out)
     print(f"\nplan written to {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)")

@@ -25,6 +25,11 @@ class SolverInterruptedWarning(UserWarning):
     """The search was interrupted (Ctrl-C); the plan is the best found so far."""
 
 
+class TracedCallWarning(UserWarning):
+    """A parallelized step was called inside a jax transformation (jax.jit, grad, vmap,
+    eval_shape): it is traced as written, without its plan."""
+
+
 class NoFeasibleMeshError(MeshError):
     """`parallelize(mesh=None)`: no enumerated mesh shape has a plan (each candidate's reason is
     in the message)."""

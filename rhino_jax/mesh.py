@@ -15,9 +15,14 @@ def device_mesh(shape: Sequence[int], axis_names: Sequence[str], devices: Sequen
 
     Inner (later) axes take consecutive devices, so on a multi-host cluster put the axes that
     should stay inside a host last."""
+    if not isinstance(shape, Sequence) or not all(isinstance(s, (int, np.integer)) for s in shape):
+        raise MeshError(f"mesh shape must be a tuple of sizes, one per axis, e.g. (8,) or (2, 4); got {shape!r}")
     shape = tuple(int(s) for s in shape)
     if not shape or any(s < 1 for s in shape):
         raise MeshError(f"mesh shape must be positive sizes, one per axis, e.g. (2, 4); got {shape}")
+    if isinstance(axis_names, str) or not isinstance(axis_names, Sequence):
+        raise MeshError(f"axis_names must be a tuple of names, one per axis, e.g. ('data',) or ('data', 'model'); "
+                        f"got {axis_names!r}")
     axis_names = tuple(axis_names)
     if len(shape) != len(axis_names):
         raise MeshError(f"mesh shape {shape} has {len(shape)} axes but {len(axis_names)} names {axis_names}")

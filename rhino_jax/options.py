@@ -8,6 +8,9 @@ from rhino_jax.search.cluster import Cluster, get_cluster
 from .errors import MeshError
 
 
+SOLVERS = ("HIGHS", "SCIP", "CP-SAT")  # OR-Tools' MIP backends the search is run with
+
+
 @dataclass(frozen=True)
 class Options:
     opt_level: str = "O2"
@@ -45,6 +48,12 @@ class Options:
                 self.memory_limit_bytes, int) or self.memory_limit_bytes <= 0):
             raise ValueError(f"memory_limit_bytes must be a positive int (bytes per device) or None, "
                              f"got {self.memory_limit_bytes!r}")
+        if not isinstance(self.solver, str) or self.solver.upper() not in SOLVERS:
+            raise ValueError(f"solver must be one of {', '.join(repr(s) for s in SOLVERS)} (OR-Tools' MIP "
+                             f"backends), got {self.solver!r}")
+        object.__setattr__(self, "solver", self.solver.upper())
+        if not isinstance(self.strided_specs, bool):
+            raise ValueError(f"strided_specs must be True or False, got {self.strided_specs!r}")
         limit = self.solver_time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
             raise ValueError(f"solver_time_limit_s must be a positive number of seconds, got {limit!r}")

@@ -122,6 +122,24 @@ class Cluster:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"Cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
+        for field_name, least in (("intra_host_bandwidth", 0), ("inter_host_bandwidth", 0), ("memory_bandwidth", 0),
+                                  ("host_to_device_bandwidth", 0), ("memory_per_device", 0),
+                                  ("intra_host_latency", None), ("inter_host_latency", None),
+                                  ("collective_launch_s", None)):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    value > 0 if least == 0 else value >= 0) or value == float("inf"):
+                must = "a positive" if least == 0 else "a non-negative"
+                raise ValueError(f"Cluster.{field_name} must be {must} finite number, got {value!r}")
+        if isinstance(self.devices_per_host, bool) or not isinstance(self.devices_per_host, int) \
+                or self.devices_per_host < 1:
+            raise ValueError(f"Cluster.devices_per_host must be an int >= 1, got {self.devices_per_host!r}")
+        if self.hosts is not None and (isinstance(self.hosts, bool) or not isinstance(self.hosts, int) or self.hosts < 1):
+            raise ValueError(f"Cluster.hosts must be None or an int >= 1, got {self.hosts!r}")
+        bad = {k: v for k, v in self.flops_per_s.items() if isinstance(v, bool) or not isinstance(v, (int, float))
+               or not 0 < v < float("inf")}
+        if bad:
+            raise ValueError(f"Cluster.flops_per_s must map dtypes to positive FLOP/s, got {bad}")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"Cluster.overlap is a share of communication time, in [0, 1]; got {self.overlap!r}")
         if self.overlap and self.backend != "gpu":

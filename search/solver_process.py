@@ -131,7 +131,8 @@ def _main() -> None:
     releases the GIL) while this one waits on the requests' pipe: its end, the searching process's
     exit, ends this process at once, mid-solve or not."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    requests, out = sys.stdin.buffer, sys.stdout.buffer
+    requests, out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # what a solver prints itself (a banner) goes to stderr, not into the answers
     while True:
         try:
             request = pickle.load(requests)

@@ -151,7 +151,49 @@ def test_steps_without_arguments_or_results_run():
     (lambda: rj.parallelize(lambda x: x, mesh=rj.device_mesh((8,), ("d",)), solver_time_limit_s=float("nan")),
      "solver_time_limit_s must be a positive number"),
     (lambda: rj.parallelize(lambda x: x, mesh=rj.device_mesh((8,), ("d",)), solver_time_limit_s="60"),
-     "solver_time_limit_s must be a positive number")])
+     "solver_time_limit_s must be a positive number"),
+    (lambda: rj.device_mesh(8, ("data",)), r"mesh shape must be a tuple of sizes, one per axis, e.g. \(8,\)"),
+    (lambda: rj.device_mesh((8,), "data"), r"axis_names must be a tuple of names, one per axis, e.g. \('data',\)"),
+    (lambda: rj.parallelize(lambda x: x, mesh=rj.device_mesh((8,), ("d",)), strided_specs="yes"),
+     "strided_specs must be True or False"),
+    (lambda: rj.parallelize(lambda x: x, mesh=rj.device_mesh((8,), ("d",)), solver="gurobi"),
+     "solver must be one of 'HIGHS', 'SCIP', 'CP-SAT'"),
+    (lambda: rj.Cluster(name="c", devices_per_host=8, intra_host_bandwidth=-1e9, intra_host_latency=1e-6,
+                        inter_host_bandwidth=1e9, inter_host_latency=1e-5),
+     "Cluster.intra_host_bandwidth must be a positive finite number"),
+    (lambda: rj.Cluster(name="c", devices_per_host=8, intra_host_bandwidth=1e9, intra_host_latency=-1e-6,
+                        inter_host_bandwidth=1e9, inter_host_latency=1e-5),
+     "Cluster.intra_host_latency must be a non-negative finite number"),
+    (lambda: rj.Cluster(name="c", devices_per_host=0, intra_host_bandwidth=1e9, intra_host_latency=1e-6,
+                        inter_host_bandwidth=1e9, inter_host_latency=1e-5),
+     "Cluster.devices_per_host must be an int >= 1"),
+    (lambda: rj.Cluster(name="c", devices_per_host=8, intra_host_bandwidth=1e9, intra_host_latency=1e-6,
+                        inter_host_bandwidth=1e9, inter_host_latency=1e-5, flops_per_s={"float32": -1.0}),
+     "Cluster.flops_per_s must map dtypes to positive FLOP/s")])
 def test_bad_meshes_and_limits_say_what_to_pass(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("option", ["donate_argnums", "static_argnums"])
+def test_argument_positions_of_another_type_say_what_to_pass(option):
+    with pytest.raises(TypeError, match=f"{option} must be an int or a sequence of ints, got 1.0"):
+        rj.parallelize(lambda w, x: w, mesh=rj.device_mesh((8,), ("d",)), **{option: 1.0})
+
+
+def test_annotate_of_a_pytree_says_to_annotate_each_array():
+    def f(x):
+        rj.annotate({"x": x}, P("data"))
+        return jnp.sum(x)
+
+    with pytest.raises(rj.ShardingPinError, match=r"x must be one array, got a dict; annotate each array"):
+        rj.parallelize(f, mesh=rj.device_mesh((8,), ("data",))).lower(jnp.ones((8, 4)))
+
+
+def test_a_solver_named_in_lower_case_plans_as_in_upper_case():
+    """OR-Tools takes 'highs'; the HiGHS banner it then printed reached the solver helper's answers."""
+    mesh = rj.device_mesh((8,), ("data",))
+    step, args = make_mlp_train_step(), mlp_example((16, 32, 16), 16)
+    lower = rj.parallelize(step, mesh=mesh, solver="highs").lower(*args).plan
+    upper = rj.parallelize(step, mesh=mesh, solver="HIGHS").lower(*args).plan
+    assert lower.arg_specs == upper.arg_specs and lower.cost == upper.cost

@@ -26,6 +26,12 @@ def setup():
 
 def wrong():
     return make_mlp_train_step()
+
+
+def raising():
+    def step(*state):
+        raise ValueError("a bug in the user's step")
+    return step, mlp_example({WIDTHS}, 8, abstract=True)
 """
 
 
@@ -109,3 +115,10 @@ def test_an_option_rhino_jax_refuses_is_an_error_not_a_traceback(argv, message, 
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert re.search(message, err), err
+
+
+def test_an_error_raised_in_the_users_step_keeps_its_traceback(workdir):
+    """Not the one line of an option rhino_jax refuses: the error propagates from the step."""
+    with pytest.raises(ValueError, match="a bug in the user's step") as raised:
+        main(["plan", "tiny_step:raising", "--mesh", "8"])
+    assert any(entry.name == "step" for entry in raised.traceback)

@@ -142,6 +142,19 @@ def test_ctrl_c_during_the_solve_gives_the_plan_so_far(ctrl_c, tmp_path, backend
     assert rj.Plan.load(tmp_path / "plan.json").interrupted
 
 
+def test_the_search_after_a_ctrl_c_says_it_searches_again(ctrl_c):
+    """The plan Ctrl-C cut short is used once; the next call searches in full, and says so."""
+    mesh = rj.device_mesh((2, 4), TWO_AXES)
+    parallel = rj.parallelize(make_mlp_train_step(), mesh=mesh)
+    args = mlp_example((16, 32, 8), 8)
+    with pytest.warns(SolverInterruptedWarning, match="best found so far"):
+        assert parallel.lower(*args).plan.interrupted
+    with pytest.warns(SolverInterruptedWarning, match="searching again in full"):
+        full = parallel.lower(*args)
+    assert not full.plan.interrupted
+    assert parallel.lower(*args) is full  # cached now, nothing said
+
+
 def test_ctrl_c_before_o3_keeps_the_o2_plan(monkeypatch):
     """O3 starts from O2's choice: Ctrl-C while O3's model is built returns O2's plan."""
     mesh = rj.device_mesh((2, 4), TWO_AXES)

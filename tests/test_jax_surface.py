@@ -208,11 +208,13 @@ def test_a_plan_whose_search_was_interrupted_is_not_cached(monkeypatch):
     monkeypatch.setattr(api, "plan_on", interrupted)
     step = rj.parallelize(_step, mesh=_mesh())
     assert_same_numbers(jax.jit(_step)(params, batch), step(params, batch))
-    step(params, batch)
-    step.lower(params, batch)
-    assert len(searches) == 3  # searched again each time
+    with pytest.warns(rj.errors.SolverInterruptedWarning, match="searching again in full"):
+        step(params, batch)
+        step.lower(params, batch)
+    assert len(searches) == 3  # searched again each time, and said so
     monkeypatch.setattr(api, "plan_on", lambda *a, **k: searches.append(1) or real_plan_on(*a, **k))
-    step(params, batch)
+    with pytest.warns(rj.errors.SolverInterruptedWarning, match="searching again in full"):
+        step(params, batch)
     step(params, batch)
     assert len(searches) == 4
 
@@ -243,3 +245,22 @@ def test_donated_leaves_are_the_ones_jax_donates():
     lowered = jax.jit(f, static_argnums=1, donate_argnums=(2, 4)).lower(a, "s", b, c=c)
     jax_donates = [i for i, info in enumerate(jax.tree.leaves(lowered.args_info)) if info.donated]
     assert donated_leaves(call) == tuple(jax_donates) == (2, 3, 4)
+
+
+def test_inside_jax_transformations_the_step_is_traced_as_written():
+    """jax.eval_shape, jax.jit, jax.grad and jax.vmap of a parallelized step give the step's own
+    shapes and numbers (the outer transformation compiles it, without the plan), and say so once."""
+    from rhino_jax.models import make_mlp_train_step, mlp_example
+
+    step, args = make_mlp_train_step(), mlp_example((16, 32, 16), 16)
+    parallel = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)))
+    with pytest.warns(rj.TracedCallWarning, match="without rhino_jax's plan; call it outside them") as said:
+        shapes = jax.eval_shape(parallel, *args)
+        assert_same_numbers(jax.jit(step)(*args), jax.jit(parallel)(*args))
+        loss = lambda s: parallel(*args[:-1], jax.tree.map(lambda b: b * s, args[-1]))[-1]  # noqa: E731
+        own = lambda s: step(*args[:-1], jax.tree.map(lambda b: b * s, args[-1]))[-1]  # noqa: E731
+        assert_same_numbers(jax.grad(own)(2.0), jax.grad(loss)(2.0))
+        assert_same_numbers(jax.vmap(own)(jnp.arange(1.0, 3.0)), jax.vmap(loss)(jnp.arange(1.0, 3.0)))
+    assert len([w for w in said if w.category is rj.TracedCallWarning]) == 1
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), shapes) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), jax.eval_shape(step, *args))
