@@ -32,6 +32,7 @@ from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
 from .errors import MeshError, SolverInterruptedWarning, TracedCallWarning
 from .gpu_topology import refuse_described
+from .mesh import auto_axes, context_mesh
 from .mesh_search import plan_on, search_meshes
 from .controller import choose
 from .micro_batched import MicroBatchedLowered
@@ -247,7 +248,10 @@ class Parallelized:
     def __init__(self, fn: Callable, mesh: Mesh | None, options: Options, arguments: ArgSpec,
                  devices: Sequence | None = None, plan: Plan | None = None):
         self._fn = fn
-        self.mesh = mesh  # None: each lowering picks its mesh shape (then see `Lowered.mesh`)
+        # The mesh the plan names in its shardings (the user's, Explicit axes or Auto), and its
+        # Auto twin that the step is lowered, searched and compiled on (`auto_axes`).
+        self.user_mesh = mesh
+        self.mesh = None if mesh is None else auto_axes(mesh)  # None: each lowering picks its mesh shape
         self.devices = devices  # with mesh=None: the devices to build meshes of (None: jax.devices())
         self.options = options
         self.arguments = arguments  # static and donated arguments
@@ -309,7 +313,8 @@ class Parallelized:
                 plan = plan_on(graph, MeshTopology.from_mesh(mesh, cluster), cluster, options, mesh)
         tree = jax.tree.structure((call.args, call.kwargs))
         out_tree = step.lowered.out_tree
-        named = lambda specs: [NamedSharding(mesh, s.to_partition_spec()) for s in specs]  # noqa: E731
+        named_on = self.user_mesh if mesh is self.mesh and self.user_mesh is not None else mesh
+        named = lambda specs: [NamedSharding(named_on, s.to_partition_spec()) for s in specs]  # noqa: E731
         plan = dataclasses.replace(plan, input_shardings=call_tree(tree, named(plan.arg_specs)),
                                    output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)),
                                    target=PlanTarget.of(step, mesh, donated_leaves(call)))
@@ -359,7 +364,11 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
     `static_argnums`/`static_argnames` as in `jax.jit`: those arguments are Python values (hashable;
     a new value plans and compiles again), the rest arrays; the step takes keyword arguments.
 
-    `mesh=None` searches over mesh shapes of `devices` (default: all): every 1-, 2- and 3-axis
+    `mesh`: a `jax.sharding.Mesh` of Auto or Explicit axes (`jax.make_mesh`, `rj.device_mesh`);
+    `None` takes the mesh of `jax.set_mesh` when one is set (and `devices` is not given). The plan's
+    shardings name the given mesh, so results can go on into the user's own jitted code.
+
+    `mesh=None` (no mesh set) searches over mesh shapes of `devices` (default: all): every 1-, 2- and 3-axis
     shape whose inner axes stay inside one host (`cluster.devices_per_host`), axes of size >= 2,
     a k-axis mesh named by the first k of `axis_names` (default ("data", "model", "extra"); give
     fewer names for fewer axes). The step is planned on each and the least predicted step time
@@ -375,6 +384,8 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
     given with the mesh, micro-batches, stages and schedule it was made for."""
     options = Options(opt_level, memory_limit_bytes, cluster, num_micro_batches, pipeline, schedule,
                       solver, solver_time_limit_s, axis_names, search_workers, strided_specs)
+    if mesh is None and devices is None:
+        mesh = context_mesh()  # jax.set_mesh's, as jax.jit takes it
     if mesh is not None and not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a jax.sharding.Mesh, e.g. rj.device_mesh((2, 4), ('data', 'model')); "
                         f"got {mesh!r}")
@@ -389,9 +400,8 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
                             "name its axes in rj.device_mesh(shape, axis_names)")
         if devices is not None and set(d.id for d in devices) != set(d.id for d in mesh.devices.flat):
             raise MeshError("devices and mesh disagree: pass one of them")
-    if mesh is not None and any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
-        raise MeshError("the mesh has Explicit/Manual axes, which reject added shardings; build it with "
-                        "rj.device_mesh(...) or jax.sharding.Mesh(..., axis_types=(AxisType.Auto, ...))")
+    if mesh is not None:
+        auto_axes(mesh)  # refuses Manual axes
 
     if plan is not None:
         if isinstance(plan, (str, os.PathLike)):

@@ -38,3 +38,21 @@ def device_mesh(shape: Sequence[int], axis_names: Sequence[str], devices: Sequen
                         f"{fewer}pass a shape whose product is {len(devices)}")
     return Mesh(np.array(devices, dtype=object).reshape(shape), axis_names,
                 axis_types=(AxisType.Auto,) * len(shape))
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """`mesh` with every axis Auto (the same devices and axis names): the kind of mesh the plan's
+    added sharding constraints need. An Explicit mesh (`jax.make_mesh`'s default) is planned on
+    this twin, and the plan's shardings name the user's mesh again."""
+    if any(t == AxisType.Manual for t in mesh.axis_types):
+        raise MeshError("the mesh has Manual axes (shard_map's): parallelize the step outside shard_map, on a "
+                        "mesh of Auto or Explicit axes (jax.make_mesh(shape, names) or rj.device_mesh(shape, names))")
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def context_mesh() -> Mesh | None:
+    """The mesh `jax.set_mesh` put in context, if any."""
+    mesh = jax.sharding.get_mesh()
+    return None if mesh is None or mesh.empty else mesh

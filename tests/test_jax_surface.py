@@ -264,3 +264,25 @@ def test_inside_jax_transformations_the_step_is_traced_as_written():
     assert len([w for w in said if w.category is rj.TracedCallWarning]) == 1
     assert jax.tree.map(lambda a: (a.shape, a.dtype), shapes) == jax.tree.map(
         lambda a: (a.shape, a.dtype), jax.eval_shape(step, *args))
+
+
+def test_a_mesh_of_jax_make_mesh_is_planned_as_it_is():
+    """jax.make_mesh's Explicit axes: the plan is made for its devices and axis names, its
+    shardings and the step's results name the user's mesh, so they go on into jitted code under
+    jax.set_mesh; same numbers as one device. parallelize() without a mesh takes jax.set_mesh's."""
+    from rhino_jax.models import make_mlp_train_step, mlp_example
+
+    step, args = make_mlp_train_step(), mlp_example((16, 32, 16), 16)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+    parallel = rj.parallelize(step, mesh=mesh)
+    assert all(s.mesh == mesh for s in jax.tree.leaves(parallel.lower(*args).plan.input_shardings))
+    out = parallel(*args)
+    assert_same_numbers(jax.jit(step)(*args), out)
+    assert all(x.sharding.mesh == mesh for x in jax.tree.leaves(out))
+    with jax.set_mesh(mesh):
+        doubled = jax.jit(lambda tree: jax.tree.map(lambda a: a * 2, tree))(out)  # the user's own code
+        in_context = rj.parallelize(step)
+        assert in_context.user_mesh is mesh
+        assert_same_numbers(jax.jit(step)(*args), in_context(*args))
+    assert_same_numbers(jax.tree.map(lambda a: a * 2, jax.jit(step)(*args)), doubled)
