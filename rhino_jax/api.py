@@ -27,6 +27,7 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_module
+from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
@@ -278,10 +279,11 @@ class Parallelized:
                               "searching again in full (to keep a plan instead, save it, plan.save(path), and pass "
                               "plan=path)", SolverInterruptedWarning, stacklevel=3)
                 self._cut_short.discard(key)
-            if self.options.pipeline == "auto":
-                lowered = choose(self, call, key)
-            else:
-                lowered = self.lower_with(self.options, call, key)
+            with search_progress.shown(search_progress.enabled(self.options.progress)):
+                if self.options.pipeline == "auto":
+                    lowered = choose(self, call, key)
+                else:
+                    lowered = self.lower_with(self.options, call, key)
             agree(lowered.plan)  # the processes of a distributed job must compile one plan
             # Ctrl-C: use this plan once, search again next time (a saved plan is what it is)
             if self.given_plan is not None or not _interrupted(lowered.plan):
@@ -356,7 +358,8 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
                 static_argnums: int | Sequence[int] | None = None,
                 static_argnames: str | Sequence[str] | None = None, solver: str = "HIGHS",
                 solver_time_limit_s: float = 60.0, axis_names: Sequence[str] | None = None,
-                search_workers: int | None = None, strided_specs: bool = True, plan: "Plan | str | None" = None):
+                search_workers: int | None = None, strided_specs: bool = True, plan: "Plan | str | None" = None,
+                progress: bool = True):
     """Parallelize a train step over `mesh`. Usable as `parallelize(fn, mesh=...)` or as a
     decorator `@parallelize(mesh=...)`; `fn` may already be `jax.jit`-ed (its donation and static
     arguments are kept).
@@ -378,12 +381,14 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
     only when the first search is slow enough to pay for them; 0: in this process). Progress
     is logged to the `rhino_jax` logger at INFO. `strided_specs=False` restricts the search to
     maximum strides (each device holds one block per split dim), as most systems do.
+    `progress`: a search longer than a few seconds shows a one-line progress display on stderr
+    (elapsed, what it does, the best predicted step so far); False or RHINO_JAX_PROGRESS=0: none.
 
     `plan`: a saved plan (`Plan.load(path)`, or the path) to run without a search; it must have
     been made for this step and mesh (`Plan.check_matches`: PlanTargetError otherwise), and is
     given with the mesh, micro-batches, stages and schedule it was made for."""
     options = Options(opt_level, memory_limit_bytes, cluster, num_micro_batches, pipeline, schedule,
-                      solver, solver_time_limit_s, axis_names, search_workers, strided_specs)
+                      solver, solver_time_limit_s, axis_names, search_workers, strided_specs, progress)
     if mesh is None and devices is None:
         mesh = context_mesh()  # jax.set_mesh's, as jax.jit takes it
     if mesh is not None and not isinstance(mesh, Mesh):

@@ -11,16 +11,13 @@ candidate, an infeasible one with why.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import warnings
 from dataclasses import dataclass
 
-from rhino_jax.search import interrupt
+from rhino_jax.search import interrupt, progress
 from rhino_jax.search.cluster import get_cluster
 
 from .errors import MemoryLimitError, MeshError, RhinoError
-
-log = logging.getLogger("rhino_jax")
 
 
 def candidates(options, first_axis: int) -> list:
@@ -88,8 +85,8 @@ def _lower_candidates(parallelized, call, key, limit: int) -> tuple[list[tuple[C
         over = cost.memory_bytes > limit
         why = f"needs {cost.memory_bytes / 2**30:.1f} GiB/device > {limit / 2**30:.1f} GiB" if over else ""
         tried.append((Candidate(_label(cand), cost.total_s, cost.memory_bytes, why), lowered))
-        log.info("rhino_jax: pipeline='auto': %s predicted %.4g ms, %.1f GiB/device", _label(cand),
-                 cost.total_s * 1e3, cost.memory_bytes / 2**30)
+        progress.say("rhino_jax: pipeline='auto': %s predicted %.4g ms, %.1f GiB/device", _label(cand),
+                     cost.total_s * 1e3, cost.memory_bytes / 2**30, best_s=None if over else cost.total_s)
     return tried, errors
 
 

@@ -9,11 +9,10 @@ the searches are plain functions of plain data (Graph, MeshTopology, Cluster pic
 run in worker processes ('spawn'). The candidate with the least predicted step time wins (ties:
 fewer axes); every candidate and its prediction goes into `plan.mesh_candidates` and the report.
 
-Progress goes to the `rhino_jax` logger at INFO (`logging.basicConfig(level=logging.INFO)`).
+Progress goes to the `rhino_jax` logger at INFO and to the progress line on stderr (`search.progress`).
 """
 from __future__ import annotations
 
-import logging
 import math
 import multiprocessing
 import os
@@ -31,7 +30,7 @@ from jax.sharding import Mesh
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
-from rhino_jax.search import interrupt
+from rhino_jax.search import interrupt, progress
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster, host_ids
 from rhino_jax.search.gemm_workspace import with_gemm_workspaces
 from rhino_jax.search.meshes import candidate_meshes
@@ -43,7 +42,6 @@ from .mesh import device_mesh
 from .options import Options
 from .plan import MeshCandidate, Plan
 
-log = logging.getLogger("rhino_jax")
 
 # With search_workers=None the first candidate is searched here, and its time decides whether the
 # rest go to worker processes: a 'spawn' worker (a fresh interpreter importing jax and rhino_jax)
@@ -100,7 +98,7 @@ def search_worker(graph: Graph, topo: MeshTopology, cluster: Cluster, options: O
 
 def _lower(c: _Candidate, call: Call, cluster: Cluster) -> None:
     t0 = time.perf_counter()
-    log.info("rhino_jax: lowering on mesh [%s]", c.label)
+    progress.say("rhino_jax: lowering on mesh [%s]", c.label)
     try:
         c.step = lower_on_mesh(call.fn, call.args, c.mesh, call.donate_argnums, call.kwargs, call.donate_argnames,
                                call.positions)
@@ -124,17 +122,17 @@ def _record(c: _Candidate, result, n: int) -> None:
     for message, category in caught:
         warnings.warn(f"mesh [{c.label}]: {message}", category, stacklevel=4)
     if plan is not None:
-        log.info("rhino_jax: mesh [%s] (%d/%d): predicted step %.4g ms (searched in %.2f s)",
-                 c.label, c.index + 1, n, plan.cost.total_s * 1e3, seconds)
+        progress.say("rhino_jax: mesh [%s] (%d/%d): predicted step %.4g ms (searched in %.2f s)",
+                     c.label, c.index + 1, n, plan.cost.total_s * 1e3, seconds, best_s=plan.cost.total_s)
     else:
-        log.info("rhino_jax: mesh [%s] (%d/%d): infeasible: %s", c.label, c.index + 1, n, error)
+        progress.say("rhino_jax: mesh [%s] (%d/%d): infeasible: %s", c.label, c.index + 1, n, error)
 
 
 def _search_here(todo: list[_Candidate], cluster: Cluster, options: Options, n: int) -> None:
     for c in todo:
         if interrupt.pressed():  # Ctrl-C: the user wants a plan now
             break
-        log.info("rhino_jax: searching mesh [%s] (%d/%d)", c.label, c.index + 1, n)
+        progress.say("rhino_jax: searching mesh [%s] (%d/%d)", c.label, c.index + 1, n)
         _record(c, search_worker(c.graph, c.topo, cluster, options), n)
 
 
@@ -202,8 +200,8 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
 
 
 def _search_pool(todo: list[_Candidate], workers: int, cluster: Cluster, options: Options, n: int) -> None:
-    log.info("rhino_jax: searching %d mesh shapes in %d worker processes: %s", len(todo), workers,
-             ", ".join(f"[{c.label}]" for c in todo))
+    progress.say("rhino_jax: searching %d mesh shapes in %d worker processes: %s", len(todo), workers,
+                 ", ".join(f"[{c.label}]" for c in todo))
     try:
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_ignore_ctrl_c) as pool:
@@ -235,8 +233,8 @@ def search_meshes(call: Call, devices, options: Options) -> tuple[Mesh, LoweredS
     cluster = get_cluster(options.cluster, devices)
     shapes = candidate_meshes(host_ids(devices, cluster.devices_per_host), options.axis_names)
     n = len(shapes)
-    log.info("rhino_jax: mesh=None: %d candidate mesh shapes over %d devices: %s", n, len(devices),
-             ", ".join(str(s) for s, _ in shapes))
+    progress.say("rhino_jax: mesh=None: %d candidate mesh shapes over %d devices: %s", n, len(devices),
+                 ", ".join(str(s) for s, _ in shapes))
     cands = [_Candidate(i, s, names, device_mesh(s, names, devices)) for i, (s, names) in enumerate(shapes)]
     for c in cands:
         _lower(c, call, cluster)
@@ -273,6 +271,6 @@ def _choose(cands: list[_Candidate], interrupted: bool) -> tuple[Mesh, LoweredSt
     best = feasible[0]
     table = [MeshCandidate(c.shape, c.names, c.plan.cost, c.seconds, chosen=c is best) for c in feasible]
     table += [MeshCandidate(c.shape, c.names, None, c.seconds, error=c.error) for c in cands if c.plan is None]
-    log.info("rhino_jax: chose mesh [%s]: predicted step %.4g ms", best.label, best.plan.cost.total_s * 1e3)
+    progress.say("rhino_jax: chose mesh [%s]: predicted step %.4g ms", best.label, best.plan.cost.total_s * 1e3)
     return best.mesh, best.step, best.graph, replace(best.plan, mesh_candidates=tuple(table),
                                                      interrupted=best.plan.interrupted or interrupted)

@@ -28,6 +28,8 @@ class Options:
     search_workers: int | None = None
     # Rhino's strided specs (§4.1) where reshapes call for them; False: maximum strides only.
     strided_specs: bool = True
+    # A one-line progress display on stderr for searches longer than a few seconds (`search.progress`).
+    progress: bool = True
 
     def __post_init__(self):
         if self.opt_level not in ("O2", "O3"):
@@ -54,6 +56,8 @@ class Options:
         object.__setattr__(self, "solver", self.solver.upper())
         if not isinstance(self.strided_specs, bool):
             raise ValueError(f"strided_specs must be True or False, got {self.strided_specs!r}")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be True or False, got {self.progress!r}")
         limit = self.solver_time_limit_s
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
             raise ValueError(f"solver_time_limit_s must be a positive number of seconds, got {limit!r}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import time
 import warnings
 from collections import defaultdict
@@ -22,7 +21,7 @@ from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverError, So
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
 from ..hlo_passes.graph import Graph, Pin, slots
-from . import carried, ilp, interrupt, levels, windows
+from . import carried, ilp, interrupt, levels, progress, windows
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard_path
 from .combining import combined_time
@@ -35,8 +34,6 @@ from .rules import COMPUTE_HEAVY
 from .specs import ShardingSpec
 from .strategies import Strategy, memory_traffic, node_strategies, tensor_specs
 from .strides import candidates as stride_candidates
-
-log = logging.getLogger("rhino_jax")
 
 
 @dataclass
@@ -227,8 +224,8 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
                 if usable >= overlap * 0.99:
                     break
                 overlap = usable
-                log.info("rhino_jax: overlap: %.3g s of compute hides %.3g s of communication; searching again "
-                         "with overlap %.3g", plan.cost.compute_s, plan.search_stats["off_chain_comm_s"], overlap)
+                progress.say("rhino_jax: overlap: %.3g s of compute hides %.3g s of communication; searching again "
+                             "with overlap %.3g", plan.cost.compute_s, plan.search_stats["off_chain_comm_s"], overlap)
                 plan = _search(graph, dataclasses.replace(topo, overlap=overlap), cluster, deadline=deadline, **options)
                 plan = dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, **_hidden(plan, topo.overlap)))
                 tried.append(plan)
@@ -283,9 +280,9 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
         windows.size(problem) if stats["tied_segments"] else 0, opt_level == "O3", backend,
         start=_replicated_choice(units, groups))
     stats["build_s"] = time.perf_counter() - t0
-    log.info("rhino_jax: %d ops → %d cones (%d critical nodes, %d segments, %d tied) in %.2f s",
-             len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],
-             stats["tied_segments"], stats["build_s"])
+    progress.say("rhino_jax: %d ops → %d cones (%d critical nodes, %d segments, %d tied) in %.2f s",
+                 len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],
+                 stats["tied_segments"], stats["build_s"])
 
     held_bytes = functools.cache(lambda: _held_bytes(graph, units, groups, sizes))
 
@@ -295,14 +292,15 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
         forbidden = [np.zeros(len(g.choice), dtype=bool) for g in groups]
         for g in forced:
             forbidden[g] |= [ch[groups[g].root].results[0].shard_factor(sizes) == 1 for ch in groups[g].choice]
-        log.info("rhino_jax: solving the ILP over %d groups%s (%.3g s left of the time limit; Ctrl-C stops at the best "
-                 "plan so far)", len(solvers.stages[-1][0].problem.costs),
-                 f", {len(forced)} arguments not replicated" if forced else "", max(deadline.left(), 0.0))
+        progress.say("rhino_jax: solving the ILP over %d groups%s (%.3g s left of the time limit; Ctrl-C stops at the "
+                     "best plan so far)", len(solvers.stages[-1][0].problem.costs),
+                     f", {len(forced)} arguments not replicated" if forced else "", max(deadline.left(), 0.0))
         answered = interrupt.pressed()  # a Ctrl-C before this solve: told already, this plan is greedy
         choice, solution, info = solvers.solve(deadline, forbidden, weight_s, held_bytes() if weight_s else None)
-        log.info("rhino_jax: ILP %s in %.2f s%s: predicted %.4g ms", solution.status, solution.solve_s,
-                 " (its LP relaxation was integral)" if solution.relaxation_exact else "",
-                 solution.objective_s * 1e3)
+        unlimited = not forced and not weight_s  # else a trial under a memory limit (`_try`, `_try_weight`)
+        progress.say("rhino_jax: ILP %s in %.2f s%s: predicted %.4g ms", solution.status, solution.solve_s,
+                     " (its LP relaxation was integral)" if solution.relaxation_exact else "",
+                     solution.objective_s * 1e3, best_s=solution.objective_s if unlimited else None)
         st = dict(stats, **info, ilp_groups=len(solvers.stages[-1][0].problem.costs), ilp_vars=solution.num_vars,
                   ilp_constraints=solution.num_constraints, solve_s=sum(st[3] for st in info["stages"]),
                   backend=solution.backend, status=solution.status, gap=solution.gap,
@@ -477,16 +475,21 @@ def _leading(plan: Plan, args: list[int]) -> int:
 
 def _try(plan_with, candidates: list[int], k: int, limit: int) -> Plan:
     plan = plan_with(candidates[:k])
-    log.info("rhino_jax: memory limit: %d largest not replicated → %.1f MiB per device (limit %.1f)",
-             k, plan.cost.memory_bytes / 2**20, limit / 2**20)
+    progress.say("rhino_jax: memory limit: %d largest not replicated → %.1f MiB per device (limit %.1f)",
+                 k, plan.cost.memory_bytes / 2**20, limit / 2**20, best_s=_fitting(plan, limit))
     return plan
 
 
 def _try_weight(plan_with, weight_s: float, limit: int) -> Plan:
     plan = plan_with([], weight_s)
-    log.info("rhino_jax: memory limit: memory priced at %.3g s/GiB → %.1f MiB per device (limit %.1f)",
-             weight_s * 2**30, plan.cost.memory_bytes / 2**20, limit / 2**20)
+    progress.say("rhino_jax: memory limit: memory priced at %.3g s/GiB → %.1f MiB per device (limit %.1f)",
+                 weight_s * 2**30, plan.cost.memory_bytes / 2**20, limit / 2**20, best_s=_fitting(plan, limit))
     return plan
+
+
+def _fitting(plan: Plan, limit: int) -> float | None:
+    """The plan's predicted step where it fits the memory limit (the best so far to show)."""
+    return plan.cost.total_s if plan.cost.memory_bytes <= limit else None
 
 
 def _stop_if_interrupted(tried: list[Plan], fits) -> None:

@@ -20,14 +20,12 @@ There is no global bound: the status is "windowed" (each window optimal given th
 from __future__ import annotations
 
 import heapq
-import logging
 import time
 
 import numpy as np
 
-from . import ilp, interrupt
+from . import ilp, interrupt, progress
 
-log = logging.getLogger("rhino_jax")
 
 WHOLE_VARS = 150_000  # a (tied) problem with at most this many variables is solved as one ILP
 WINDOW_VARS = 25_000  # a window's variables (x and y), at most
@@ -203,9 +201,10 @@ class Windowed:
                         break
                 if status != "windowed":
                     break
-                log.info("rhino_jax: sweep %d over %d windows (at most %d variables each) in %.2f s: predicted %.4g ms",
-                         sweep + 1, len(self.windows), biggest[0], time.perf_counter() - start,
-                         ilp.evaluate(problem, tuple(choice)) * 1e3)
+                predicted = ilp.evaluate(problem, tuple(choice))
+                progress.say("rhino_jax: sweep %d over %d windows (at most %d variables each) in %.2f s: predicted "
+                             "%.4g ms", sweep + 1, len(self.windows), biggest[0], time.perf_counter() - start,
+                             predicted * 1e3, best_s=predicted)
                 if not changed:
                     break
         except KeyboardInterrupt:  # in this loop's own work: the windows solved so far stand

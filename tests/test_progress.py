@@ -1,5 +1,7 @@
 """A long search reports its progress and stops at Ctrl-C with the best plan found so far."""
 import logging
+import re
+import threading
 
 import jax
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 import rhino_jax as rj
 from rhino_jax.errors import SolverInterruptedWarning
 from rhino_jax.models import make_mlp_train_step, mlp_example
-from rhino_jax.search import ilp
+from rhino_jax.search import ilp, progress
 
 from helpers import assert_same_numbers
 from test_interrupt import ctrl_c  # noqa: F401 (the fixture)
@@ -40,3 +42,33 @@ def test_search_logs_its_levels_and_an_interrupted_plan_still_runs(ctrl_c, caplo
     assert lowered.plan.search_stats["status"] == "interrupted"
     assert "interrupted" in lowered.plan.report()
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
+
+
+def _lower_small(**options):
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    return rj.parallelize(make_mlp_train_step(), mesh=mesh, **options).lower(*mlp_example((32, 64, 32), 16))
+
+
+def test_a_search_shows_its_progress_on_one_line_of_stderr(monkeypatch, capsys):
+    """After DELAY_S the search writes what it does, the elapsed time and the best predicted step
+    so far to stderr (a plain line per period where stderr is no terminal, and one at the end)."""
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_PERIOD_S", 0.01)
+    lowered = _lower_small()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rhino_jax ")]
+    assert lines, "no progress line"
+    assert re.fullmatch(r"rhino_jax +[\d.]+ s \| .+", lines[0])
+    assert any("solving the ILP" in ln for ln in lines) or any("cones" in ln for ln in lines)
+    best = re.search(r"best so far ([\d.e+-]+) ms$", lines[-1])
+    assert best and float(best.group(1)) == pytest.approx(lowered.plan.cost.total_s * 1e3, rel=1e-3)
+    assert not [t for t in threading.enumerate() if t.name == "rhino_jax progress"]
+
+
+@pytest.mark.parametrize("off", ["option", "environment"])
+def test_the_progress_line_can_be_turned_off(off, monkeypatch, capsys):
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_PERIOD_S", 0.01)
+    if off == "environment":
+        monkeypatch.setenv("RHINO_JAX_PROGRESS", "0")
+    _lower_small(**({"progress": False} if off == "option" else {}))
+    assert not [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rhino_jax ")]
