@@ -166,7 +166,8 @@ class PipelinedLowered(SeveralProgramsLowered):
                 stages[s] = self._stage_plan(s)
         self.stages = tuple(stages)
         self.transfers = _transfers(self._programs, meshes, cg, cluster)
-        self.moves_s = _step_moves(self._programs, self._applies, _named(self._layouts()), step, meshes, cluster)
+        self.moves_s = _step_moves(self._programs, self._applies, _named(self._layouts()),
+                                   _named(self._output_layouts()), step, meshes, cluster)
         self.apply_tasks = _apply_tasks(self._applies, self._home, len(cg.args))
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.plan = dataclasses.replace(self._summary(staged), placement=place, target=target)
@@ -188,6 +189,17 @@ class PipelinedLowered(SeveralProgramsLowered):
             out.append((self.mesh, ShardingSpec.replicated(len(ag.values[ag.args[i].value].shape))) if spec is None
                        else (self.meshes[s], spec))
         return out
+
+    def _output_layouts(self) -> list[tuple[Mesh, ShardingSpec]]:
+        """Where the step returns each output: one fed back into an argument (the state) where
+        its stage's apply-gradients makes it; the others (the loss, metrics) replicated on the
+        whole mesh, so every process can read them, as after `jax.jit` (`_step_moves` prices
+        the move)."""
+        ag = self._step.apply_graph
+        fed = set(ag.fed_back())
+        made = {v: (prog, plan) for prog, _, plan in self._applies for v in prog.outputs}
+        return [(self.meshes[made[v][0].stage], made[v][1].output_specs[made[v][0].outputs.index(v)]) if k in fed
+                else (self.mesh, ShardingSpec.replicated(len(ag.values[v].shape))) for k, v in enumerate(ag.outputs)]
 
     def _stage_plan(self, s: int) -> StagePlan:
         cg, plans, sub = self._step.compute_graph, self._programs, self.meshes[s]
@@ -229,10 +241,9 @@ class PipelinedLowered(SeveralProgramsLowered):
         plans = [plan for _, _, plan in self._applies]
         stats = dict(_searches([plan.search_stats for plan in plans]), pipeline=len(self.stages),
                      schedule=self.schedule.name, micro_batches=self.k, **staged, transfer_s=transfer_s,
-                     arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1], applies=self.apply_tasks)
-        made = {v: (prog, plan) for prog, _, plan in self._applies for v in prog.outputs}
-        outputs = [(self.meshes[made[v][0].stage], made[v][1].output_specs[made[v][0].outputs.index(v)])
-                   for v in ag.outputs]
+                     arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1], outputs_out_s=self.moves_s[2],
+                     applies=self.apply_tasks)
+        outputs = self._output_layouts()
         layouts = self._layouts()
         return Plan(
             mesh_axes=dict(zip(self.mesh.axis_names, self.mesh.devices.shape)), cluster=plans[0].cluster,
@@ -428,14 +439,15 @@ def _hosts(cluster) -> resharding.Hosts:
     return resharding.Hosts(lambda d: host[d.id], cluster.inter_host_bandwidth, cluster.intra_host_bandwidth)
 
 
-def _step_moves(plans: dict[tuple[str, int], Planned], applies: list[Planned], layouts: list[NamedSharding], step,
-                meshes: list[Mesh], cluster) -> tuple[float, float]:
+def _step_moves(plans: dict[tuple[str, int], Planned], applies: list[Planned], layouts: list[NamedSharding],
+                returned: list[NamedSharding], step, meshes: list[Mesh], cluster) -> tuple[float, float, float]:
     """Seconds per step (1) to bring each program the step's arguments it reads elsewhere or in
     another layout than the step takes them in (`layouts`; a batch argument's micro-batches
     together move the whole of it), (2) to bring apply-gradients' programs the sums and the
-    values they read from other stages or in other layouts. Priced as cross-mesh resharding
-    under the host-level model, all of a direction's tensors in one plan (they share the hosts'
-    links)."""
+    values they read from other stages or in other layouts, (3) to return the outputs where the
+    step returns them (`returned`: the loss and metrics replicated on the whole mesh). Priced as
+    cross-mesh resharding under the host-level model, all of a direction's tensors in one plan
+    (they share the hosts' links)."""
     hosts, ag, n = _hosts(cluster), step.apply_graph, len(step.compute_graph.args)
     sums = {v: j for j, v in enumerate(step.compute_graph.outputs)}
     source = {n + sums[v]: NamedSharding(meshes[prog.stage], spec.to_partition_spec())  # sum → where it is made
@@ -443,7 +455,7 @@ def _step_moves(plans: dict[tuple[str, int], Planned], applies: list[Planned], l
     source.update((i, layout) for i, layout in enumerate(layouts))
     made = {v: NamedSharding(meshes[prog.stage], spec.to_partition_spec())
             for prog, _, plan in applies for v, spec in zip(prog.outputs, plan.output_specs)}
-    moves: tuple[dict, dict] = ({}, {})  # keyed so that a tensor moves once per layout
+    moves: tuple[dict, dict, dict] = ({}, {}, {})  # keyed so that a tensor moves once per layout
 
     def add(direction: dict, key, src: NamedSharding, dst: NamedSharding, value: int) -> None:
         if src != dst and key not in direction:
@@ -458,12 +470,14 @@ def _step_moves(plans: dict[tuple[str, int], Planned], applies: list[Planned], l
         if prog.kind == "A":
             for v, to in zip(prog.inputs, dst[len(prog.args):]):
                 add(moves[1], ("value", v, to), made[v], to, v)
+    for v, to in zip(ag.outputs, returned):
+        add(moves[2], ("output", v, to), made[v], to, v)
 
     def seconds(direction: dict) -> float:
         tasks = resharding.host_level([t for ts in direction.values() for t in ts], hosts)
         return resharding.plan(tasks, hosts).makespan_s if tasks else 0.0
 
-    return seconds(moves[0]), seconds(moves[1])
+    return seconds(moves[0]), seconds(moves[1]), seconds(moves[2])
 
 
 def _held_bytes(plans, s: int, mesh: Mesh) -> int:
@@ -564,7 +578,9 @@ class PipelinedCompiled(SeveralPrograms):
                        for i, sharding in zip(prog.args, shardings)]
                 ins += [self._to(applied[v], sharding) for v, sharding in zip(prog.inputs, shardings[len(prog.args):])]
                 applied.update(zip(prog.outputs, run(*ins)))
-        return jax.tree.unflatten(low._trees[1], [applied[v] for v in low._step.apply_graph.outputs])
+        returned = jax.tree.leaves(low.plan.output_shardings)
+        return jax.tree.unflatten(low._trees[1], [self._to(applied[v], sharding) for v, sharding
+                                                  in zip(low._step.apply_graph.outputs, returned)])
 
     def compiled_step_s(self, cluster=None) -> float:
         """The step's time with each program priced from what XLA compiled (`compiled_cost.

@@ -287,8 +287,9 @@ class Plan:
                              f"micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut, {s['transfer_s'] * 1e3:.3f} ms "
                              f"to move a micro-batch's tensors across a boundary; {s['arguments_in_s'] * 1e3:.3f} ms to "
                              f"bring the programs the arguments they read elsewhere, {s['sums_out_s'] * 1e3:.3f} ms to "
-                             "bring apply-gradients the sums and values of other stages), then apply-gradients on "
-                             "the stages (the search line above: its programs together)")
+                             "bring apply-gradients the sums and values of other stages, "
+                             f"{s.get('outputs_out_s', 0.0) * 1e3:.3f} ms to return the loss and metrics on the whole "
+                             "mesh), then apply-gradients on the stages (the search line above: its programs together)")
                 lines += [f"    stage {st.stage}  {_axes(st.mesh_axes)} devices {_runs(st.devices)}: forward "
                           f"{st.forward_s * 1e3:.3f} + backward {st.backward_s * 1e3:.3f} ms per micro-batch, "
                           f"apply {st.apply_s * 1e3:.3f} ms, "

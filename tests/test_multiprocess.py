@@ -36,6 +36,8 @@ def test_two_processes_hold_one_plan_and_match_one_device():
     digests = _digests(done.stdout)
     assert len(digests) == 2 and len(set(digests)) == 1
     assert _processes_saying(done.stdout, "same numbers as one device") == {"0", "1"}
+    # the loss, made on the last stage (process 1), is returned on the whole mesh
+    assert _processes_saying(done.stdout, "the loss read on this process") == {"0", "1"}
 
 
 def test_a_dead_process_stops_the_job_within_a_minute():
