@@ -12,7 +12,9 @@ layout is the same in all three):
   priced on their own.
 
 A third, an MLIR context with jax's dialects (`ir_context`), is made from public calls, but relies
-on what `Lowered.compiler_ir` returns, which jax leaves unspecified.
+on what `Lowered.compiler_ir` returns, which jax leaves unspecified. A fourth swaps one primitive's
+lowering while a step is lowered (`top_k_lowered_as_sort`): jax registers lowerings in a private
+table.
 
 Each lookup that fails raises `UnsupportedJaxError` naming the jax range rhino_jax supports;
 tests/test_jax_versions.py exercises every one, so a jax that lays them out differently fails
@@ -20,9 +22,10 @@ there first, with that message.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -51,6 +54,41 @@ def _private(module: str, name: str) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise _unsupported(f"{module}.{name}", e) from e
+
+
+@contextlib.contextmanager
+def top_k_lowered_as_sort() -> Iterator[None]:
+    """While a step is lowered, `lax.top_k` lowered as a stable sort and a slice (`_top_k_by_sort`).
+    XLA computes its own TopK replicated: it gathers the rows first, split or not (measured with
+    jax 0.10.2 and 0.12 on the CPU), where a sort along the last dim stays split along the others;
+    an MoE router's top-2 over its [tokens, experts] logits is such a top_k."""
+    mlir = importlib.import_module("jax._src.interpreters.mlir")
+    table = getattr(mlir, "_lowerings", None)
+    if not isinstance(table, dict) or jax.lax.top_k_p not in table:
+        raise _unsupported("jax._src.interpreters.mlir._lowerings", KeyError("top_k"))
+    own = table[jax.lax.top_k_p]
+    mlir.register_lowering(jax.lax.top_k_p, mlir.lower_fun(_top_k_by_sort, multiple_results=True))
+    try:
+        yield
+    finally:
+        table[jax.lax.top_k_p] = own
+
+
+def _top_k_by_sort(operand, *, k: int, axis: int = -1, **_):
+    """The k largest along `axis` and their indices, as XLA's TopK gives them: ascending in the
+    values' total order (-NaN < -inf < ... < -0.0 < 0.0 < ... < inf < NaN, an integer key of each
+    float's bits), then by descending index, reversed and cut to k: equal values keep the lower
+    index first."""
+    lax = jax.lax
+    axis %= operand.ndim
+    index = lax.broadcasted_iota("int32", operand.shape, axis)
+    key = operand
+    if jax.numpy.issubdtype(operand.dtype, jax.numpy.floating):
+        bits = lax.bitcast_convert_type(operand, f"int{operand.dtype.itemsize * 8}")
+        key = jax.numpy.where(bits < 0, bits ^ jax.numpy.iinfo(bits.dtype).max, bits)
+    _, negated, values = lax.sort((key, -index, operand), dimension=axis, num_keys=2, is_stable=True)
+    values, negated = lax.rev(values, (axis,)), lax.rev(negated, (axis,))
+    return [lax.slice_in_dim(values, 0, k, axis=axis), -lax.slice_in_dim(negated, 0, k, axis=axis)]
 
 
 def ir_context() -> ir.Context:

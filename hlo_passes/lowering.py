@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import module as mod
 from .graph import Leaf, feeds
+from .jax_internals import top_k_lowered_as_sort
 
 _OPT_KEYS = ("opt", "optimizer", "adam", "mu", "nu", "momentum", "velocity", "count", "step")
 _BATCH_KEYS = ("batch", "inputs", "input", "labels", "targets", "tokens", "images", "x", "y")
@@ -129,7 +130,7 @@ def lower_on_mesh(fn, args: Sequence, mesh: Mesh, donate_argnums: tuple[int, ...
                                                            sharding=replicated), (tuple(args), kwargs))
     jitted = jax.jit(fn, out_shardings=replicated, donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                      keep_unused=True)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), top_k_lowered_as_sort():
         lowered = jitted.lower(*abstract[0], **abstract[1])
     module = mod.inline_calls(mod.copy_module(lowered.compiler_ir("stablehlo")))
     flat = flat_arguments(args, kwargs, positions)

@@ -87,3 +87,27 @@ def test_hlo_cost_analysis_counts_a_matmul():
     cost = internals.hlo_cost_analysis(text, jax.devices()[0])
     cost = cost[0] if isinstance(cost, list) else cost
     assert cost["flops"] == 2 * 4 * 8 * 16, cost
+
+
+def test_top_k_lowered_as_sort_gives_xla_s_top_k_and_is_undone_after():
+    """The stand-in for lax.top_k while a step is lowered: the same values and indices as XLA's
+    TopK, ties (also 0.0 and -0.0) to the lower index, NaNs in the total order; jax's own lowering
+    back once the block ends. (Three functions: jax.jit caches per function.)"""
+    rows = np.array([[1.0, np.nan, 3.0, -np.nan, 2.0, np.inf, 3.0],
+                     [0.0, -0.0, 0.0, -0.0, 1.0, -np.inf, 1.0]], np.float32)
+
+    def by_xla(x):
+        return jax.lax.top_k(x, 4)
+
+    def by_sort(x):
+        return jax.lax.top_k(x, 4)
+
+    def after(x):
+        return jax.lax.top_k(x, 4)
+
+    with internals.top_k_lowered_as_sort():
+        lowered = jax.jit(by_sort).lower(rows)
+    assert "top_k" not in lowered.as_text() and "sort" in lowered.as_text()
+    for want, got in zip(jax.jit(by_xla)(rows), lowered.compile()(rows)):
+        np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+    assert "top_k" in jax.jit(after).lower(rows).as_text()

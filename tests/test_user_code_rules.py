@@ -2,7 +2,8 @@
 fall back to replication: CHLO elementwise ops (exact GELU's erfc, lgamma, ...), gathers and
 scatters with batching dims (take_along_axis, optax's integer-label cross entropy and its
 gradient), scatters into a table split on the indexed dim, and variadic reduces (argmax over a
-split dim), bitcasts between element widths, and random bits from an "rbg" key."""
+split dim), bitcasts between element widths, random bits from an "rbg" key, and what MoE routing
+calls: top_k (lowered as a sort), argsort, cumsum."""
 import jax
 import jax.numpy as jnp
 import optax
@@ -183,3 +184,37 @@ def test_argmax_over_a_split_vocabulary_combines_partial_results():
     compiled = lowered.compile()
     assert _largest_moved(compiled) <= 8 * rows * 4, compiled.collectives
     assert_same_numbers(jax.jit(accuracy)(logits, labels), compiled(logits, labels))
+
+
+@pytest.mark.parametrize("route", ["top_k", "argsort", "cumsum"])
+def test_routing_ops_keep_their_rows_split(route):
+    """What MoE routers and samplers call along the last dim (Mixtral's top-2 of the router's
+    logits, a sort's order, a running count of each expert's slots) works row by row: split
+    rows stay split, the logits are not gathered."""
+    def route_tokens(logits):
+        logits = rj.annotate(logits, P("d", None))
+        if route == "top_k":
+            values, index = lax.top_k(logits, 2)
+            return jnp.sum(values * index)
+        if route == "argsort":
+            return jnp.sum(jnp.argsort(logits, axis=-1)[:, :2] * logits[:, :2])
+        return jnp.sum(jnp.cumsum(logits, axis=-1) * logits)
+
+    logits = jax.random.normal(jax.random.PRNGKey(0), (64, 4096))
+    lowered = rj.parallelize(route_tokens, mesh=rj.device_mesh((8,), ("d",))).lower(logits)
+    assert lowered.plan.fallback_ops == ()
+    compiled = lowered.compile()
+    assert _largest_moved(compiled) <= 64, compiled.collectives  # the sum's scalars, not rows of logits
+    assert_same_numbers(jax.jit(route_tokens)(logits), compiled(logits))
+
+
+def test_a_mixtral_style_moe_step_has_no_fallback_ops():
+    """A Flax top-2 MoE LM (router top_k, GShard dispatch by cumsum and one-hot einsums, AdamW):
+    every op has a rule, and the step keeps one device's numbers."""
+    from benchmarks.third_party_models import linen_moe
+    from helpers import assert_same_adam_step
+
+    case = linen_moe()
+    lowered = rj.parallelize(case.step, mesh=rj.device_mesh((8,), ("data",))).lower(*case.args)
+    assert lowered.plan.fallback_ops == ()
+    assert_same_adam_step(jax.jit(case.step)(*case.args), lowered.compile()(*case.args), lr=1e-3)
