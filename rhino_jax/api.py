@@ -337,7 +337,6 @@ class Parallelized:
                 self._hits[key] = compiled
         return compiled._dispatch(dyn_args, dyn_kwargs, leaves)
 
-
     def _traced(self, args, kwargs):
         """Inside jax.jit, grad, vmap or eval_shape the step's arguments are tracers and the outer
         transformation compiles what it traces: the step as written (one device's numbers; its

@@ -15,7 +15,7 @@ def device_mesh(shape: Sequence[int], axis_names: Sequence[str], devices: Sequen
 
     Inner (later) axes take consecutive devices, so on a multi-host cluster put the axes that
     should stay inside a host last."""
-    if not isinstance(shape, Sequence) or not all(isinstance(s, (int, np.integer)) for s in shape):
+    if not isinstance(shape, (Sequence, np.ndarray)) or not all(isinstance(s, (int, np.integer)) for s in shape):
         raise MeshError(f"mesh shape must be a tuple of sizes, one per axis, e.g. (8,) or (2, 4); got {shape!r}")
     shape = tuple(int(s) for s in shape)
     if not shape or any(s < 1 for s in shape):

@@ -122,15 +122,14 @@ class Cluster:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"Cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
-        for field_name, least in (("intra_host_bandwidth", 0), ("inter_host_bandwidth", 0), ("memory_bandwidth", 0),
-                                  ("host_to_device_bandwidth", 0), ("memory_per_device", 0),
-                                  ("intra_host_latency", None), ("inter_host_latency", None),
-                                  ("collective_launch_s", None)):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    value > 0 if least == 0 else value >= 0) or value == float("inf"):
-                must = "a positive" if least == 0 else "a non-negative"
-                raise ValueError(f"Cluster.{field_name} must be {must} finite number, got {value!r}")
+        positive = ("intra_host_bandwidth", "inter_host_bandwidth", "memory_bandwidth", "host_to_device_bandwidth",
+                    "memory_per_device")
+        for name in positive + ("intra_host_latency", "inter_host_latency", "collective_launch_s"):
+            value = getattr(self, name)
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            if not number or value < 0 or (value == 0 and name in positive):
+                must = "a positive" if name in positive else "a non-negative"
+                raise ValueError(f"Cluster.{name} must be {must} finite number, got {value!r}")
         if isinstance(self.devices_per_host, bool) or not isinstance(self.devices_per_host, int) \
                 or self.devices_per_host < 1:
             raise ValueError(f"Cluster.devices_per_host must be an int >= 1, got {self.devices_per_host!r}")
