@@ -1,7 +1,7 @@
 """python -m rhino_jax: plan a train step from the shell, write the plan file, show a saved one.
 
     python -m rhino_jax plan MODULE:FUNCTION --mesh 2x4 [--axes data,model] [--opt O2] [--cluster NAME]
-                             [--out plan.json] [--cpu-devices 8] ...
+                             [--out plan.json] [--cpu-devices 8 | --topology h100:128x8] ...
     python -m rhino_jax show plan.json
 
 FUNCTION takes no arguments and returns `(step, args)`: the train step and a tuple of its
@@ -9,6 +9,8 @@ positional arguments (arrays, or `jax.ShapeDtypeStruct`s: planning needs no data
 importable module (`pkg.mod`, found from the current directory or PYTHONPATH) or a file
 (`path/to/file.py`). `--cpu-devices N` emulates N CPU devices: XLA reads XLA_FLAGS when jax
 first builds its backend (importing jax does not), so setting it after parsing is in time.
+`--topology KIND:HOSTSxGPUS` plans for described GPUs (`rj.gpu_topology`) on any machine: the
+plan file is then run on the cluster with `parallelize(..., plan=...)`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import jax
 
 from .api import parallelize
 from .errors import RhinoError
+from .gpu_topology import GPUS, gpu_topology
 from .mesh import device_mesh
 from .plan import Plan
 
@@ -52,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
     plan.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     plan.add_argument("--cpu-devices", type=int, help="emulate this many CPU devices (sets XLA_FLAGS)")
+    plan.add_argument("--topology", help="plan for described GPUs, KIND:HOSTSxGPUS (e.g. h100:128x8; kinds: "
+                      f"{', '.join(sorted(GPUS))}): no device needed, the cluster runs the plan file")
     show = commands.add_parser("show", help="print the report of a saved plan")
     show.add_argument("path", help="a plan file written by `plan` or Plan.save")
     return parser
@@ -94,8 +99,11 @@ def _quiet_stdout() -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.cpu_devices is not None and args.topology is not None:
+        raise UsageError("--cpu-devices and --topology both give the devices to plan for; pass one")
     if args.cpu_devices is not None:
         _emulate_cpu_devices(args.cpu_devices)
+    devices = jax.devices() if args.topology is None else _described(args.topology)
     donate = _ints(args.donate, "--donate") or ()
     options = dict(opt_level=args.opt, cluster=args.cluster, num_micro_batches=args.micro_batches,
                    pipeline=_pipeline(args.pipeline), schedule=args.schedule, solver_time_limit_s=args.time_limit,
@@ -105,26 +113,42 @@ def _plan(args: argparse.Namespace) -> int:
     names = tuple(args.axes.split(",")) if args.axes else None
     if shape is None:
         options["axis_names"] = names
+        if args.topology is not None:
+            options["devices"] = devices
     else:
         names = names or DEFAULT_AXES[:len(shape)]
         if len(names) != len(shape):
             raise UsageError(f"--axes names {len(names)} axes ({','.join(names)}) but --mesh {args.mesh} has "
                              f"{len(shape)}; give one name per axis")
-        devices, need = jax.devices(), math.prod(shape)
+        need = math.prod(shape)
         if need > len(devices):
             hint = f"; pass --cpu-devices {need} to emulate them on the CPU" if devices[0].platform == "cpu" else ""
-            raise UsageError(f"--mesh {args.mesh} needs {need} devices, this machine has {len(devices)} "
+            where = f"--topology {args.topology} describes" if args.topology else "this machine has"
+            raise UsageError(f"--mesh {args.mesh} needs {need} devices, {where} {len(devices)} "
                              f"({devices[0].platform}){hint}")
         options["mesh"] = device_mesh(shape, names, devices[:need])
     step, step_args = _load_step(args.target)
     where = f"mesh {args.mesh} ({','.join(names)})" if shape else "every mesh shape"
-    print(f"rhino_jax: planning {args.target} on {where} of {jax.devices()[0].platform} devices", flush=True)
+    kind = f"described {devices[0].device_kind}" if args.topology else devices[0].platform
+    print(f"rhino_jax: planning {args.target} on {where} of {kind} devices", flush=True)
     parallelized = _refused_as_one_line(parallelize, step, **options)
     plan = parallelized.lower(*step_args).plan  # records its target: the program and mesh
     print(plan.report())
     plan.save(args.out)
     print(f"\nplan written to {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)")
     return 0
+
+
+def _described(text: str) -> list:
+    """The devices of --topology KIND:HOSTSxGPUS."""
+    kind, colon, size = text.partition(":")
+    hosts, x, per_host = size.partition("x")
+    if not colon or not x or not hosts.isdigit() or not per_host.isdigit() or int(hosts) < 1 or int(per_host) < 1:
+        raise UsageError(f"--topology must be KIND:HOSTSxGPUS, e.g. h100:128x8 (128 hosts of 8 H100s); got {text!r}")
+    if kind.lower() not in GPUS:
+        raise UsageError(f"--topology {text}: unknown GPU kind {kind!r}; described GPUs are {', '.join(sorted(GPUS))}")
+    jax.config.update("jax_platforms", "cpu")  # no GPU runtime needed: the devices are described
+    return gpu_topology(kind, int(hosts), int(per_host))
 
 
 def _emulate_cpu_devices(n: int) -> None:

@@ -61,6 +61,19 @@ def test_plan_writes_the_plan_this_process_finds_and_accepts(workdir):
     assert digest(loaded) == digest(rj.parallelize(step, mesh=mesh).lower(*args).plan)
 
 
+def test_plan_for_described_gpus_writes_the_plan_their_cluster_takes(workdir):
+    """--topology h100:2x8: planned here for 2 hosts of 8 H100s, no GPU at hand; the plan names the
+    GPU platform and a process per host, as the cluster's own devices will."""
+    from test_gpu_topology import _plugin_skip
+    if _plugin_skip():
+        pytest.skip(_plugin_skip())
+    done = _run(["plan", "tiny_step:setup", "--topology", "h100:2x8", "--mesh", "2x8", "--out", "h100.json"], workdir)
+    assert done.returncode == 0, done.stderr
+    assert "of described NVIDIA H100" in done.stdout and "cluster 8x-h100" in done.stdout
+    target = rj.Plan.load(workdir / "h100.json").target
+    assert target.platform == "gpu" and target.mesh_shape == (2, 8) and target.processes == (0,) * 8 + (1,) * 8
+
+
 def test_show_piped_into_a_reader_that_stops_early_is_not_an_error(workdir):
     """`python -m rhino_jax show plan.json | head -1`: the closed pipe is the reader's choice."""
     step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
@@ -97,6 +110,9 @@ def test_plan_takes_a_file_emulated_devices_and_axis_names_and_show_prints_it(wo
     (["plan", "tiny_step:setup", "--mesh", "2x4", "--axes", "data"], "give one name per axis"),
     (["plan", "tiny_step:setup", "--pipeline", "two"], "--pipeline must be off, auto or a number of stages"),
     (["plan", "tiny_step:setup", "--donate", "first"], "--donate must be integers joined by commas"),
+    (["plan", "tiny_step:setup", "--topology", "h100:2by8"], r"--topology must be KIND:HOSTSxGPUS, e.g. h100:128x8"),
+    (["plan", "tiny_step:setup", "--topology", "tpu:1x8"], r"unknown GPU kind 'tpu'; described GPUs are a100, h100"),
+    (["plan", "tiny_step:setup", "--topology", "h100:1x8", "--cpu-devices", "8"], "pass one"),
 ])
 def test_a_bad_command_line_says_what_to_change(argv, message, workdir, capsys):
     with pytest.raises(SystemExit) as exit_:
