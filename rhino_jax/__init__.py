@@ -5,6 +5,7 @@ from .annotate import annotate
 from .api import Compiled, Lowered, Parallelized, parallelize
 from .errors import (MemoryLimitError, MeshError, NoFeasibleMeshError, RhinoError, ShardingPinError,
                      SolverError, SolverTimeLimitWarning, TracedCallWarning)
+from .explain import diff
 from .gpu_topology import DescribedDeviceError, gpu_topology
 from .mesh import device_mesh
 from .plan import MeshCandidate, Plan, PlanCost
@@ -13,6 +14,6 @@ __all__ = [
     "parallelize", "annotate", "device_mesh", "gpu_topology", "Plan", "PlanCost", "Lowered", "Compiled",
     "Parallelized", "Cluster", "M8_V100", "H100_8X", "H200_8X", "A100_8X", "RhinoError", "ShardingPinError",
     "SolverError", "MeshError", "SolverTimeLimitWarning", "NoFeasibleMeshError", "MemoryLimitError",
-    "DescribedDeviceError", "MeshCandidate", "TracedCallWarning",
+    "DescribedDeviceError", "MeshCandidate", "TracedCallWarning", "diff",
 ]
 __version__ = "0.1.0"

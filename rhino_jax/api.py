@@ -32,6 +32,7 @@ from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
 from .errors import MeshError, SolverInterruptedWarning, TracedCallWarning
+from .explain import SearchInputs
 from .gpu_topology import refuse_described
 from .mesh import auto_axes, context_mesh
 from .mesh_search import plan_on, search_meshes
@@ -319,7 +320,8 @@ class Parallelized:
         named = lambda specs: [NamedSharding(named_on, s.to_partition_spec()) for s in specs]  # noqa: E731
         plan = dataclasses.replace(plan, input_shardings=call_tree(tree, named(plan.arg_specs)),
                                    output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)),
-                                   target=PlanTarget.of(step, mesh, donated_leaves(call)))
+                                   target=PlanTarget.of(step, mesh, donated_leaves(call)),
+                                   search_inputs=SearchInputs(graph, mesh, options))
         return Lowered(plan, graph, mesh, step, key)
 
     def __call__(self, *args, **kwargs):

@@ -46,3 +46,11 @@ class StagingError(RhinoError, ValueError):
 class ScheduleError(RhinoError, ValueError):
     """A pipeline schedule that cannot run: a task missing or repeated, a backward before its
     forward, or stages waiting on each other forever."""
+
+
+class UnknownTensorError(RhinoError, KeyError):
+    """`plan.explain(name)` of a name that is none of the plan's arguments (the message lists the
+    closest names and how many there are)."""
+
+    def __str__(self) -> str:  # a KeyError would print its message quoted, as a key
+        return str(self.args[0])

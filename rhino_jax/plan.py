@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from rhino_jax.search.specs import ShardingSpec
 
 from .plain_data import from_plain, to_plain
 from .plan_target import PlanTarget, PlanTargetError
+
+if TYPE_CHECKING:
+    from .explain import Explanation
 
 # The `rhino_jax_plan` entry of a plan file: bumped when the layout of the file changes (2: targets
 # record the platform and process layout, not device ids).
@@ -160,6 +164,10 @@ class Plan:
     # Set by `parallelize` when the plan belongs to a call: the user's pytrees and mesh.
     input_shardings: object = field(default=None, compare=False, repr=False)
     output_shardings: object = field(default=None, compare=False, repr=False)
+    # Set by `parallelize` on an SPMD plan: the step's graph, mesh and options it was searched with
+    # (`explain.SearchInputs`), so that `explain` can search again with one argument pinned. Not
+    # saved (a loaded plan explains its layouts, not their alternatives) and not compared.
+    search_inputs: object = field(default=None, compare=False, repr=False)
 
     @property
     def task_graph(self) -> TaskGraph:
@@ -252,8 +260,23 @@ class Plan:
                                   f"now ({why}); another version of rhino_jax cut the step differently: plan again")
         return found
 
+    def explain(self, name: str, alternatives: int = 3) -> "Explanation":
+        """Why argument `name` (as the report prints it, or a path of `input_shardings`) is laid out
+        as it is: its layout, the collectives at it and in its layer, and the predicted step of
+        the best plan with it in each of up to `alternatives` other layouts, found by searching
+        the step again with it pinned (`rhino_jax.explain`). Returns an `Explanation`; print it."""
+        from .explain import explain  # imported here: it imports the search, which imports this module
+        return explain(self, name, alternatives)
+
+    def render(self, path: str | os.PathLike) -> None:
+        """Write one self-contained HTML page of SVG pictures to `path`: each layer's large
+        tensors over the mesh, the collectives per layer and, for a pipeline, its schedule
+        (`rhino_jax.render`)."""
+        from .render import render  # imported here, as `explain`
+        render(self, path)
+
     def report(self, max_tensors: int = 12) -> str:
-        mesh = _axes(self.mesh_axes)
+        mesh = mesh_label(self.mesh_axes)
         c = self.cost
         s = self.search_stats
         lines = [
@@ -290,7 +313,7 @@ class Plan:
                              "bring apply-gradients the sums and values of other stages, "
                              f"{s.get('outputs_out_s', 0.0) * 1e3:.3f} ms to return the loss and metrics on the whole "
                              "mesh), then apply-gradients on the stages (the search line above: its programs together)")
-                lines += [f"    stage {st.stage}  {_axes(st.mesh_axes)} devices {_runs(st.devices)}: forward "
+                lines += [f"    stage {st.stage}  {mesh_label(st.mesh_axes)} devices {_runs(st.devices)}: forward "
                           f"{st.forward_s * 1e3:.3f} + backward {st.backward_s * 1e3:.3f} ms per micro-batch, "
                           f"apply {st.apply_s * 1e3:.3f} ms, "
                           f"{st.in_flight} in flight, {st.memory_bytes / 2**20:.1f} MiB/device; "
@@ -343,7 +366,8 @@ def program_name(kind: str, stage: int, wave: int = 0) -> str:
     return f"{'forward' if kind == 'F' else 'backward'}[{stage}]"
 
 
-def _axes(mesh_axes: dict[str, int]) -> str:
+def mesh_label(mesh_axes: dict[str, int]) -> str:
+    """A mesh as the report names it: "[data=2 × model=4]"."""
     return "[" + " × ".join(f"{a}={n}" for a, n in mesh_axes.items()) + "]"
 
 

@@ -87,7 +87,7 @@ def _matches(spec: ShardingSpec, pin: Pin) -> bool:
     return not spec.partial and not spec.strides and all(p is None or tuple(p) == tuple(d) for p, d in zip(pin.dims, spec.dims))
 
 
-def _tied_outputs(graph: Graph) -> dict[int, int]:
+def tied_outputs(graph: Graph) -> dict[int, int]:
     """Output index → the argument whose layout it leaves in: a donated argument's aliased output
     (the buffer is reused, so it must be), and a result the training loop feeds back as that
     argument (`Graph.fed_back`), so the next step takes it as it is, without a reshard outside
@@ -105,7 +105,7 @@ def _build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bo
     units: list[_Unit] = []
     producer_unit: dict[int, int] = {}  # value id → unit producing it
     fallback: list[str] = []
-    aliased = _tied_outputs(graph)
+    aliased = tied_outputs(graph)
     tied_to = {i: k for k, i in aliased.items()}
     for arg in graph.args:
         strategies = _arg_strategies(graph, arg, topo, cluster)
@@ -792,7 +792,7 @@ def _make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level,
     arg_specs = tuple(specs[a.value] for a in graph.args)
     out_specs = []
     output_unit = {u.ref: i for i, u in enumerate(units) if u.kind == "output"}
-    tied = _tied_outputs(graph)
+    tied = tied_outputs(graph)
     for k, o in enumerate(graph.outputs):
         if k in tied:  # a donated or fed-back argument's layout
             out_specs.append(specs[graph.args[tied[k]].value])
