@@ -145,7 +145,7 @@ def _op_attrs(op: ir.Operation) -> dict:
         a.update(_window_attrs(op))
     elif name == "stablehlo.reverse":
         a["dims"] = _ints(op.attributes["dimensions"])
-    elif name == "stablehlo.sort":
+    elif name in ("stablehlo.sort", "chlo.scan"):
         a["dim"] = _int(op.attributes["dimension"])
     elif name == "stablehlo.iota":
         a["dim"] = _int(op.attributes["iota_dimension"])

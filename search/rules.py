@@ -118,6 +118,16 @@ def loop_space(node: Node, graph: Graph) -> LoopSpace | None:
         out = shapes_out[0]
         dims = tuple(None if d == a["dim"] else d for d in range(len(out)))
         return LoopSpace(out, (dims,) * len(shapes_in), (dims,) * len(shapes_out))
+    if kind == "scan":
+        # chlo.scan, the prefix scan jax lowers jnp.cumsum to for a GPU: inputs then inits, outputs
+        # then carries; the rows along the other dims are independent (the inits and carries
+        # have the scanned dim dropped), the scanned dim stays whole. XLA's GPU partitioner
+        # splits the rows without a collective (checked on a deviceless H100 compile).
+        x = shapes_in[0]
+        rows = tuple(None if d == a["dim"] else d for d in range(len(x)))
+        carried = tuple(d for d in range(len(x)) if d != a["dim"])
+        n = len(shapes_in) // 2
+        return LoopSpace(x, (rows,) * n + (carried,) * n, (rows,) * len(shapes_out[:n]) + (carried,) * n)
     if kind == "reduce_window":
         out = shapes_out[0]
         dims = _unwindowed(a, len(out))

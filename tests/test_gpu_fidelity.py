@@ -98,3 +98,22 @@ def test_the_predicted_memory_counts_the_split_k_temporaries_of_gemms():
     assert list(measured.values()) == [4 * 1024 * 256 * 4]
     ratio = lowered.compile().memory.total / plan.cost.memory_bytes
     assert 0.85 <= ratio <= 1.15, f"compiled / predicted memory {ratio:.2f}"
+
+
+def test_a_cumsum_for_gpus_keeps_its_rows_split():
+    """For a GPU jax lowers jnp.cumsum to a chlo.scan (the CPU gets a reduce_window): it has a
+    rule too, so an MoE router's slot count keeps its split rows, and XLA's GPU partitioner moves
+    nothing for it (a Mixtral-style step on described H100s has no fallback op either)."""
+    from jax.sharding import PartitionSpec as P
+
+    def count_slots(logits):
+        logits = rj.annotate(logits, P("data", None))
+        return jnp.sum(jnp.cumsum(logits, axis=-1) * logits)
+
+    mesh = rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))
+    lowered = rj.parallelize(count_slots, mesh=mesh).lower(jnp.zeros((64, 512), jnp.float32))
+    assert any(n.op == "chlo.scan" for n in lowered.graph.nodes) and lowered.plan.fallback_ops == ()
+    moved = [c for c in lowered.compile().collectives.collectives if c.bytes > 64]
+    assert not moved, moved  # the sum's scalar only
+    _, _, moe, _ = _planned("linen_moe", "8")
+    assert moe.plan.fallback_ops == ()
