@@ -1,12 +1,13 @@
-"""Orbax checkpoints of the state a plan produced: saved with `ocp.StandardCheckpointer`, restored
-from an abstract state built from `plan.input_shardings` (each leaf where the step takes it, on the
-mesh or, for a pipeline, on its stage's sub-mesh), and trained on with the numbers of one device."""
+"""Orbax checkpoints of the state a plan produced (a Flax LM with AdamW): saved with
+`ocp.StandardCheckpointer`, restored from an abstract state built from `plan.input_shardings`
+(each leaf where the step takes it, on the mesh or, for a pipeline, on its stage's sub-mesh), and
+trained on with the numbers of one device."""
 import jax
 import orbax.checkpoint as ocp
 import pytest
 
 import rhino_jax as rj
-from benchmarks.third_party_models import linen_clip_adamw
+from benchmarks.third_party_models import linen_gpt
 
 from helpers import assert_same_adam_step, assert_same_numbers, on_host
 
@@ -18,7 +19,7 @@ def _abstract(state, shardings):
 
 @pytest.mark.parametrize("layout", ["spmd", "pipeline"])
 def test_a_checkpoint_restores_where_the_plan_takes_the_state(layout, tmp_path):
-    case = linen_clip_adamw()
+    case = linen_gpt()
     options = {"pipeline": 2, "num_micro_batches": 2} if layout == "pipeline" else {}
     step = rj.parallelize(case.step, mesh=rj.device_mesh((2, 4), ("data", "model")), **options)
     *state, batch = case.args
