@@ -21,7 +21,7 @@ from rhino_jax.errors import MemoryLimitError, ShardingPinError, SolverError, So
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 
 from ..hlo_passes.graph import Graph, Pin, slots
-from . import carried, ilp, interrupt, levels, progress, windows
+from . import carried, coarse_axes, ilp, interrupt, levels, progress, windows
 from .cluster import Cluster, MeshTopology
 from .collectives import reshard_path
 from .combining import combined_time
@@ -244,15 +244,21 @@ def _hidden(plan: Plan, overlap: float) -> dict:
 
 
 def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: levels.Deadline, opt_level: str = "O2",
-            backend: str = "HIGHS", memory_limit_bytes: int | None = None, strided: bool = True) -> Plan:
+            backend: str = "HIGHS", memory_limit_bytes: int | None = None, strided: bool = True,
+            with_choice: bool = False):
     """O3: cones, then one ILP over the whole graph, started from O2's plan. O2: the same ILP
     with the cones of repeated segments tied together (`repeats`), solved whole when small,
-    else by windows (`levels`). Under a memory limit, the largest parameters and optimizer
-    states may not stay replicated (`_fit_memory`). `strided`: offer non-maximum strides where
-    reshapes call for them. Every solve stops at the `deadline`, which also counts the build."""
+    else by windows (`levels`); on three or more mesh axes, first on a mesh of one axis fewer
+    (`coarse_axes`). Under a memory limit, the largest parameters and optimizer states may not
+    stay replicated (`_fit_memory`). `strided`: offer non-maximum strides where reshapes call for
+    them. Every solve stops at the `deadline`, which also counts the build. `with_choice`: the
+    plan and each unit's chosen strategy (the coarse pass's answer)."""
     t0 = time.perf_counter()
     units, producer_unit, fallback, ties = _build_units(graph, topo, cluster, strided)
     _apply_pins(graph, units, producer_unit, topo)
+    if opt_level == "O2" and len(topo.axis_names) >= 3:
+        _near_coarse_plan(graph, topo, cluster, units, deadline=deadline, backend=backend,
+                          memory_limit_bytes=memory_limit_bytes, strided=strided)
     sizes = topo.sizes
 
     prices = Prices(graph, topo, [u.results for u in units])
@@ -319,8 +325,12 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
             warnings.warn(f"strategy solver stopped at its {deadline.seconds:g} s time limit with {gap}; the plan is "
                           "feasible but may not be optimal (raise solver_time_limit_s for a better one)",
                           SolverTimeLimitWarning, stacklevel=4)
-        return dataclasses.replace(plan, interrupted=st["status"] == "interrupted" or interrupt.pressed())
+        plan = dataclasses.replace(plan, interrupted=st["status"] == "interrupted" or interrupt.pressed())
+        if with_choice:
+            made.append((plan, [groups[group_of[m]].choice[choice[group_of[m]]][m] for m in range(built)]))
+        return plan
 
+    built, made = len(units) - len(hub_of), []
     plan = plan_with([])
     if memory_limit_bytes is not None and plan.cost.memory_bytes > memory_limit_bytes:
         if plan.search_stats["status"] == "interrupted":
@@ -331,7 +341,28 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
         candidates = _by_size(graph, units, groups, sizes)
         plan = _fit_memory(plan_with, candidates, [units[groups[g].root].ref for g in candidates],
                            plan, memory_limit_bytes, graph, least, deadline)
-    return plan
+    return (plan, next(ch for p, ch in made if p is plan)) if with_choice else plan
+
+
+def _near_coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, units: list[_Unit], *,
+                      deadline: levels.Deadline, **options) -> None:
+    """Restrict each unit to the strategies near the plan of the mesh with two axes merged
+    (`coarse_axes`), searched first with half the time left. Where that search finds no plan
+    (no plan of the coarser mesh fits the memory limit), the whole space is kept."""
+    coarse, merge = coarse_axes.merged(topo)
+    progress.say("rhino_jax: %d mesh axes: searching first with %s and %s as one axis", len(topo.axis_names),
+                 merge.major, merge.minor)
+    half = levels.Deadline(deadline.seconds, time.perf_counter() + deadline.left() / 2)
+    try:
+        _, chosen = _search(dataclasses.replace(graph, pins=coarse_axes.coarse_pins(graph.pins, merge)), coarse,
+                            cluster, deadline=half, opt_level="O2", with_choice=True, **options)
+    except (MemoryLimitError, SolverError) as e:
+        progress.say("rhino_jax: no plan with %s merged (%s); searching the whole space", merge.name,
+                     type(e).__name__)
+        return
+    assert len(chosen) == len(units), "the coarse search built other units"
+    for u, s in zip(units, chosen):
+        u.strategies = coarse_axes.near(u.strategies, coarse_axes.anchor(s, merge, topo.axis_names), topo.axis_names)
 
 
 def _merge_classes(class_of: list[int], pairs: list[tuple[int, int]]) -> list[int]:

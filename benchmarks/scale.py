@@ -1,0 +1,270 @@
+"""Planning at scale (issue 31): Llama-2 shapes on 256-1024 described H100s.
+
+python -m benchmarks.scale [--cases NAME ...] [--limit-s 60] [--timeout-s 900] [--out benchmarks/]
+    each case in its own process (its peak memory is its own): lower, search, the plan's
+    prediction; writes scale.json and scale.md.
+python -m benchmarks.scale --small
+    the small case only (7B shapes, 4 layers, (4, 8, 8)): the check CI's test runs.
+
+The model is written as users write it in plain JAX: f32 parameters and AdamW states
+(`optax.adamw`), bf16 compute, each layer under `jax.checkpoint`, integer tokens, seq 2048, 8
+sequences per device. Devices are described H100s (`rj.gpu_topology`): no GPU and no emulated
+devices, so any machine plans for any cluster. Needs jax's CUDA plugin (the test extra).
+
+Predicted MFU = 6 N T / step / devices / peak (N parameters, T tokens per step, dense bf16 peak
+of an H100 SXM, 989 TFLOP/s), the formula of MaxText's published figure beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+HERE = pathlib.Path(__file__).parent
+SEQ, PER_DEVICE = 2048, 8
+PEAK_FLOPS = 989e12  # H100 SXM, dense bf16 (NVIDIA's datasheet)
+GIB = 1 << 30
+# MaxText's Llama2-7B on 8 H100s (bf16, seq 4096, 2 sequences per GPU, FSDP 8): 0.721 s a step.
+MAXTEXT_7B = {"step_s": 0.721, "devices": 8, "tokens": 8 * 2 * 4096}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Llama-2 dimensions (Touvron et al. 2023, table 1 and the released configs)."""
+    d: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int = 32000
+
+    @property
+    def head_dim(self) -> int:
+        return self.d // self.heads
+
+    def parameters(self) -> int:
+        attn = self.d * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        layer = attn + 3 * self.d * self.ffn + 2 * self.d
+        return self.layers * layer + 2 * self.vocab * self.d + self.d
+
+
+LLAMA = {"7b": Shape(4096, 32, 32, 32, 11008), "70b": Shape(8192, 80, 64, 8, 28672)}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    mesh: tuple[int, ...]
+    layers: int | None = None  # fewer layers than the model's (the small case)
+    pipeline: str | int = "off"
+    micro_batches: int = 1
+
+    @property
+    def devices(self) -> int:
+        n = 1
+        for s in self.mesh:
+            n *= s
+        return n
+
+
+AXES = {2: ("data", "model"), 3: ("replica", "data", "model")}
+CASES = [
+    Case("7b-4l-4x8x8", "7b", (4, 8, 8), layers=4),
+    Case("7b-32x8", "7b", (32, 8)),
+    Case("70b-32x8", "70b", (32, 8)),
+    Case("70b-4x8x8", "70b", (4, 8, 8)),
+    Case("70b-8x4x8", "70b", (8, 4, 8)),
+    Case("7b-128x8", "7b", (128, 8)),
+    Case("70b-128x8", "70b", (128, 8)),
+    Case("70b-32x8-pp4", "70b", (32, 8), pipeline=4, micro_batches=8),
+]
+
+
+def llama_step(shape: Shape):
+    """(train_step, init_shapes) for a Llama-2 decoder: RMSNorm, rotary positions, grouped-query
+    attention, SwiGLU, untied head; AdamW on f32 parameters, bf16 compute."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    dh, bf = shape.head_dim, jnp.bfloat16
+
+    def rms(x, w):
+        x32 = x.astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5) * w).astype(bf)
+
+    def rotary(x):  # [B, S, H, Dh]
+        half = dh // 2
+        freq = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+        angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freq
+        cos, sin = jnp.cos(angle)[None, :, None].astype(bf), jnp.sin(angle)[None, :, None].astype(bf)
+        a, b = x[..., :half], x[..., half:]
+        return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    def layer(p, x):
+        b, s, _ = x.shape
+        h = rms(x, p["attn_norm"])
+        q = (h @ p["wq"].astype(bf)).reshape(b, s, shape.heads, dh)
+        k = (h @ p["wk"].astype(bf)).reshape(b, s, shape.kv_heads, dh)
+        v = (h @ p["wv"].astype(bf)).reshape(b, s, shape.kv_heads, dh)
+        q, k = rotary(q), rotary(k)
+        group = shape.heads // shape.kv_heads
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(dh).astype(bf)
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        scores = jnp.where(causal, scores.astype(jnp.float32), -1e9)
+        att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1).astype(bf), v)
+        x = x + att.reshape(b, s, -1) @ p["wo"].astype(bf)
+        h = rms(x, p["mlp_norm"])
+        gate = jax.nn.silu(h @ p["w_gate"].astype(bf)) * (h @ p["w_up"].astype(bf))
+        return x + gate @ p["w_down"].astype(bf)
+
+    def loss_fn(params, tokens):
+        x = params["embed"].astype(bf)[tokens[:, :-1]]
+        for p in params["layers"]:
+            x = jax.checkpoint(layer)(p, x)
+        logits = (rms(x, params["final_norm"]) @ params["head"].astype(bf)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    optimizer = optax.adamw(3e-4, weight_decay=0.1)
+
+    def train_step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def params_shapes():
+        f32 = jnp.float32
+        d, hd, kv = shape.d, shape.heads * dh, shape.kv_heads * dh
+
+        def one():
+            return {"attn_norm": jax.ShapeDtypeStruct((d,), f32), "wq": jax.ShapeDtypeStruct((d, hd), f32),
+                    "wk": jax.ShapeDtypeStruct((d, kv), f32), "wv": jax.ShapeDtypeStruct((d, kv), f32),
+                    "wo": jax.ShapeDtypeStruct((hd, d), f32), "mlp_norm": jax.ShapeDtypeStruct((d,), f32),
+                    "w_gate": jax.ShapeDtypeStruct((d, shape.ffn), f32),
+                    "w_up": jax.ShapeDtypeStruct((d, shape.ffn), f32),
+                    "w_down": jax.ShapeDtypeStruct((shape.ffn, d), f32)}
+        return {"embed": jax.ShapeDtypeStruct((shape.vocab, d), f32), "layers": [one() for _ in range(shape.layers)],
+                "final_norm": jax.ShapeDtypeStruct((d,), f32), "head": jax.ShapeDtypeStruct((d, shape.vocab), f32)}
+
+    def shapes(batch: int):
+        params = params_shapes()
+        opt_state = jax.eval_shape(optimizer.init, params)
+        return params, opt_state, jax.ShapeDtypeStruct((batch, SEQ + 1), jnp.int32)
+
+    return train_step, shapes
+
+
+def run_case(case: Case, limit_s: float) -> dict:
+    """One case in this process: lower and search; what it measured."""
+    import jax
+    jax.config.update("jax_platforms", "cpu")  # the devices are described: no GPU runtime
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import rhino_jax as rj
+
+    base = LLAMA[case.model]
+    shape = Shape(base.d, case.layers or base.layers, base.heads, base.kv_heads, base.ffn, base.vocab)
+    devices = rj.gpu_topology("h100", hosts=case.devices // 8, devices_per_host=8)
+    mesh = Mesh(np.array(devices).reshape(case.mesh), AXES[len(case.mesh)])
+    step, shapes = llama_step(shape)
+    args = shapes(PER_DEVICE * case.devices)
+    parallel = rj.parallelize(step, mesh=mesh, cluster="8x-h100", opt_level="O2", memory_limit_bytes=80 * GIB,
+                              solver_time_limit_s=limit_s, pipeline=case.pipeline,
+                              num_micro_batches=case.micro_batches)
+    t0 = time.perf_counter()
+    jax.jit(step).lower(*args)  # what tracing and lowering alone take (the search lowers once more)
+    lower_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lowered = parallel.lower(*args)
+    planned = time.perf_counter() - t0
+    plan = lowered.plan
+    stats = plan.search_stats
+    tokens = PER_DEVICE * case.devices * SEQ
+    mfu = 6 * shape.parameters() * tokens / plan.cost.total_s / case.devices / PEAK_FLOPS
+    return {"lower_s": lower_s, "plan_s": planned, "search_s": planned - lower_s, "build_s": stats.get("build_s"),
+            "step_s": plan.cost.total_s, "gib_per_device": plan.cost.memory_bytes / GIB, "mfu": mfu,
+            "parameters": shape.parameters(), "ilp_vars": stats.get("ilp_vars"), "status": stats.get("status")}
+
+
+def _child(case_name: str, limit_s: float) -> None:
+    case = next(c for c in CASES if c.name == case_name)
+    try:
+        out = {"ok": True, **run_case(case, limit_s)}
+    except Exception as e:  # noqa: BLE001 (the parent records the error and goes on)
+        out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
+    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def measure(case: Case, limit_s: float, timeout_s: float) -> dict:
+    """Run one case in a fresh process; a case over `timeout_s` is recorded as such."""
+    t0 = time.perf_counter()
+    env = dict(os.environ, RHINO_JAX_PROGRESS="0")
+    try:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--child", case.name, "--limit-s",
+                               str(limit_s)], capture_output=True, text=True, timeout=timeout_s, env=env,
+                              cwd=HERE.parent)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"killed after {timeout_s:.0f} s", "wall_s": timeout_s}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"ok": False, "error": f"exit {done.returncode}: {done.stderr.strip()[-600:]}",
+                "wall_s": time.perf_counter() - t0}
+    return {**json.loads(lines[-1][len("RESULT "):]), "wall_s": time.perf_counter() - t0}
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| case | devices | lower s | search s (build) | wall s | peak RSS GiB | predicted step s | "
+           "GiB/dev | predicted MFU |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r["result"]
+        head = f"| {r['case']['name']} | {r['devices']} "
+        if not m["ok"]:
+            out.append(head + f"| failed: {m['error'][:160]} | | {m['wall_s']:.0f} | "
+                       f"{m.get('peak_rss_gib', float('nan')):.1f} | | | |")
+            continue
+        out.append(head + f"| {m['lower_s'] or 0:.1f} | {m['search_s'] or 0:.1f} ({m['build_s'] or 0:.1f}) | "
+                   f"{m['wall_s']:.0f} | {m['peak_rss_gib']:.2f} | {m['step_s']:.3f} | {m['gib_per_device']:.1f} | "
+                   f"{100 * m['mfu']:.0f} % |")
+    maxtext = 6 * LLAMA["7b"].parameters() * MAXTEXT_7B["tokens"] / MAXTEXT_7B["step_s"] / 8 / PEAK_FLOPS
+    out.append(f"\nPublished like-for-like figure: MaxText Llama2-7B, 8 H100, bf16, seq 4096, 2 sequences per "
+               f"GPU, FSDP 8: {MAXTEXT_7B['step_s']} s a step, {100 * maxtext:.0f} % by the same formula.")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=None)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--limit-s", type=float, default=60.0)
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--out", type=pathlib.Path, default=HERE)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child(args.child, args.limit_s)
+    names = [CASES[0].name] if args.small else args.cases or [c.name for c in CASES]
+    rows = []
+    for name in names:
+        case = next(c for c in CASES if c.name == name)
+        result = measure(case, args.limit_s, args.timeout_s)
+        rows.append({"case": asdict(case), "devices": case.devices, "result": result})
+        print(table(rows).splitlines()[-3], flush=True)
+    text = table(rows)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scale.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "scale.md").write_text(f"# Planning at scale (benchmarks/scale.py)\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Meshes of three or more axes, searched coarse to fine (O2).
+
+Each op's strategies number (loops + 1) ** axes: a third axis makes a matmul's 25 strategies 125
+and an edge between two of them 15,625 pairs, and the ILP of a 4-layer Llama on (4, 8, 8) holds
+3.1M variables (20x two axes'). O2 therefore searches such a mesh twice:
+
+1. coarse: two neighbouring mesh axes of the same link (both across hosts, or both inside one)
+   merged into one axis of their product, the mesh one axis smaller (`merged`). A layout over
+   the merged axis is the layout over the pair in mesh order (major, minor) on the same dim,
+   so every coarse plan is a plan of the real mesh, priced alike.
+2. fine: the real mesh, each unit offered only the strategies that place every mesh axis where
+   the coarse plan placed it, except at most one axis (`near`): a matmul keeps 13 of its 125.
+   The fine plan can part the merged pair (the batch over one, the sequence over the other) or
+   move any single axis; it is never worse than the coarse plan, which it contains.
+
+O3 searches the whole space.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..hlo_passes.graph import Pin
+from .cluster import MeshTopology
+from .specs import ShardingSpec
+from .strategies import Strategy
+
+RADIUS = 1  # mesh axes a fine strategy may place elsewhere than the coarse plan did
+
+
+@dataclass(frozen=True)
+class Merge:
+    """Two neighbouring mesh axes seen as one (`major` then `minor`, as the mesh orders them)."""
+
+    major: str
+    minor: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.major}*{self.minor}"
+
+
+def merged(topo: MeshTopology) -> tuple[MeshTopology, Merge]:
+    """The mesh with one pair of neighbouring axes made one. The pair is the outermost whose two
+    axes have the same link (bandwidth and whether they cross hosts), else the outermost pair:
+    axes alike in cost are the ones a plan most often uses together."""
+    names = topo.axis_names
+    crosses = topo.hosts_spanned or (1,) * len(names)
+
+    def alike(i: int) -> bool:
+        return topo.bandwidth[i] == topo.bandwidth[i + 1] and (crosses[i] > 1) == (crosses[i + 1] > 1)
+
+    i = next((i for i in range(len(names) - 1) if alike(i)), 0)
+    merge = Merge(names[i], names[i + 1])
+
+    def joined(values: Sequence, how) -> tuple:
+        return tuple(values[:i]) + (how(values[i], values[i + 1]),) + tuple(values[i + 2:])
+
+    coarse = dataclasses.replace(
+        topo, axis_names=joined(names, lambda a, b: merge.name),
+        axis_sizes=joined(topo.axis_sizes, lambda a, b: a * b), bandwidth=joined(topo.bandwidth, min),
+        latency=joined(topo.latency, max),
+        hosts_spanned=joined(topo.hosts_spanned, lambda a, b: a * b) if topo.hosts_spanned else ())
+    assert math.prod(coarse.axis_sizes) == topo.num_devices
+    return coarse, merge
+
+
+def placements(s: Strategy, axes: Sequence[str]) -> dict[str, tuple]:
+    """Where each mesh axis is in a strategy: per operand and result, the dim it splits, "p"
+    where the tensor is a partial sum over it, None where it replicates."""
+    def where(spec: ShardingSpec, axis: str):
+        return "p" if axis in spec.partial else spec.dim_of(axis)
+    specs = s.operands + s.results
+    return {a: tuple(where(spec, a) for spec in specs) for a in axes}
+
+
+def anchor(coarse: Strategy, merge: Merge, axes: Sequence[str]) -> dict[str, tuple]:
+    """The placements of the real mesh's axes in a coarse strategy: the merged pair both where
+    their merged axis is."""
+    found = placements(coarse, [merge.name if a in (merge.major, merge.minor) else a for a in axes])
+    return {a: found[merge.name if a in (merge.major, merge.minor) else a] for a in axes}
+
+
+def near(strategies: Sequence[Strategy], at: dict[str, tuple], axes: Sequence[str]) -> list[Strategy]:
+    """The strategies that place at most `RADIUS` mesh axes elsewhere than `at` (all of them when
+    none does: a unit the coarse plan could not anchor keeps its whole space)."""
+    kept = [s for s in strategies
+            if sum(p != at[a] for a, p in placements(s, axes).items()) <= RADIUS]
+    return kept or list(strategies)
+
+
+def coarse_pins(pins: Sequence[Pin], merge: Merge) -> tuple[Pin, ...]:
+    """The user's pins on the coarse mesh: the merged pair on one dim becomes the merged axis; a
+    dim that names one of the two alone is left open there (the fine search keeps the pin)."""
+    def dim(axes):
+        if axes is None or not {merge.major, merge.minor} & set(axes):
+            return axes
+        if merge.major in axes and merge.minor in axes:
+            return tuple(merge.name if a == merge.major else a for a in axes if a != merge.minor)
+        return None
+    return tuple(dataclasses.replace(p, dims=tuple(dim(axes) for axes in p.dims)) for p in pins)
