@@ -687,7 +687,7 @@ NOTES = [
     "activations in the backward pass, Megatron gathers the 8 KiB vocabulary-split table): the xfail "
     "test in `tests/test_baselines.py`. At these sizes latency dominates the cost model.",
     "- **A value read by several cones is moved once** (since 2026-11-25): it is read through a hub "
-    "(search/planner.py `_add_hubs`), a unit of no cost whose strategies are the value's layouts, so the "
+    "(search/assembly.py `add_hubs`), a unit of no cost whose strategies are the value's layouts, so the "
     "ILP pays the move to the hub's layout once and each reader cone from there, as the plan "
     "(`_shared_path`) and XLA do. Before, the ILP charged the move once per reader cone (up to about 1 % "
     "above the plan's cost; on a Flax step with global-norm clipping the embedding gradient's all-reduce "

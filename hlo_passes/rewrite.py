@@ -119,7 +119,7 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
 
     # A value pinned to a layout for its readers, by the block the constraint is in: readers in
     # that block or one inside it share it; a constraint in a conditional's branch is not seen
-    # outside it (the plan prices such reshards alike, `planner._visible`).
+    # outside it (the plan prices such reshards alike, `plan_making._visible`).
     reads: dict[tuple[int, ShardingSpec, ir.Block], ir.Value] = {}
 
     def pinned(v: int, spec: ShardingSpec, before: ir.Operation, make) -> ir.Value:

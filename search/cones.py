@@ -66,11 +66,13 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
                 own_cost: Callable[[int, Strategy], float],
                 reshard_cost: Callable[[ShardingSpec, ShardingSpec, int], float],
                 reads_cost: Callable[[int, list[ShardingSpec], list[list[ShardingSpec]]], np.ndarray],
-                read_bytes: Callable[[ShardingSpec, int], int]) -> list[Cone]:
+                read_bytes: Callable[[ShardingSpec, int], int], check: Callable[[], None] = lambda: None
+                ) -> list[Cone]:
     """The cones of the graph, each with its strategies (one per root strategy, DP inside).
     `reshard_cost(src, dst, value)`: seconds of one move; `reads_cost(value, starts, reads)`:
     [start, reader] seconds of many (`Prices.reads`); `read_bytes(spec, value)`: bytes per
-    device of a value in a layout (breaks the DP's ties)."""
+    device of a value in a layout (breaks the DP's ties); `check()`, called per unit, may stop
+    the build (the search's deadline)."""
     root_of, claimed_by = find_cones(units, producer_unit)
     children: dict[int, list[int]] = {i: [] for i in range(len(units))}
     for m, reader in claimed_by.items():
@@ -81,6 +83,7 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
     entering: dict[int, np.ndarray] = {}
     back: dict[tuple[int, int], np.ndarray] = {}
     for m, u in enumerate(units):  # producers before readers
+        check()
         cost = np.array([own_cost(m, s) for s in u.strategies])
         inside = {units[c].results[0] for c in children[m]}
         outside = [(k, v) for k, v in enumerate(u.operands) if v in u.live and v not in inside]

@@ -17,9 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rhino_jax.errors import SolverError
+
 from . import ilp, interrupt, windows
 
 UNTIED_GROWTH = 2.0  # O2 solves the untied ILP after the tied one when it is at most this much larger
+
+
+GRACE = 0.2  # a search may overrun its limit by this share of it, no more (`Deadline.check`)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,16 @@ class Deadline:
 
     def left(self) -> float:
         return self.at - time.perf_counter()
+
+    def check(self, phase: str) -> None:
+        """Raise `SolverError` once the search has run `GRACE` past its limit while `phase` has
+        no plan to return (building the model): a search returns within 1.2 times its limit.
+        After the build a plan exists (the replicated one at worst) and the solves stop at the
+        limit with the best found."""
+        if time.perf_counter() > self.at + GRACE * self.seconds:
+            raise SolverError(
+                f"the search ran past its solver_time_limit_s={self.seconds:g} while {phase}, before it had any "
+                "plan: raise solver_time_limit_s, or plan for a mesh of fewer axes")
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,7 @@ class Levels:
     (`UNTIED_GROWTH`; `untied_vars`: its size, known before it is built, 0 when O2's tying tied
     no repeats and so is the untied ILP already). O3: the untied ILP after O2's, always. The
     first stage starts from `start` (`_start`). Built once, solved once per memory-limit trial,
-    with strategies forbidden and memory priced (`planner._fit_memory`)."""
+    with strategies forbidden and memory priced (`memory_limit.fit_memory`)."""
 
     def __init__(self, similar: Callable[[], Tying], o2: Tying, untied: Callable[[], Tying], untied_vars: int,
                  whole_graph: bool, backend: str, start: Sequence[int | None] = ()):

@@ -35,7 +35,7 @@ class Prices:
         self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def add_unit(self, results: tuple[int, ...]) -> None:
-        """A unit added after the prices were made (a hub, `planner._add_hubs`)."""
+        """A unit added after the prices were made (a hub, `assembly.add_hubs`)."""
         self._unit_side.append(self.side_of(results))
         self._unit_trips.append(self.graph.values[results[0]].trips if results else 1)
 

@@ -16,3 +16,12 @@ def tiny_gpt():
     from rhino_jax.models import gpt
     step, args = gpt.make_gpt_train_step(gpt.GPT_TINY), gpt.gpt_example(gpt.GPT_TINY)
     return step, args, jax.jit(step)(*args)
+
+
+@pytest.fixture
+def solves_out_of_time(monkeypatch):
+    """The search's time limit has passed when its first solve starts, its model built: each
+    solve stops at once with the best it has, and no memory-limit trial starts. (A limit that
+    passes during the build is a `SolverError`, `levels.Deadline.check`.)"""
+    from rhino_jax.search import levels
+    monkeypatch.setattr(levels.Deadline, "left", lambda self: 0.0)

@@ -68,14 +68,24 @@ def test_pin_with_axes_out_of_the_mesh_order_says_so():
         rj.parallelize(f, mesh=mesh).lower(jnp.ones((8, 4)))
 
 
-def test_solver_time_limit_gives_feasible_plan_and_warns_with_gap():
+def test_solver_time_limit_gives_feasible_plan_and_warns_with_gap(solves_out_of_time):
     mesh = rj.device_mesh((2, 4), ("data", "model"))
     step = make_mlp_train_step()
     args = mlp_example((256,) * 9, 64, abstract=True)
     with pytest.warns(rj.SolverTimeLimitWarning, match="gap of"):
-        lowered = rj.parallelize(step, mesh=mesh, solver="SCIP", solver_time_limit_s=0.001).lower(*args)
+        lowered = rj.parallelize(step, mesh=mesh, solver="SCIP").lower(*args)
     assert lowered.plan.search_stats["status"] == "feasible"
     assert lowered.plan.cost.total_s > 0
+
+
+def test_a_time_limit_passed_while_the_ilp_is_built_says_so():
+    """A search returns within 1.2 times its limit: past it with no plan yet, an error names the
+    phase and the option to raise."""
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    args = mlp_example((256,) * 9, 64, abstract=True)
+    with pytest.raises(rj.SolverError, match=r"ran past its solver_time_limit_s=0.001 while it built the ILP.*"
+                                             r"raise solver_time_limit_s"):
+        rj.parallelize(make_mlp_train_step(), mesh=mesh, solver_time_limit_s=0.001).lower(*args)
 
 
 def test_wrong_argument_structure_is_a_type_error():

@@ -143,7 +143,7 @@ def test_megatron_signature():
 # the search gathers small activations in the backward pass (and, for Megatron, the 8 KiB
 # vocabulary-split table before the lookup, cheaper under the cost model than the lookup's 16 KiB
 # all-reduce): the cost model at 4-64 KiB, where latency dominates. (Not the ILP charging a value
-# that several cones read once per cone: since hubs, `planner._add_hubs`, the ILP's objective for
+# that several cones read once per cone: since hubs, `assembly.add_hubs`, the ILP's objective for
 # Megatron equals the plan's own cost, and the plan is the same.) Not settled: see issue 4's notes.
 XFAIL_SMALL_GATHERS = pytest.mark.xfail(strict=False, reason=(
     "tiny preset: the backward pass gathers 16-64 KiB activations instead of keeping the pinned "

@@ -8,7 +8,7 @@ import pytest
 
 from rhino_jax.errors import SolverError, SolverTimeLimitWarning
 from rhino_jax.search import ilp
-from rhino_jax.search.planner import _fit_memory
+from rhino_jax.search.memory_limit import fit_memory
 from rhino_jax.search.specs import ShardingSpec
 
 
@@ -74,18 +74,18 @@ def _shrinking_plans(n: int = 64):
 
 @pytest.mark.parametrize("smallest", [1, 3, 37, 64])
 def test_memory_search_finds_the_smallest_k_in_few_solves(smallest):
-    """`_fit_memory` on plans whose memory falls as more candidates are kept off replication: it
+    """`fit_memory` on plans whose memory falls as more candidates are kept off replication: it
     returns the plan of the smallest k that fits, after about 2 log2(k) solves."""
     n = 64
     plan_with, solved = _shrinking_plans(n)
     unlimited = plan_with([])
-    best = _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - smallest, graph=None, least=0)
+    best = fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - smallest, graph=None, least=0)
     assert best.cost.memory_bytes == 1000 - smallest
     assert len(solved) - 1 <= 2 * np.log2(smallest) + 2, solved
 
 
 def test_memory_search_past_its_deadline_keeps_the_best_plan_that_fits():
-    """No trial of `_fit_memory` starts after the search's deadline: the best plan that fits so
+    """No trial of `fit_memory` starts after the search's deadline: the best plan that fits so
     far is kept, with a warning that a faster one may exist; with none that fits, SolverError."""
     n = 64
     plan_with, solved = _shrinking_plans(n)
@@ -95,12 +95,12 @@ def test_memory_search_past_its_deadline_keeps_the_best_plan_that_fits():
 
     unlimited = plan_with([])
     with pytest.warns(SolverTimeLimitWarning, match="stopped at its 7 s time limit after 4 plans"):
-        best = _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - 5, None, 0, deadline(4))
+        best = fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - 5, None, 0, deadline(4))
     assert solved == [0, 1, 3, 7] and best.cost.memory_bytes == 1000 - 7  # the gallop's plan; no bisection
     solved.clear()
     unlimited = plan_with([])
     with pytest.raises(SolverError, match="reached its solver_time_limit_s=7 before .* smallest of the 3 plans"):
-        _fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - 37, None, 0, deadline(3))
+        fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - 37, None, 0, deadline(3))
 
 
 def test_polish_past_its_deadline_sweeps_once():

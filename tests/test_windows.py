@@ -147,13 +147,13 @@ def test_windowed_plan_matches_one_device(windowed):
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*on_host(args)))
 
 
-def test_o3_out_of_time_keeps_o2s_plan():
-    # The time limit counts the build: with none left after O2, the whole graph's ILP is not
-    # even built, and O3 returns O2's plan, reported as stopped at the limit.
+def test_o3_out_of_time_keeps_o2s_plan(solves_out_of_time):
+    # With no time left after O2, the whole graph's ILP is not even built, and O3 returns O2's
+    # plan, reported as stopped at the limit.
     step, args = _distinct_widths(2, abstract=True)
     mesh = rj.device_mesh((8,), ("data",))
     with pytest.warns(rj.SolverTimeLimitWarning):
-        o3 = rj.parallelize(step, mesh=mesh, opt_level="O3", solver_time_limit_s=1e-6).lower(*args).plan
+        o3 = rj.parallelize(step, mesh=mesh, opt_level="O3").lower(*args).plan
     assert o3.search_stats["status"] == "feasible"
     assert len(o3.search_stats["stages"]) == 1
     assert o3.search_stats["objective_s"] == pytest.approx(o3.search_stats["stages"][0][2])
