@@ -34,6 +34,9 @@ from .units import Unit, apply_pins, build_units, replicated_choice
 
 
 OVERLAP_ROUNDS = 3  # searches at most, with Cluster.overlap, to price what compute can hide
+# The coarse search's share of the time (`_near_coarse_plan`): its memory-limit trials are most of
+# the work; the fine search starts near a plan that fits, each op with a tenth of its strategies.
+COARSE_SHARE = 0.6
 
 
 def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: float = 60.0, **options) -> Plan:
@@ -179,16 +182,16 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
 def _near_coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, units: list[Unit], *,
                       deadline: levels.Deadline, **options) -> None:
     """Restrict each unit to the strategies near the plan of the mesh with two axes merged
-    (`coarse_axes`), searched first with half the time left. Where no plan of the coarser mesh
+    (`coarse_axes`), searched first with `COARSE_SHARE` of the time left. Where no plan of the coarser mesh
     fits the memory limit, the whole space is kept; where that search runs out of time, so
     would the whole space's (`SolverError`)."""
     coarse, merge = coarse_axes.merged(topo)
     progress.say("rhino_jax: %d mesh axes: searching first with %s and %s as one axis", len(topo.axis_names),
                  merge.major, merge.minor)
-    half = levels.Deadline(deadline.seconds, time.perf_counter() + deadline.left() / 2)
+    share = levels.Deadline(deadline.seconds, time.perf_counter() + COARSE_SHARE * deadline.left())
     try:
         _, chosen = _search(dataclasses.replace(graph, pins=coarse_axes.coarse_pins(graph.pins, merge)), coarse,
-                            cluster, deadline=half, opt_level="O2", with_choice=True, **options)
+                            cluster, deadline=share, opt_level="O2", with_choice=True, **options)
     except MemoryLimitError:
         progress.say("rhino_jax: no plan with %s merged fits the memory limit; searching the whole space", merge.name)
         return
