@@ -196,8 +196,13 @@ def _near_coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, units:
         progress.say("rhino_jax: no plan with %s merged fits the memory limit; searching the whole space", merge.name)
         return
     assert len(chosen) == len(units), "the coarse search built other units"
+    kept: dict[tuple, tuple[list, list]] = {}  # the layers' identical ops share one strategy list
     for u, s in zip(units, chosen):
-        u.strategies = coarse_axes.near(u.strategies, coarse_axes.anchor(s, merge, topo.axis_names), topo.axis_names)
+        key = (id(u.strategies), s)
+        if key not in kept:
+            kept[key] = (u.strategies, coarse_axes.near(u.strategies, coarse_axes.anchor(s, merge, topo.axis_names),
+                                                        topo.axis_names))
+        u.strategies = kept[key][1]
 
 
 def _merge_classes(class_of: list[int], pairs: list[tuple[int, int]]) -> list[int]:
