@@ -3,6 +3,7 @@ with reads between them; a value read by several cones is read through its hub, 
 layout."""
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -19,7 +20,8 @@ from .units import Unit, read_branch
 
 
 def add_hubs(graph: Graph, units: list[Unit], groups: list[Cone], group_of: dict[int, int],
-             producer_unit: dict[int, int], prices: Prices) -> dict[int, int]:
+             producer_unit: dict[int, int], prices: Prices,
+             sign: Callable[[list[int]], tuple] | None = None) -> dict[int, int]:
     """Value → its hub: a value that cones other than its producer's read (two or more) is read
     through a unit of no cost whose strategies are the value's layouts, a cone of its own. The
     move to the hub's layout is paid once and each reader cone pays from there, as `make_plan`
@@ -27,13 +29,15 @@ def add_hubs(graph: Graph, units: list[Unit], groups: list[Cone], group_of: dict
     the move (an all-reduce of a gradient read by three cones, three times). Not for a value read
     in several conditional branches (a move in one branch is not seen in another). Hubs are
     appended to `units` and `groups` (after every other unit: cones and the DP inside them do
-    not see them); the plan leaves them out (`make_plan`), so reads stay reads of the value."""
+    not see them); the plan leaves them out (`make_plan`), so reads stay reads of the value.
+    `sign`: a group's signature (`cones.signature`), given to the hubs' groups."""
     reads: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for m, u in enumerate(units):
         for pos, v in enumerate(u.operands):
             if v in producer_unit and graph.values[v].shape and group_of[m] != group_of[producer_unit[v]]:
                 reads[v].append((m, pos))
     hub_of: dict[int, int] = {}
+    shared: dict[tuple, list[Strategy]] = {}  # hubs of one set of layouts share it (`cones.signature`)
     for v, rs in sorted(reads.items(), key=lambda item: (producer_unit[item[0]], item[0])):
         branches = {read_branch(units[m], pos, graph) for m, pos in rs}
         if len({group_of[m] for m, _ in rs}) < 2 or len(branches) > 1:
@@ -45,11 +49,11 @@ def add_hubs(graph: Graph, units: list[Unit], groups: list[Cone], group_of: dict
         layouts = dict.fromkeys([spec for spec in made if not spec.partial]
                                 + [spec for spec in read if not spec.strides])
         hub_of[v] = h = len(units)
-        units.append(Unit("hub", v, (v,), (v,), [Strategy((spec,), (spec,), 0.0) for spec in layouts],
-                           units[p].name, (v,)))
+        strategies = shared.setdefault(tuple(layouts), [Strategy((spec,), (spec,), 0.0) for spec in layouts])
+        units.append(Unit("hub", v, (v,), (v,), strategies, units[p].name, (v,)))
         prices.add_unit((v,))
         group_of[h] = len(groups)
-        groups.append(Cone(h, [h], [{h: s} for s in units[h].strategies]))
+        groups.append(Cone(h, [h], [{h: s} for s in strategies], sign([h]) if sign else None))
     return hub_of
 
 
@@ -62,10 +66,21 @@ def ilp_problem(units, groups: list[Cone], group_of: dict[int, int], producer_un
                 prices: Prices, hub_of: dict[int, int], check: Callable[[], None] = lambda: None) -> ilp.Problem:
     """The ILP over cones: a cost per cone strategy, and an edge per pair of cones with reads
     between them (reads inside a cone, or from a cone with one layout, fold into the costs); each
-    with the combined families it uses (`pricing`)."""
-    costs = [np.array([sum(prices.own(m, s) for m, s in ch.items()) for ch in g.choice]) for g in groups]
-    uses = [[frozenset().union(*(prices.own_uses(m, s) for m, s in ch.items())) for ch in g.choice]
-            for g in groups]
+    with the combined families it uses (`pricing`). Groups of one signature (`cones.signature`:
+    a layer's cone and the next layer's) are priced once, and so are their reads read alike."""
+    priced: dict[tuple, tuple[np.ndarray, list[frozenset[int]]]] = {}
+    costs, uses = [], []
+    for g in groups:
+        if g.signature is None or g.signature not in priced:
+            own = (np.array([sum(prices.own(m, s) for m, s in ch.items()) for ch in g.choice]),
+                   [frozenset().union(*(prices.own_uses(m, s) for m, s in ch.items())) for ch in g.choice])
+            if g.signature is None:
+                costs.append(own[0])
+                uses.append(own[1])
+                continue
+            priced[g.signature] = own
+        costs.append(priced[g.signature][0].copy())  # the reads below add to it
+        uses.append(list(priced[g.signature][1]))
 
     def moves(values, src_specs, dst_specs) -> dict:
         """A value read in one layout by several readers is resharded once (as in `make_plan`
@@ -88,21 +103,34 @@ def ilp_problem(units, groups: list[Cone], group_of: dict[int, int], producer_un
                     if v in hub_of and m != hub_of[v] and gi != group_of[p]:
                         p = hub_of[v]  # read through the value's hub (`add_hubs`)
                     reads[(group_of[p], gi)].append((v, m, pos, p))
+    place = {m: i for g in groups for i, m in enumerate(g.members)}
+    inside: dict[tuple, tuple[np.ndarray, list[frozenset[int]]]] = {}  # reads within a group, by `alike`
+    between: dict[tuple, ilp.Edge] = {}  # reads between two groups, by `alike`
     edges = []
     for (src, dst), rs in reads.items():
         check()
         gs, gd = groups[src], groups[dst]
         values = [v for v, _, _, _ in rs]
+        alike = None if gs.signature is None or gd.signature is None else (
+            gs.signature, gd.signature, src == dst, tuple((place[m], pos, place[p], units[p].results.index(v),
+                                                           prices.value_key(v)) for v, m, pos, p in rs))
         if src == dst:
-            for j in range(len(gs.choice)):
-                read = (values, [_result_spec(units, gs, j, p, v) for v, _, _, p in rs],
-                        [gd.choice[j][m].operands[pos] for _, m, pos, _ in rs])
-                costs[src][j] += moves_cost(*read)
-                uses[src][j] |= moves_uses(*read)
+            if alike not in inside:
+                read = [(values, [_result_spec(units, gs, j, p, v) for v, _, _, p in rs],
+                         [gd.choice[j][m].operands[pos] for _, m, pos, _ in rs]) for j in range(len(gs.choice))]
+                inside[alike] = (np.array([moves_cost(*r) for r in read]), [moves_uses(*r) for r in read])
+            cost, used = inside[alike] if alike is not None else inside.pop(None)
+            costs[src] += cost
+            uses[src] = [a | b for a, b in zip(uses[src], used)]
             continue
-        src_keys = [tuple(_result_spec(units, gs, j, p, v) for v, _, _, p in rs) for j in range(len(gs.choice))]
-        dst_keys = [tuple(gd.choice[j][m].operands[pos] for _, m, pos, _ in rs) for j in range(len(gd.choice))]
-        edge = _read_edge(src, dst, values, src_keys, dst_keys, prices)
+        if alike in between:
+            edge = dataclasses.replace(between[alike], src=src, dst=dst)
+        else:
+            src_keys = [tuple(_result_spec(units, gs, j, p, v) for v, _, _, p in rs) for j in range(len(gs.choice))]
+            dst_keys = [tuple(gd.choice[j][m].operands[pos] for _, m, pos, _ in rs) for j in range(len(gd.choice))]
+            edge = _read_edge(src, dst, values, src_keys, dst_keys, prices)
+            if alike is not None:
+                between[alike] = edge
         if not edge.matrix.any():
             continue
         if edge.matrix.shape[0] == 1:

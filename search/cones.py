@@ -16,7 +16,7 @@ addition to Rhino, whose cones only grow backwards).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +39,7 @@ class Cone:
     root: int
     members: list[int]  # unit indices, the root first
     choice: list[dict[int, Strategy]]  # per root strategy: unit index → its strategy
+    signature: tuple | None = None  # groups of one signature are alike (`signature`), None: unknown
 
 
 def find_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int]
@@ -66,39 +67,21 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
                 own_cost: Callable[[int, Strategy], float],
                 reshard_cost: Callable[[ShardingSpec, ShardingSpec, int], float],
                 reads_cost: Callable[[int, list[ShardingSpec], list[list[ShardingSpec]]], np.ndarray],
-                read_bytes: Callable[[ShardingSpec, int], int], check: Callable[[], None] = lambda: None
+                read_bytes: Callable[[ShardingSpec, int], int], check: Callable[[], None] = lambda: None,
+                unit_key: Callable[[int], Hashable] | None = None, value_key: Callable[[int], Hashable] | None = None
                 ) -> list[Cone]:
     """The cones of the graph, each with its strategies (one per root strategy, DP inside).
     `reshard_cost(src, dst, value)`: seconds of one move; `reads_cost(value, starts, reads)`:
     [start, reader] seconds of many (`Prices.reads`); `read_bytes(spec, value)`: bytes per
-    device of a value in a layout (breaks the DP's ties); `check()`, called per unit, may stop
-    the build (the search's deadline)."""
+    device of a value in a layout (breaks the DP's ties); `check()`, called per cone, may stop
+    the build (the search's deadline). With `unit_key` (what a unit's own costs depend on) and
+    `value_key` (what a read of a value costs depends on), a cone alike in all of them to an
+    earlier one (`signature`: the same op of the next layer) takes its choices, not a new DP:
+    the build does not grow with the layers' count as fast."""
     root_of, claimed_by = find_cones(units, producer_unit)
     children: dict[int, list[int]] = {i: [] for i in range(len(units))}
     for m, reader in claimed_by.items():
         children[reader].append(m)
-    # best[m][t]: least cost of m's subtree when m takes strategy t; back[m, c][t]: c's choice;
-    # entering[m][t]: bytes per device that the subtree reads from outside the cone.
-    best: dict[int, np.ndarray] = {}
-    entering: dict[int, np.ndarray] = {}
-    back: dict[tuple[int, int], np.ndarray] = {}
-    for m, u in enumerate(units):  # producers before readers
-        check()
-        cost = np.array([own_cost(m, s) for s in u.strategies])
-        inside = {units[c].results[0] for c in children[m]}
-        outside = [(k, v) for k, v in enumerate(u.operands) if v in u.live and v not in inside]
-        enter = np.array([sum(read_bytes(spec, v) for v, spec in {(v, s.operands[k]) for k, v in outside})
-                          for s in u.strategies], dtype=float)
-        for c in children[m]:
-            v = units[c].results[0]
-            positions = [k for k, o in enumerate(u.operands) if o == v]
-            step = best[c][:, None] + reads_cost(v, [cs.results[0] for cs in units[c].strategies],
-                                                 [[ms.operands[k] for k in positions] for ms in u.strategies])
-            back[m, c] = _least(step, entering[c])
-            picked = (back[m, c], np.arange(step.shape[1]))
-            cost = cost + step[picked]
-            enter = enter + entering[c][back[m, c]]
-        best[m], entering[m] = cost, enter
 
     def follow(m: int, out: dict[int, Strategy]) -> Strategy:
         """A producer-joining unit reads its producer's layout as it is when it can (slicing
@@ -114,27 +97,86 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
         return min(u.strategies, key=lambda s: own_cost(m, s) + sum(
             reshard_cost(spec, to, v) for to in dict.fromkeys(s.operands[k] for k in reads)))
 
-    def pick(root: int, t: int, forward: list[int]) -> dict[int, Strategy]:
-        out: dict[int, Strategy] = {}
-        stack = [(root, t)]
-        while stack:
-            m, t = stack.pop()
-            out[m] = units[m].strategies[t]
-            stack.extend((c, int(back[m, c][t])) for c in children[m])
-        for m in forward:  # in program order: each one's producer is already picked
-            out[m] = follow(m, out)
+    def choices(root: int, ms: list[int]) -> list[dict[int, Strategy]]:
+        """Per root strategy, every member's: a DP over the cone's in-tree (members in program
+        order, producers before readers), then the producer-joining members in program order."""
+        # best[m][t]: least cost of m's subtree when m takes strategy t; back[m, c][t]: c's choice;
+        # entering[m][t]: bytes per device that the subtree reads from outside the cone.
+        best: dict[int, np.ndarray] = {}
+        entering: dict[int, np.ndarray] = {}
+        back: dict[tuple[int, int], np.ndarray] = {}
+        for m in ms:
+            u = units[m]
+            cost = np.array([own_cost(m, s) for s in u.strategies])
+            inside = {units[c].results[0] for c in children[m]}
+            outside = [(k, v) for k, v in enumerate(u.operands) if v in u.live and v not in inside]
+            enter = np.array([sum(read_bytes(spec, v) for v, spec in {(v, s.operands[k]) for k, v in outside})
+                              for s in u.strategies], dtype=float)
+            for c in children[m]:
+                v = units[c].results[0]
+                positions = [k for k, o in enumerate(u.operands) if o == v]
+                step = best[c][:, None] + reads_cost(v, [cs.results[0] for cs in units[c].strategies],
+                                                     [[rs.operands[k] for k in positions] for rs in u.strategies])
+                back[m, c] = _least(step, entering[c])
+                picked = (back[m, c], np.arange(step.shape[1]))
+                cost = cost + step[picked]
+                enter = enter + entering[c][back[m, c]]
+            best[m], entering[m] = cost, enter
+        forward = [m for m in ms if units[m].join == "producer"]
+        out = []
+        for t in range(len(units[root].strategies)):
+            picked: dict[int, Strategy] = {}
+            stack = [(root, t)]
+            while stack:
+                m, j = stack.pop()
+                picked[m] = units[m].strategies[j]
+                stack.extend((c, int(back[m, c][j])) for c in children[m])
+            for m in forward:  # in program order: each one's producer is already picked
+                picked[m] = follow(m, picked)
+            out.append(picked)
         return out
 
     members: dict[int, list[int]] = {}
     for i in range(len(units)):
         members.setdefault(root_of[i], []).append(i)
     cones = []
+    seen: dict[Hashable, Cone] = {}
     for root, ms in members.items():
-        forward = [m for m in ms if units[m].join == "producer"]
-        choice = [pick(root, t, forward) for t in range(len(units[root].strategies))]
-        cones.append(Cone(root, [root] + [m for m in ms if m != root], choice))
+        check()
+        order = [root] + [m for m in ms if m != root]
+        key = signature(order, units, producer_unit, claimed_by, unit_key, value_key) if unit_key else None
+        like = seen.get(key) if key is not None else None
+        if like is None:
+            cone = Cone(root, order, choices(root, ms), key)
+            if key is not None:
+                seen[key] = cone
+        else:
+            cone = Cone(root, order, [{m: ch[o] for m, o in zip(order, like.members)} for ch in like.choice], key)
+        cones.append(cone)
     cones.sort(key=lambda c: c.root)
     return cones
+
+
+def signature(members: Sequence[int], units: Sequence[ConeUnit], producer_unit: dict[int, int],
+              parent: dict[int, int], unit_key: Callable[[int], Hashable],
+              value_key: Callable[[int], Hashable]) -> tuple:
+    """What a group's strategies and their costs depend on, with units named by their place in
+    `members`: each member's own key, join and reader in the group (`parent`), and per live
+    operand its producer's place (None outside) and the value's key. Two groups of one signature
+    have the same choices, costs and, read alike, the same edges (`assembly.ilp_problem`)."""
+    place = {m: i for i, m in enumerate(members)}
+    out = []
+    for m in members:
+        u = units[m]
+        reads = []
+        for v in u.operands:
+            if v not in u.live:
+                reads.append(None)
+                continue
+            p = producer_unit[v]
+            reads.append((place.get(p), units[p].results.index(v) if p in place else None, value_key(v)))
+        out.append((unit_key(m), u.join, place.get(parent.get(m)), tuple(reads)))
+    return tuple(out)
 
 
 def _least(step: np.ndarray, entering: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ from ..hlo_passes.graph import Graph
 from . import coarse_axes, interrupt, levels, progress, windows
 from .cluster import Cluster, MeshTopology
 from .pricing import Prices
-from .cones import build_cones
+from .cones import build_cones, signature
 from .critical import backbone
 from .repeats import group_segments, tie_repeats
 from .assembly import add_hubs, ilp_problem
@@ -96,11 +96,16 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     sizes = topo.sizes
 
     prices = Prices(graph, topo, [u.results for u in units])
+
+    def unit_key(m: int) -> tuple:  # units that share a strategy list have the same strategies
+        return id(units[m].strategies), *prices.unit_key(m)
     groups = build_cones(units, producer_unit, prices.own, prices.reshard,
                          lambda v, starts, reads: prices.reads(v, starts, reads, uses=False)[0],
-                         lambda spec, v: graph.values[v].nbytes // spec.shard_factor(sizes), building)
+                         lambda spec, v: graph.values[v].nbytes // spec.shard_factor(sizes), building,
+                         unit_key, prices.value_key)
     group_of = {m: gi for gi, g in enumerate(groups) for m in g.members}
-    hub_of = add_hubs(graph, units, groups, group_of, producer_unit, prices)
+    hub_of = add_hubs(graph, units, groups, group_of, producer_unit, prices,
+                      lambda ms: signature(ms, units, producer_unit, {}, unit_key, prices.value_key))
     problem = ilp_problem(units, groups, group_of, producer_unit, prices, hub_of, building)
     bb = backbone(graph)
     stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges),

@@ -44,6 +44,15 @@ class Prices:
         found = {self.sides.get(v) for v in values}
         return found.pop() if len(found) == 1 else None
 
+    def value_key(self, v: int) -> tuple:
+        """What moving value v costs depends on (besides the layouts)."""
+        value = self.graph.values[v]
+        return value.nbytes, value.shape, self.sides.get(v), value.trips
+
+    def unit_key(self, m: int) -> tuple:
+        """What unit m's own costs depend on besides its strategies."""
+        return self._unit_side[m], self._unit_trips[m]
+
     def combined(self, c: Collective, side: str | None) -> bool:
         return not combined_alone(self.topo.combiner.compiled_kind(c.kind), side, self.topo.combiner)
 
@@ -69,7 +78,7 @@ class Prices:
 
     def _reshard(self, src: ShardingSpec, dst: ShardingSpec, v: int) -> tuple[float, frozenset[int]]:
         value = self.graph.values[v]
-        key = (src, dst, value.nbytes, value.shape, self.sides.get(v), value.trips)
+        key = (src, dst, *self.value_key(v))
         if key not in self._reshards:
             self._reshards[key] = self._priced(reshard(src, dst, value.nbytes, self.topo, value.shape), *key[4:])
         return self._reshards[key]

@@ -95,14 +95,23 @@ def build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: boo
     fallback: list[str] = []
     aliased = tied_outputs(graph)
     tied_to = {i: k for k, i in aliased.items()}
+    # One list per distinct strategy space, shared by the units that have it (the layers' weights
+    # of one shape, one op repeated): `cones.signature` knows them alike by it.
+    shared: dict[tuple, list[Strategy]] = {}
     for arg in graph.args:
-        strategies = _arg_strategies(graph, arg, topo, cluster)
+        value = graph.values[arg.value]
+        tied = arg.index in tied_to and graph.outputs[tied_to[arg.index]] != arg.value
+        key = ("arg", value.shape, value.nbytes, arg.role == "batch", tied)
+        if key not in shared:
+            shared[key] = _arg_strategies(graph, arg, topo, cluster)
+            if tied:  # as the argument's unit reads it (below)
+                shared[key] = [Strategy((s.results[0],), s.results, 0.0) for s in shared[key]]
+        strategies = shared[key]
         operands: tuple[int, ...] = ()
-        if arg.index in tied_to and graph.outputs[tied_to[arg.index]] != arg.value:
+        if tied:
             # The argument and its tied output share one layout: the argument's unit reads the
             # output in its own layout, which prices the reshard from the output's producer.
             operands = (graph.outputs[tied_to[arg.index]],)
-            strategies = [Strategy((s.results[0],), s.results, 0.0) for s in strategies]
         producer_unit[arg.value] = len(units)
         units.append(Unit("arg", arg.index, operands, (arg.value,), strategies, arg.path))
     traffic = memory_traffic(graph)
@@ -145,7 +154,9 @@ def build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: boo
         if k in aliased or graph.values[out].constant:
             continue
         shape = graph.values[out].shape
-        strategies = [Strategy((s,), (), 0.0) for s in tensor_specs(shape, topo)]
+        if ("output", shape) not in shared:
+            shared["output", shape] = [Strategy((s,), (), 0.0) for s in tensor_specs(shape, topo)]
+        strategies = shared["output", shape]
         units.append(Unit("output", k, (out,), (), strategies, graph.output_paths[k],
                            _live((out,), graph, producer_unit)))
     for u in units[:len(graph.args)]:  # tied arguments read their output
