@@ -90,11 +90,12 @@ def fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pla
 
 def _weigh_memory(plan_with, tried: list[Plan], limit: int, fits, stop, steps: int = 8) -> None:
     """Plans of the ILP with each byte a device holds on average (`memory.held_fractions`) priced
-    at w seconds, added to `tried` (whose first is the unlimited plan): w galloping up (x4) from
-    the unlimited plan's seconds per byte until a plan fits, then two bisections (geometric) back
-    down towards the fastest plan that fits, while `stop()` says go on. The average stands in
-    for the peak, which is not linear in the choices; each plan's own peak decides whether it
-    fits."""
+    at w seconds, added to `tried` (whose first is the unlimited plan): a monotone search over
+    the price, the Lagrange multiplier of the limit. w gallops up (x4) from the unlimited plan's
+    seconds per byte until a plan fits (down, when the first fits, until one does not: a price
+    too high leaves memory unused and the step slower), then two bisections (geometric) towards
+    the lowest price that fits, while `stop()` says go on. The average stands in for the peak,
+    which is not linear in the choices; each plan's own peak decides whether it fits."""
     unlimited = tried[0]
     base = unlimited.cost.total_s / max(unlimited.cost.memory_bytes, 1)
     low, high = 0.0, None
@@ -107,6 +108,15 @@ def _weigh_memory(plan_with, tried: list[Plan], limit: int, fits, stop, steps: i
         low = w
         if stop():
             return
+    for _ in range(3 if high is not None and not low else 0):
+        if stop():
+            return
+        w = high / 4.0
+        tried.append(_try_weight(plan_with, w, limit))
+        if not fits(tried[-1]):
+            low = w
+            break
+        high = w
     for _ in range(2 if high is not None and low else 0):
         if stop():
             return

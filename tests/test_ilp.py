@@ -103,6 +103,21 @@ def test_memory_search_past_its_deadline_keeps_the_best_plan_that_fits():
         fit_memory(plan_with, list(range(n)), list(range(n)), unlimited, 1000 - 37, None, 0, deadline(3))
 
 
+def test_memory_priced_in_the_objective_is_searched_down_to_the_lowest_price_that_fits():
+    """When no k fits (memory does not fall as arguments are kept off replication), memory is
+    priced at w seconds per byte. A price that fits at once is lowered until one does not, then
+    bisected: the plan returned is the fast one just within the limit, not the first that fit."""
+    replicated = ShardingSpec.replicated(1)
+    base = 1.0 / 2000  # the unlimited plan's seconds per byte: 1 s, 2000 bytes
+
+    def plan_with(forced, weight_s=0.0):
+        memory = 2000 / (1 + 64 * weight_s / base)  # 31 bytes at w = base, 400 at base / 16
+        return SimpleNamespace(cost=SimpleNamespace(memory_bytes=memory, total_s=1 + weight_s / base),
+                               mesh_axes={"x": 8}, search_stats={"status": "optimal"}, arg_specs=[replicated] * 4)
+    best = fit_memory(plan_with, list(range(4)), list(range(4)), plan_with([]), 500, graph=None, least=0)
+    assert best.cost.memory_bytes <= 500 and best.cost.total_s == pytest.approx(1 + 1 / 16)
+
+
 def test_polish_past_its_deadline_sweeps_once():
     """Polishing thousands of groups takes seconds: past the deadline it stops after one sweep."""
     problem = _chain(3, groups=12, k=4)
