@@ -28,6 +28,9 @@ def by_size(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -> l
     return sorted(found, key=lambda g: -graph.values[units[groups[g].root].results[0]].nbytes)
 
 
+PROBE_ALL = 128  # more candidates than this: k = all is tried first (`fit_memory`)
+
+
 def fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Plan, limit: int,
                graph: Graph, least: int, deadline: levels.Deadline | None = None) -> Plan:
     """The fastest plan within the limit among every plan solved on the way.
@@ -39,6 +42,9 @@ def fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pla
     best plan for those larger k, so a plan that does not fit rules them out too (`_leading`).
     Memory need not fall as k grows (a plan forced to shard its weights may replicate its
     activations instead), so when no k fits, the ILP prices memory itself (`_weigh_memory`).
+    With more than `PROBE_ALL` candidates (a large model: the gallop would take 2 log2 of them),
+    k = all is solved first: when even that does not fit, the gallop is skipped; when it fits,
+    it bounds the gallop.
     `least`: a lower bound on every plan's memory, for the error. No trial starts after the
     `deadline`: the best plan that fits so far, else a SolverError that says so."""
     tried = [unlimited]
@@ -56,8 +62,16 @@ def fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pla
         return out_of_time or tried[-1].search_stats["status"] == "interrupted"
 
     lo, hi, step = _leading(unlimited, args), None, 1  # the plan with k = lo does not fit
+    if len(candidates) > PROBE_ALL and lo < len(candidates) and not stop():
+        tried.append(_try(plan_with, candidates, len(candidates), limit))
+        if not fits(tried[-1]):
+            lo = len(candidates)  # no k fits: straight to pricing memory
+        else:
+            hi = len(candidates)
     while lo < len(candidates) and not stop():  # gallop up to a k = hi that fits
         k = min(lo + step, len(candidates))
+        if hi is not None and k >= hi:  # the probe's k = all fits: bisect below it
+            break
         tried.append(_try(plan_with, candidates, k, limit))
         if fits(tried[-1]):
             hi = k

@@ -84,6 +84,31 @@ def test_memory_search_finds_the_smallest_k_in_few_solves(smallest):
     assert len(solved) - 1 <= 2 * np.log2(smallest) + 2, solved
 
 
+@pytest.mark.parametrize("smallest, solves", [(None, [0, 512]), (5, [0, 512, 1, 3, 7, 5, 4]), (300, None)])
+def test_a_large_model_tries_every_candidate_first(smallest, solves):
+    """Past `PROBE_ALL` candidates, k = all is solved first: when it does not fit, no k does and
+    the gallop over k is skipped for pricing memory; when it fits, the gallop stops below it."""
+    n = 512
+    plan_with, solved = _shrinking_plans(n)
+    limit = 1000 - (smallest or n + 100)
+
+    def with_weight(forced, weight_s=0.0):  # with memory priced: 100 bytes, slower
+        plan = plan_with(forced)
+        cost = SimpleNamespace(memory_bytes=100 if weight_s else plan.cost.memory_bytes,
+                               total_s=1 + len(forced) + (1000 if weight_s else 0))
+        return SimpleNamespace(**dict(vars(plan), cost=cost))
+    best = fit_memory(with_weight, list(range(n)), list(range(n)), with_weight([]), limit, graph=None, least=0)
+    if smallest is None:
+        assert solved[:2] == solves and not any(solved[2:]), solved  # then priced, nothing forced
+        assert best.cost.memory_bytes == 100
+        return
+    assert best.cost.memory_bytes == limit
+    if solves:
+        assert solved == solves
+    else:
+        assert len(solved) - 2 <= 2 * np.log2(smallest) + 2, solved
+
+
 def test_memory_search_past_its_deadline_keeps_the_best_plan_that_fits():
     """No trial of `fit_memory` starts after the search's deadline: the best plan that fits so
     far is kept, with a warning that a faster one may exist; with none that fits, SolverError."""
