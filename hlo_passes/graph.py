@@ -77,6 +77,10 @@ class Arg:
     role: str  # one of ROLES
     value: int
     donated_to: int | None  # index of the output it aliases (donation), if any
+    # Copies of it in its layout that the step holds beside this program the whole time (a
+    # pipeline stage's gradient sum and optimizer moments of a parameter, `pipelined`): counted
+    # in the program's memory, so a memory limit sees what the stage holds.
+    held_beside: int = 0
 
 
 @dataclass(frozen=True)

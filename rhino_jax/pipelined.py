@@ -134,9 +134,11 @@ class PipelinedLowered(SeveralProgramsLowered):
             return search(prog, dataclasses.replace(graph, pins=graph.pins + pins), options)
 
         self._programs: dict[tuple[str, int], Planned] = {}
+        copies = _state_copies(cg, whole.arg_roles)
         for prog in stage_programs.programs(step.parts.compute, cg, place):
             prog, graph = _on_stage(prog, axes[prog.stage], whole.arg_paths, whole.arg_roles,
                                     [f"out[{v}]" for v in prog.outputs])
+            graph = _with_state_beside(graph, prog, cg, copies)
             self._programs[prog.kind, prog.stage] = search(prog, graph, options)
         home = _compute_homes(self._programs, cg)
         programs = stage_programs.programs(step.parts.apply, ag, stage_programs.assign_apply(ag, home))
@@ -215,7 +217,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         forward_ops = [i for i, (kind, at) in self._place.items() if kind == "F" and at == s]
         return StagePlan(s, dict(zip(self.mesh.axis_names, sub.devices.shape)),
                          tuple(int(d.id) for d in sub.devices.flat), stage_programs.layers(cg, forward_ops),
-                         plans["F", s][2], plans["B", s][2], self.schedule.in_flight()[s], _held_bytes(plans, s, sub),
+                         _own(plans["F", s]), _own(plans["B", s]), self.schedule.in_flight()[s], _held_bytes(plans, s, sub),
                          _summed_bytes(plans, s, sub, set(cg.outputs)), self._kept_bytes(s),
                          sum(plan.cost.total_s for plan in mine),
                          max((plan.cost.memory_bytes for plan in mine), default=0))
@@ -279,8 +281,46 @@ def _alike(prog: stage_programs.Program, graph: Graph, topology: MeshTopology, o
     stages of a model of identical layers run the same forward and backward) with the same
     arguments' roles and pins, on a sub-mesh of the same shape and links, under the same options.
     The plan found for the first is the others' (its collectives keep the first's op names)."""
-    return (fingerprint(prog.module), tuple((a.role, a.donated_to) for a in graph.args),
+    return (fingerprint(prog.module), tuple((a.role, a.donated_to, a.held_beside) for a in graph.args),
             tuple((p.value, p.dims) for p in graph.pins), topology, repr(options))
+
+
+def _state_copies(cg: Graph, roles) -> dict[tuple, int]:
+    """(shape, dtype) of a parameter → the copies of it the step's state holds beside it: its
+    optimizer's moments (the optimizer-state arguments of its shape, per parameter of that
+    shape: Adam's two) and its gradient sum."""
+    count: Counter = Counter()
+    for a, role in zip(cg.args, roles):
+        value = cg.values[a.value]
+        count[role, value.shape, value.dtype] += 1
+    return {(shape, dtype): round(count["optimizer_state", shape, dtype] / n) + 1
+            for (role, shape, dtype), n in count.items() if role == "parameter"}
+
+
+def _with_state_beside(graph: Graph, prog: stage_programs.Program, cg: Graph, copies: dict[tuple, int]) -> Graph:
+    """A forward or backward program's graph with each parameter it reads marked with the copies
+    of it its stage holds beside it (`Arg.held_beside`: gradient sum and moments; the backward
+    makes the sum, which its own memory counts): a memory limit on the program then keeps the
+    stage's state within it, which the apply-gradients programs are pinned to."""
+    own = 1 if prog.kind == "B" else 0
+
+    def marked(a):
+        if a.index >= len(prog.args) or a.role != "parameter":
+            return a
+        value = cg.values[cg.args[prog.args[a.index]].value]
+        return dataclasses.replace(a, held_beside=max(copies.get((value.shape, value.dtype), 1) - own, 0))
+    return dataclasses.replace(graph, args=tuple(marked(a) for a in graph.args))
+
+
+def _own(planned: Planned) -> Plan:
+    """The program's plan with its memory less the copies held beside its arguments
+    (`_with_state_beside`), which the stage counts apart (`StagePlan.beside_bytes`)."""
+    _, graph, plan = planned
+    beside = sum(a.held_beside * local_bytes(graph, a.value, spec, plan.mesh_axes)
+                 for a, spec in zip(graph.args, plan.arg_specs))
+    if not beside:
+        return plan
+    return dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, memory_bytes=plan.cost.memory_bytes - beside))
 
 
 def _on_stage(prog: stage_programs.Program, axes: dict[str, int], paths, roles, output_paths

@@ -62,7 +62,7 @@ def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], topo: MeshTopology
         first_read = _first_reads(graph)
         temporaries += [(n, max([n] + [first_read.get(r, n) for r in graph.nodes[n].results]), nbytes)
                         for n, nbytes in workspaces.items()]
-    args = sum(local_bytes(graph, a.value, specs.get(a.value), sizes) for a in graph.args)
+    args = sum((1 + a.held_beside) * local_bytes(graph, a.value, specs.get(a.value), sizes) for a in graph.args)
     donated = {a.donated_to for a in graph.args if a.donated_to is not None}
     returned_specs = list(out_specs) if out_specs is not None else [specs.get(o) for o in graph.outputs]
     rooms = []  # (bytes, step at which it is written) of each output buffer no argument holds
@@ -178,13 +178,13 @@ def _lifetimes(graph: Graph, stored: list[bool], moves: dict[tuple[int, int], Sh
 
 def held_fractions(graph: Graph) -> dict[int, float]:
     """The fraction of the step each value holds a buffer of its own, whatever its layout:
-    arguments all of it, intermediates from their producer to their last reader, values that
+    arguments all of it (and their copies held beside, `Arg.held_beside`), intermediates from their producer to their last reader, values that
     stay inside fusions or are views none. Bytes times this fraction, summed, are the average
     memory of the step: a linear stand-in for its peak that the strategy ILP can price."""
     stored = _stored(graph)
     end, _ = _lifetimes(graph, stored, {})
     steps = len(graph.nodes) + 1
-    held = {a.value: 1.0 for a in graph.args}
+    held = {a.value: 1.0 + a.held_beside for a in graph.args}
     for n in graph.nodes:
         for r in n.results:
             if stored[r] and r in end and not graph.values[r].constant:

@@ -152,8 +152,8 @@ def held_bytes(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -
 def least_arguments(graph: Graph, units, producer_unit: dict[int, int], sizes: dict[str, int]) -> int:
     """A lower bound on every plan's memory: the arguments, which stay for the whole step, each
     split as finely as the mesh and the pins allow."""
-    return sum(min(local_bytes(graph, a.value, s.results[0], sizes) for s in units[producer_unit[a.value]].strategies)
-               for a in graph.args)
+    return sum((1 + a.held_beside) * min(local_bytes(graph, a.value, s.results[0], sizes)
+                                         for s in units[producer_unit[a.value]].strategies) for a in graph.args)
 
 
 def _leading(plan: Plan, args: list[int]) -> int:
