@@ -1,8 +1,8 @@
 """Planning at scale (issue 31): Llama-2 shapes on 256-1024 described H100s.
 
-python -m benchmarks.scale [--cases NAME ...] [--limit-s 60] [--timeout-s 900] [--out benchmarks/]
+python -m benchmarks.scale [--cases NAME ...] [--limit-s 100] [--timeout-s 900] [--out benchmarks/]
     each case in its own process (its peak memory is its own): lower, search, the plan's
-    prediction; writes scale.json and scale.md.
+    prediction; writes scale.json and scale.md (the cases not rerun kept from the file there).
 python -m benchmarks.scale --small
     the small case only (7B shapes, 4 layers, (4, 8, 8)): the check CI's test runs.
 python -m benchmarks.scale --compile [--cases ...]
@@ -343,7 +343,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=None)
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--limit-s", type=float, default=60.0)
+    parser.add_argument("--limit-s", type=float, default=100.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
     parser.add_argument("--compile", action="store_true")
@@ -352,12 +352,16 @@ def main(argv=None) -> None:
     if args.child:
         return _child(args.child, args.limit_s, args.compile)
     names = [CASES[0].name] if args.small else args.cases or [c.name for c in CASES]
+    saved = args.out / "scale.json"
+    kept = {r["case"]["name"]: r for r in json.loads(saved.read_text())} if saved.exists() else {}
     rows = []
     for name in names:
         case = next(c for c in CASES if c.name == name)
         result = measure(case, args.limit_s, args.timeout_s, args.compile)
         rows.append({"case": asdict(case), "devices": case.devices, "result": result})
         print(f"{name}: " + json.dumps(result)[:400], flush=True)
+    rows = sorted(rows + [r for n, r in kept.items() if n not in names],
+                  key=lambda r: [c.name for c in CASES].index(r["case"]["name"]))
     text = table(rows)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
