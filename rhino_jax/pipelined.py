@@ -473,7 +473,7 @@ def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, i
     load-balanced under the host-level model. A stage's forward and backward programs may take
     the same value in different layouts: each gets its own move."""
     made = {v: (prog, plan) for prog, _, plan in plans.values() for v in prog.outputs}
-    hosts = _hosts(cluster)
+    hosts = _hosts(meshes, cluster)
     found = {}
     for prog, graph, plan in plans.values():
         n_args = len(graph.args) - len(prog.inputs)
@@ -490,8 +490,9 @@ def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, i
     return found
 
 
-def _hosts(cluster) -> resharding.Hosts:
-    devices = jax.devices()
+def _hosts(meshes: list[Mesh], cluster) -> resharding.Hosts:
+    """The host of each of the stages' devices (described GPUs: their process, `host_ids`)."""
+    devices = [d for mesh in meshes for d in mesh.devices.flat]
     host = dict(zip((d.id for d in devices), host_ids(devices, cluster.devices_per_host)))
     return resharding.Hosts(lambda d: host[d.id], cluster.inter_host_bandwidth, cluster.intra_host_bandwidth)
 
@@ -505,7 +506,7 @@ def _step_moves(plans: dict[tuple[str, int], Planned], applies: list[Planned], l
     step returns them (`returned`: the loss and metrics replicated on the whole mesh). Priced as
     cross-mesh resharding under the host-level model, all of a direction's tensors in one plan
     (they share the hosts' links)."""
-    hosts, ag, n = _hosts(cluster), step.apply_graph, len(step.compute_graph.args)
+    hosts, ag, n = _hosts(meshes, cluster), step.apply_graph, len(step.compute_graph.args)
     sums = {v: j for j, v in enumerate(step.compute_graph.outputs)}
     source = {n + sums[v]: NamedSharding(meshes[prog.stage], spec.to_partition_spec())  # sum → where it is made
               for prog, _, plan in plans.values() for v, spec in zip(prog.outputs, plan.output_specs) if v in sums}

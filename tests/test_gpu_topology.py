@@ -121,6 +121,16 @@ def test_a_described_micro_batched_step_is_not_called():
         compiled(*jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), args))
 
 
+def test_a_pipeline_over_two_described_hosts_prices_its_moves_between_them():
+    """Stage moves are planned over the hosts the described devices' processes are (device ids
+    past those of this machine's backend once raised KeyError)."""
+    step, args = make_mlp_train_step(), mlp_example((64, 128, 128, 128, 64), 16, abstract=True)
+    mesh = rj.device_mesh((2, 8), ("stage", "data"), devices=rj.gpu_topology("h100", hosts=2))
+    plan = rj.parallelize(step, mesh=mesh, pipeline=2, num_micro_batches=2).lower(*args).plan
+    assert [set(st.devices) for st in plan.stages] == [set(range(8)), set(range(8, 16))]
+    assert plan.cost.total_s > plan.stages[0].forward_s + plan.stages[1].forward_s
+
+
 def test_a_plan_for_a_described_cluster_runs_on_one_of_the_same_shape(tmp_path):
     """Device ids are not compared, the mesh, platform and process layout are: another topology of
     the same shape (a real cluster's devices, here another description) takes the plan."""
