@@ -88,6 +88,7 @@ CASES = [
     Case("7b-128x8", "7b", (128, 8)),
     Case("70b-128x8", "70b", (128, 8)),
     Case("70b-32x8-pp4", "70b", (32, 8), pipeline=4, micro_batches=8),
+    Case("70b-32x8-auto", "70b", (32, 8), pipeline="auto", micro_batches=8),
 ]
 
 
