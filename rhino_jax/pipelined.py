@@ -117,8 +117,8 @@ class PipelinedLowered(SeveralProgramsLowered):
                 key = _alike(prog, graph, topology[prog.stage], opts)
                 if key not in searched:
                     searched[key] = plan_on(graph, topology[prog.stage], cluster, opts, meshes[prog.stage])
-                return dataclasses.replace(searched[key], arg_paths=tuple(a.path for a in graph.args),
-                                           output_paths=graph.output_paths)
+                return _own(graph, dataclasses.replace(searched[key], arg_paths=tuple(a.path for a in graph.args),
+                                                       output_paths=graph.output_paths))
             return prog, graph, program_plan(program_name(prog.kind, prog.stage, prog.wave), prog.module, graph,
                                              meshes[prog.stage], given, plan)
 
@@ -217,7 +217,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         forward_ops = [i for i, (kind, at) in self._place.items() if kind == "F" and at == s]
         return StagePlan(s, dict(zip(self.mesh.axis_names, sub.devices.shape)),
                          tuple(int(d.id) for d in sub.devices.flat), stage_programs.layers(cg, forward_ops),
-                         _own(plans["F", s]), _own(plans["B", s]), self.schedule.in_flight()[s], _held_bytes(plans, s, sub),
+                         plans["F", s][2], plans["B", s][2], self.schedule.in_flight()[s], _held_bytes(plans, s, sub),
                          _summed_bytes(plans, s, sub, set(cg.outputs)), self._kept_bytes(s),
                          sum(plan.cost.total_s for plan in mine),
                          max((plan.cost.memory_bytes for plan in mine), default=0))
@@ -312,10 +312,10 @@ def _with_state_beside(graph: Graph, prog: stage_programs.Program, cg: Graph, co
     return dataclasses.replace(graph, args=tuple(marked(a) for a in graph.args))
 
 
-def _own(planned: Planned) -> Plan:
-    """The program's plan with its memory less the copies held beside its arguments
-    (`_with_state_beside`), which the stage counts apart (`StagePlan.beside_bytes`)."""
-    _, graph, plan = planned
+def _own(graph: Graph, plan: Plan) -> Plan:
+    """The program's plan as searched with its memory less the copies held beside its arguments
+    (`_with_state_beside`: the search weighed them), which the stage counts apart
+    (`StagePlan.beside_bytes`); a saved plan holds this."""
     beside = sum(a.held_beside * local_bytes(graph, a.value, spec, plan.mesh_axes)
                  for a, spec in zip(graph.args, plan.arg_specs))
     if not beside:
