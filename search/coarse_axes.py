@@ -11,7 +11,8 @@ and an edge between two of them 15,625 pairs, and the ILP of a 4-layer Llama on 
 2. fine: the real mesh, each unit offered only the strategies that place every mesh axis where
    the coarse plan placed it, except at most one axis (`near`): a matmul keeps 13 of its 125.
    The fine plan can part the merged pair (the batch over one, the sequence over the other) or
-   move any single axis; it is never worse than the coarse plan, which it contains.
+   move any single axis; its space holds the coarse plan, so a fine search solved to optimality
+   is no worse than it.
 
 O3 searches the whole space.
 """
