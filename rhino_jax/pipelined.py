@@ -299,16 +299,14 @@ def _state_copies(cg: Graph, roles) -> dict[tuple, int]:
 
 def _with_state_beside(graph: Graph, prog: stage_programs.Program, cg: Graph, copies: dict[tuple, int]) -> Graph:
     """A forward or backward program's graph with each parameter it reads marked with the copies
-    of it its stage holds beside it (`Arg.held_beside`: gradient sum and moments; the backward
-    makes the sum, which its own memory counts): a memory limit on the program then keeps the
-    stage's state within it, which the apply-gradients programs are pinned to."""
-    own = 1 if prog.kind == "B" else 0
-
+    of it its stage holds beside it (`Arg.held_beside`: the gradient sum, which the backward
+    adds its micro-batch's gradient to, and the moments): a memory limit on the program then
+    keeps the stage's state within it, which the apply-gradients programs are pinned to."""
     def marked(a):
         if a.index >= len(prog.args) or a.role != "parameter":
             return a
         value = cg.values[cg.args[prog.args[a.index]].value]
-        return dataclasses.replace(a, held_beside=max(copies.get((value.shape, value.dtype), 1) - own, 0))
+        return dataclasses.replace(a, held_beside=copies.get((value.shape, value.dtype), 1))
     return dataclasses.replace(graph, args=tuple(marked(a) for a in graph.args))
 
 
