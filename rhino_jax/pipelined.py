@@ -36,7 +36,6 @@ from rhino_jax.hlo_passes import stages as stage_programs
 from rhino_jax.hlo_passes.compiled_cost import price_compiled
 from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
-from rhino_jax.hlo_passes.module import fingerprint
 from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph, transfer
 from rhino_jax.search import interrupt, stager
@@ -110,17 +109,10 @@ class PipelinedLowered(SeveralProgramsLowered):
         self._step, self._place = step, place
         self.schedule = schedules.make(options.schedule, p, k)
 
-        searched: dict[tuple, Plan] = {}  # one search per distinct program (`_alike`)
-
         def search(prog: stage_programs.Program, graph: Graph, opts: Options) -> Planned:
-            def plan() -> Plan:
-                key = _alike(prog, graph, topology[prog.stage], opts)
-                if key not in searched:
-                    searched[key] = plan_on(graph, topology[prog.stage], cluster, opts, meshes[prog.stage])
-                return _own(graph, dataclasses.replace(searched[key], arg_paths=tuple(a.path for a in graph.args),
-                                                       output_paths=graph.output_paths))
-            return prog, graph, program_plan(program_name(prog.kind, prog.stage, prog.wave), prog.module, graph,
-                                             meshes[prog.stage], given, plan)
+            return prog, graph, program_plan(
+                program_name(prog.kind, prog.stage, prog.wave), prog.module, graph, meshes[prog.stage], given,
+                lambda: _own(graph, plan_on(graph, topology[prog.stage], cluster, opts, meshes[prog.stage])))
 
         def search_apply(i: int) -> Planned:
             """apply-gradients' program i, its arguments pinned to the stage's layouts of them, and
@@ -274,15 +266,6 @@ class PipelinedLowered(SeveralProgramsLowered):
         if self._compiled is None:
             self._compiled = PipelinedCompiled(self)
         return self._compiled
-
-
-def _alike(prog: stage_programs.Program, graph: Graph, topology: MeshTopology, options: Options) -> tuple:
-    """Programs of one key have one plan: the same program (its module's fingerprint: the middle
-    stages of a model of identical layers run the same forward and backward) with the same
-    arguments' roles and pins, on a sub-mesh of the same shape and links, under the same options.
-    The plan found for the first is the others' (its collectives keep the first's op names)."""
-    return (fingerprint(prog.module), tuple((a.role, a.donated_to, a.held_beside) for a in graph.args),
-            tuple((p.value, p.dims) for p in graph.pins), topology, repr(options))
 
 
 def _state_copies(cg: Graph, roles) -> dict[tuple, int]:

@@ -49,7 +49,9 @@ def add_hubs(graph: Graph, units: list[Unit], groups: list[Cone], group_of: dict
         layouts = dict.fromkeys([spec for spec in made if not spec.partial]
                                 + [spec for spec in read if not spec.strides])
         hub_of[v] = h = len(units)
-        strategies = shared.setdefault(tuple(layouts), [Strategy((spec,), (spec,), 0.0) for spec in layouts])
+        if tuple(layouts) not in shared:
+            shared[tuple(layouts)] = [Strategy((spec,), (spec,), 0.0) for spec in layouts]
+        strategies = shared[tuple(layouts)]
         units.append(Unit("hub", v, (v,), (v,), strategies, units[p].name, (v,)))
         prices.add_unit((v,))
         group_of[h] = len(groups)

@@ -178,9 +178,10 @@ def _lifetimes(graph: Graph, stored: list[bool], moves: dict[tuple[int, int], Sh
 
 def held_fractions(graph: Graph) -> dict[int, float]:
     """The fraction of the step each value holds a buffer of its own, whatever its layout:
-    arguments all of it (and their copies held beside, `Arg.held_beside`), intermediates from their producer to their last reader, values that
-    stay inside fusions or are views none. Bytes times this fraction, summed, are the average
-    memory of the step: a linear stand-in for its peak that the strategy ILP can price."""
+    arguments all of it (and their copies held beside, `Arg.held_beside`), intermediates from
+    their producer to their last reader, values that stay inside fusions or are views none.
+    Bytes times this fraction, summed, are the average memory of the step: a linear stand-in for
+    its peak that the strategy ILP can price."""
     stored = _stored(graph)
     end, _ = _lifetimes(graph, stored, {})
     steps = len(graph.nodes) + 1
