@@ -29,6 +29,7 @@ from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_module
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
+from rhino_jax.search.constraints import check_matched
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
 from .errors import MeshError, SolverInterruptedWarning, TracedCallWarning
@@ -312,6 +313,7 @@ class Parallelized:
                 self.given_plan.check_matches(PlanTarget.of(step, mesh, donated_leaves(call)))
                 plan = self.given_plan
             else:
+                check_matched(options.constraints, graph)
                 cluster = get_cluster(options.cluster, list(mesh.devices.flat))
                 plan = plan_on(graph, MeshTopology.from_mesh(mesh, cluster), cluster, options, mesh)
         tree = jax.tree.structure((call.args, call.kwargs))
@@ -360,7 +362,7 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
                 static_argnames: str | Sequence[str] | None = None, solver: str = "HIGHS",
                 solver_time_limit_s: float = 60.0, axis_names: Sequence[str] | None = None,
                 search_workers: int | None = None, strided_specs: bool = True, plan: "Plan | str | None" = None,
-                progress: bool = True):
+                progress: bool = True, constraints: Sequence | None = None):
     """Parallelize a train step over `mesh`. Usable as `parallelize(fn, mesh=...)` or as a
     decorator `@parallelize(mesh=...)`; `fn` may already be `jax.jit`-ed (its donation and static
     arguments are kept).
@@ -384,12 +386,16 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
     maximum strides (each device holds one block per split dim), as most systems do.
     `progress`: a search longer than a few seconds shows a one-line progress display on stderr
     (elapsed, what it does, the best predicted step so far); False or RHINO_JAX_PROGRESS=0: none.
+    `constraints`: a list of `rj.op_trans(...)`, what the named ops and arguments may be split
+    along, into how many parts, or not at all (nnScaler's constrained search space); a
+    constraint that names nothing or leaves an op no strategy is a `ConstraintError`.
 
     `plan`: a saved plan (`Plan.load(path)`, or the path) to run without a search; it must have
     been made for this step and mesh (`Plan.check_matches`: PlanTargetError otherwise), and is
     given with the mesh, micro-batches, stages and schedule it was made for."""
     options = Options(opt_level, memory_limit_bytes, cluster, num_micro_batches, pipeline, schedule,
-                      solver, solver_time_limit_s, axis_names, search_workers, strided_specs, progress)
+                      solver, solver_time_limit_s, axis_names, search_workers, strided_specs, progress,
+                      () if constraints is None else constraints)
     if mesh is None and devices is None:
         mesh = context_mesh()  # jax.set_mesh's, as jax.jit takes it
     if mesh is not None and not isinstance(mesh, Mesh):

@@ -9,6 +9,11 @@ class ShardingPinError(RhinoError, ValueError):
     """A pinned sharding (rj.annotate / with_sharding_constraint) that the mesh cannot satisfy."""
 
 
+class ConstraintError(RhinoError, ValueError):
+    """A constraint on the search space (rj.op_trans) that is malformed, names nothing, or leaves
+    an op no strategy."""
+
+
 class SolverError(RhinoError, RuntimeError):
     """The strategy solver failed: infeasible, or no plan within the time limit."""
 

@@ -32,6 +32,7 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.search import interrupt, progress
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster, host_ids
+from rhino_jax.search.constraints import check_matched
 from rhino_jax.search.gemm_workspace import with_gemm_workspaces
 from rhino_jax.search.meshes import candidate_meshes
 from rhino_jax.search.planner import search
@@ -75,7 +76,7 @@ def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options
     the mesh's devices (`gemm_workspace`)."""
     plan = search(graph, topo, cluster, opt_level=options.opt_level, backend=options.solver,
                   time_limit_s=options.solver_time_limit_s, memory_limit_bytes=options.memory_limit_bytes,
-                  strided=options.strided_specs)
+                  strided=options.strided_specs, constraints=options.constraints)
     return plan if mesh is None else with_gemm_workspaces(plan, graph, topo, mesh.devices.flat[0])
 
 
@@ -239,6 +240,8 @@ def search_meshes(call: Call, devices, options: Options) -> tuple[Mesh, LoweredS
     for c in cands:
         _lower(c, call, cluster)
     todo = [c for c in cands if not c.done]
+    if todo:  # one step, alike on every mesh
+        check_matched(options.constraints, todo[0].graph)
     with interrupt.session():
         try:
             workers = _pool_size(options, len(todo), None)

@@ -28,6 +28,7 @@ from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_program
 from rhino_jax.search import interrupt
 from rhino_jax.search.cluster import MeshTopology, get_cluster
+from rhino_jax.search.constraints import check_matched
 
 from .arguments import Call, call_tree, donated_leaves
 from .errors import MeshError
@@ -85,13 +86,17 @@ class SplitStep:
     donated: tuple[int, ...] = ()
 
 
-def split_step(call: Call, mesh: Mesh, k: int) -> SplitStep:
+def split_step(call: Call, mesh: Mesh, k: int, constraints: tuple = ()) -> SplitStep:
+    """The step lowered whole and cut into compute-gradients and apply-gradients for `k`
+    micro-batches; the user's `constraints` are checked against the whole step's names here, as
+    each program holds only some of them."""
     whole = lower_on_mesh(call.fn, call.args, mesh, (), call.kwargs, (), call.positions)
     inputs = (call.args, call.kwargs)
     flat_micro = micro_batch_args(jax.tree.map(_abstract, inputs), whole.arg_roles, k, whole.arg_paths)[0]  # shapes
     args, kwargs = jax.tree.unflatten(jax.tree.structure(inputs), flat_micro)
     micro = lower_on_mesh(call.fn, args, mesh, (), kwargs, (), call.positions)
     graph = import_module(whole.module, whole.arg_paths, whole.arg_roles, whole.output_paths)
+    check_matched(constraints, graph)
     micro_graph = import_module(micro.module, micro.arg_paths, micro.arg_roles, micro.output_paths)
     parts = micro_batch.split(whole.module, graph, micro.module, micro_graph)
     names = [f"sum[{i}]" for i in range(len(parts.boundary))]
@@ -205,7 +210,7 @@ class MicroBatchedLowered(SeveralProgramsLowered):
     def __init__(self, call: Call, mesh: Mesh, options: Options, signature, given: Plan | None = None):
         """`given`: a saved plan of this step to run instead of searching (`parallelize(plan=...)`)."""
         k = options.num_micro_batches
-        step = split_step(call, mesh, k)
+        step = split_step(call, mesh, k, options.constraints)
         whole, parts, compute_graph, apply_graph = step.whole, step.parts, step.compute_graph, step.apply_graph
         target = PlanTarget.of(whole, mesh, step.donated)
         if given is not None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rhino_jax.search.cluster import Cluster, get_cluster
+from rhino_jax.search.constraints import OpTrans
 
-from .errors import MeshError
+from .errors import ConstraintError, MeshError
 
 
 SOLVERS = ("HIGHS", "SCIP", "CP-SAT")  # OR-Tools' MIP backends the search is run with
@@ -30,6 +31,8 @@ class Options:
     strided_specs: bool = True
     # A one-line progress display on stderr for searches longer than a few seconds (`search.progress`).
     progress: bool = True
+    # The user's constraints on the search space (`rj.op_trans`), in order.
+    constraints: tuple[OpTrans, ...] = ()
 
     def __post_init__(self):
         if self.opt_level not in ("O2", "O3"):
@@ -56,6 +59,11 @@ class Options:
         object.__setattr__(self, "solver", self.solver.upper())
         if not isinstance(self.strided_specs, bool):
             raise ValueError(f"strided_specs must be True or False, got {self.strided_specs!r}")
+        constraints = (self.constraints,) if isinstance(self.constraints, OpTrans) else self.constraints
+        if not isinstance(constraints, (list, tuple)) or not all(isinstance(c, OpTrans) for c in constraints):
+            raise ConstraintError(f"constraints must be a list of rj.op_trans(...) values, e.g. "
+                                  f"[rj.op_trans('*Attention*', replicate=True)]; got {self.constraints!r}")
+        object.__setattr__(self, "constraints", tuple(constraints))
         if not isinstance(self.progress, bool):
             raise ValueError(f"progress must be True or False, got {self.progress!r}")
         limit = self.solver_time_limit_s

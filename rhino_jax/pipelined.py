@@ -89,7 +89,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         its placement of the ops and its programs' plans."""
         p, k = options.pipeline, options.num_micro_batches
         meshes = sub_meshes(mesh, p)
-        step = split_step(call, mesh, k)
+        step = split_step(call, mesh, k, options.constraints)
         target = PlanTarget.of(step.whole, mesh, step.donated)
         cg, ag, whole = step.compute_graph, step.apply_graph, step.whole
         if given is None:

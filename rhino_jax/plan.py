@@ -244,6 +244,15 @@ class Plan:
                for kind, attr in (("F", "forward"), ("B", "backward"))}
         return dict(out, **self.programs)
 
+    def constrained(self) -> dict[str, int]:
+        """Each of the user's constraints (`rj.op_trans`) → the ops and arguments it restricted, in
+        every program of the step."""
+        out: dict[str, int] = {}
+        for plan in [self, *self.program_plans().values()]:
+            for c, n in plan.search_stats.get("constraints", {}).items():
+                out[c] = out.get(c, 0) + n
+        return out
+
     def program(self, name: str, target: PlanTarget) -> "Plan":
         """The saved plan of program `name`, once it is shown to be made for `target`, the program
         cut from the step now (`PlanTarget.of_program`): PlanTargetError otherwise, as when another
@@ -323,6 +332,9 @@ class Plan:
                 lines.append(f"micro-batching  {s['micro_batches']} micro-batches of compute-gradients (ILP over "
                              f"{cg['ilp_groups']} groups, {cg['status']}), their sums added up, then apply-gradients "
                              "(the search line above); cost and collectives count every micro-batch")
+            if self.constrained():
+                lines.append("constraints     " + "; ".join(f"{c} on {n} ops and arguments"
+                                                            for c, n in self.constrained().items()))
             if s.get("strided_values"):
                 lines.append(f"strided specs   {s['strided_values']} values held at a non-maximum stride "
                              "(split dims in the compiled program), e.g. " + ", ".join(s["strided_examples"]))

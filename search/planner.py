@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from rhino_jax.errors import MemoryLimitError, SolverTimeLimitWarning
+from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverTimeLimitWarning
 from rhino_jax.plan import Plan
 
 from ..hlo_passes.graph import Graph
@@ -31,6 +31,7 @@ from .assembly import add_hubs, ilp_problem
 from .memory_limit import by_size, fit_memory, held_bytes, least_arguments, raise_memory_error
 from .plan_making import make_plan
 from .units import Unit, apply_pins, build_units, replicated_choice
+from .constraints import OpTrans, apply_constraints
 
 
 OVERLAP_ROUNDS = 3  # searches at most, with Cluster.overlap, to price what compute can hide
@@ -78,21 +79,23 @@ def _hidden(plan: Plan, overlap: float) -> dict:
 
 def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: levels.Deadline, opt_level: str = "O2",
             backend: str = "HIGHS", memory_limit_bytes: int | None = None, strided: bool = True,
-            with_choice: bool = False):
+            constraints: tuple[OpTrans, ...] = (), with_choice: bool = False):
     """O3: cones, then one ILP over the whole graph, started from O2's plan. O2: the same ILP
     with the cones of repeated segments tied together (`repeats`), solved whole when small,
     else by windows (`levels`); on three or more mesh axes, first on a mesh of one axis fewer
     (`coarse_axes`). Under a memory limit, the largest parameters and optimizer states may not
     stay replicated (`fit_memory`). `strided`: offer non-maximum strides where reshapes call for
-    them. Every solve stops at the `deadline`, which also counts the build. `with_choice`: the
+    them. Every solve stops at the `deadline`, which also counts the build. `constraints`: the
+    user's on what strategies the ops they name may take (`constraints`). `with_choice`: the
     plan and each unit's chosen strategy (the coarse pass's answer)."""
     t0 = time.perf_counter()
     building = functools.partial(deadline.check, "it built the ILP")
     units, producer_unit, fallback, ties = build_units(graph, topo, cluster, strided, building)
     apply_pins(graph, units, producer_unit, topo)
+    constrained = apply_constraints(constraints, graph, units, topo)
     if opt_level == "O2" and len(topo.axis_names) >= 3:
         _near_coarse_plan(graph, topo, cluster, units, deadline=deadline, backend=backend,
-                          memory_limit_bytes=memory_limit_bytes, strided=strided)
+                          memory_limit_bytes=memory_limit_bytes, strided=strided, constraints=constraints)
     sizes = topo.sizes
 
     prices = Prices(graph, topo, [u.results for u in units])
@@ -109,7 +112,7 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     problem = ilp_problem(units, groups, group_of, producer_unit, prices, hub_of, building)
     bb = backbone(graph)
     stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges),
-                 hubs=len(hub_of))
+                 hubs=len(hub_of), **({"constraints": constrained} if constrained else {}))
     segments = group_segments(units, groups, group_of, bb, producer_unit)
     loops = [(group_of[a], group_of[b]) for a, b in ties]
     repeats, stats["tied_segments"] = tie_repeats(units, groups, segments, graph, producer_unit)
@@ -187,9 +190,9 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
 def _near_coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, units: list[Unit], *,
                       deadline: levels.Deadline, **options) -> None:
     """Restrict each unit to the strategies near the plan of the mesh with two axes merged
-    (`coarse_axes`), searched first with `COARSE_SHARE` of the time left. Where no plan of the coarser mesh
-    fits the memory limit, the whole space is kept; where that search runs out of time, so
-    would the whole space's (`SolverError`)."""
+    (`coarse_axes`), searched first with `COARSE_SHARE` of the time left. Where no plan of the
+    coarser mesh fits the memory limit or obeys the constraints, the whole space is kept; where
+    that search runs out of time, so would the whole space's (`SolverError`)."""
     coarse, merge = coarse_axes.merged(topo)
     progress.say("rhino_jax: %d mesh axes: searching first with %s and %s as one axis", len(topo.axis_names),
                  merge.major, merge.minor)
@@ -199,6 +202,10 @@ def _near_coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, units:
                             cluster, deadline=share, opt_level="O2", with_choice=True, **options)
     except MemoryLimitError:
         progress.say("rhino_jax: no plan with %s merged fits the memory limit; searching the whole space", merge.name)
+        return
+    except ConstraintError:  # `parts` that the merged axis's size does not meet
+        progress.say("rhino_jax: the constraints leave an op no strategy with %s merged; searching the whole space",
+                     merge.name)
         return
     assert len(chosen) == len(units), "the coarse search built other units"
     kept: dict[tuple, tuple[list, list]] = {}  # the layers' identical ops share one strategy list

@@ -1,0 +1,55 @@
+"""Constraints on the search space, nnScaler's primitives (seeds/002 §3-§4): checked here, applied
+by the search (`search/constraints.py`)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rhino_jax.search.constraints import OpTrans
+
+from .errors import ConstraintError
+
+
+def op_trans(where: str, dims: int | Sequence[int] | None = None, parts: int | Sequence[int] | None = None,
+             replicate: bool = False) -> OpTrans:
+    """The ops and arguments `where` names may be partitioned only along `dims` of their result
+    (indices, negative from the end; a split of a contracted dim, whose result is a partial sum,
+    is along none), only into a number of parts in `parts` (the devices one op's work is split
+    over; include 1 to let it stay whole), or not at all (`replicate=True`). Pass a list of them
+    as `rj.parallelize(..., constraints=[...])`; they combine with `rj.annotate` pins.
+
+    `where` is a glob (`*` and `?`) on the whole name: an op's jax name stack as `plan.report()`
+    prints it (`jvp(LM)/Block_0/MultiHeadDotProductAttention_0/query/dot_general`; the backward
+    pass's ops start `transpose(jvp(...))`), or an argument's path (`arg[0]['Block_0']['Dense_0']
+    ['kernel']`, or with slashes, `0/Block_0/Dense_0/kernel`). A Flax module path such as
+    `"*Block_*/MultiHeadDotProductAttention_0/*"` names the module's forward and backward ops and
+    its parameters and optimizer state alike. The backward pass's results are laid out otherwise
+    than the forward's (a weight gradient's dims follow XLA's dot_general), so a `dims` constraint
+    usually names the forward ops (`"jvp(*)/..."`) or the parameters."""
+    if not isinstance(where, str) or not where:
+        raise ConstraintError(f"op_trans: where must be a non-empty glob string, e.g. '*Block_*/Dense_0/*'; "
+                              f"got {where!r}")
+    if replicate not in (True, False):
+        raise ConstraintError(f"op_trans({where!r}): replicate must be True or False, got {replicate!r}")
+    if replicate and (dims is not None or parts is not None):
+        raise ConstraintError(f"op_trans({where!r}): replicate=True keeps the ops whole; drop dims and parts, "
+                              "or replicate")
+    if not replicate and dims is None and parts is None:
+        raise ConstraintError(f"op_trans({where!r}) constrains nothing: give dims (the result dims it may split), "
+                              "parts (the numbers of parts it may be split into) or replicate=True")
+    return OpTrans(where, _ints("dims", where, dims, lowest=None), _ints("parts", where, parts, lowest=1), replicate)
+
+
+def _ints(name: str, where: str, value, lowest: int | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    values = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        out = tuple(values)
+    except TypeError:
+        out = None
+    if not out or any(isinstance(v, bool) or not isinstance(v, int) or (lowest is not None and v < lowest)
+                      for v in out):
+        example = "(0,) or (-2,)" if name == "dims" else "(2, 4, 8)"
+        raise ConstraintError(f"op_trans({where!r}): {name} must be an int or a non-empty sequence of ints"
+                              f"{f' >= {lowest}' if lowest is not None else ''}, e.g. {example}; got {value!r}")
+    return tuple(dict.fromkeys(out))

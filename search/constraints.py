@@ -1,0 +1,137 @@
+"""The user's constraints on the search space (nnScaler's op-trans, seeds/002 §3-§4): which
+strategies the ops and arguments a glob names may take.
+
+A constraint names ops by their source names (the jax name stack, as the report prints it:
+`jvp(LM)/Block_0/MultiHeadDotProductAttention_0/query/dot_general`) and arguments by their paths
+(`arg[0]['Block_0']['MultiHeadDotProductAttention_0']['query']['kernel']`, also matched written
+with slashes, `0/Block_0/MultiHeadDotProductAttention_0/query/kernel`, so that one glob on a Flax
+module path names the module's ops and its parameters and optimizer state). It keeps the
+strategies that split the unit's result only along the allowed dims (`dims`; a split of a
+contracted dim leaves a partial sum, which splits no result dim), into an allowed number of parts
+(`parts`), or not at all (`replicate`); the search then prices and picks among what is left.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from rhino_jax.errors import ConstraintError
+
+from ..hlo_passes.graph import Graph
+from .cluster import MeshTopology
+from .strategies import Strategy
+
+
+@dataclass(frozen=True)
+class OpTrans:
+    """`rj.op_trans`: the units `where` names may split their results only along `dims` (indices,
+    negative from the end; None: any), only into a number of parts in `parts` (the product of the
+    mesh axes a strategy uses; None: any), or not at all (`replicate`)."""
+
+    where: str
+    dims: tuple[int, ...] | None = None
+    parts: tuple[int, ...] | None = None
+    replicate: bool = False
+
+    def __str__(self) -> str:
+        shown = [repr(self.where)] + [f"{k}={v!r}" for k, v in (("dims", self.dims), ("parts", self.parts))
+                                      if v is not None] + (["replicate=True"] if self.replicate else [])
+        return f"op_trans({', '.join(shown)})"
+
+    def matches(self, names: tuple[str, ...]) -> bool:
+        pattern = _glob(self.where)
+        return any(pattern.fullmatch(n) for n in names)
+
+    def allows(self, s: Strategy, sizes: dict[str, int]) -> bool:
+        """Whether strategy `s` of a unit splits its results as this constraint lets it."""
+        used = {a for spec in s.results for a in spec.used_axes()}
+        if self.replicate:
+            return not used and not any(spec.used_axes() for spec in s.operands)
+        if self.parts is not None and math.prod(sizes[a] for a in used) not in self.parts:
+            return False
+        if self.dims is None:
+            return True
+        for spec in s.results:
+            rank = len(spec.dims)
+            allowed = {d % rank for d in self.dims if -rank <= d < rank}
+            if spec.partial or any(axes and d not in allowed for d, axes in enumerate(spec.dims)):
+                return False
+        return True
+
+
+def _glob(where: str) -> re.Pattern:
+    """`*` any run of characters, `?` one; everything else literal (argument paths hold brackets,
+    which fnmatch would read as character classes)."""
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in where), re.DOTALL)
+
+
+_KEY = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[(\d+)\]|\.(\w+)")
+
+
+def arg_names(path: str) -> tuple[str, ...]:
+    """An argument's names for a glob: its path as the report prints it, that path without the
+    leading "arg" (as `plan.input_shardings` prints it), and its keys joined by slashes."""
+    keys = "/".join(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
+    return path, path.removeprefix("arg"), keys
+
+
+def unit_names(u, graph: Graph) -> tuple[str, ...]:
+    """What a unit answers to: an op's (or loop slot's) source name, an argument's path names;
+    returned values and hubs are not constrained."""
+    if u.kind in ("node", "slot"):
+        return (graph.nodes[u.ref].name,) if graph.nodes[u.ref].name else ()
+    return arg_names(u.name) if u.kind == "arg" else ()
+
+
+def unmatched(constraints, graph: Graph) -> list:
+    """The constraints that name no op and no argument of `graph` (the whole step's)."""
+    names = [n.name for n in graph.nodes if n.name] + [x for a in graph.args for x in arg_names(a.path)]
+    return [c for c in constraints if not any(c.matches((n,)) for n in names)]
+
+
+def check_matched(constraints, graph: Graph) -> None:
+    """A constraint that names nothing is a typo, not a wish: refuse it, showing the names the
+    step has."""
+    missing = unmatched(constraints, graph)
+    if missing:
+        ops = [n.name for n in graph.nodes if n.name and n.op.endswith(("dot_general", "convolution"))][:3]
+        args = [arg_names(a.path) for a in graph.args[:2]]
+        raise ConstraintError(
+            f"{missing[0]} names no op or argument of the step. Ops are named by their jax name stack, as "
+            f"plan.report() prints them ({', '.join(repr(n) for n in ops) or 'none'}); arguments by their paths "
+            f"({', '.join(repr(a[0]) + ' or ' + repr(a[2]) for a in args)}). Globs use * and ?, and match the "
+            "whole name: start and end with * to match inside one")
+
+
+def apply_constraints(constraints, graph: Graph, units, topo: MeshTopology) -> dict[str, int]:
+    """Keep each named unit's strategies that every constraint naming it allows; the number of
+    units each constraint restricted. Units that shared a strategy list (a repeated layer's ops)
+    share the restricted one, so alike cones stay alike (`cones.signature`). A unit left with no
+    strategy is a `ConstraintError` naming it and the constraint."""
+    kept: dict[tuple, list[Strategy]] = {}
+    counts = {str(c): 0 for c in constraints}
+    for u in units:
+        names = unit_names(u, graph)
+        mine = tuple(c for c in constraints if names and c.matches(names))
+        if not mine:
+            continue
+        for c in mine:
+            counts[str(c)] += 1
+        key = (id(u.strategies), mine)
+        if key not in kept:
+            kept[key] = [s for s in u.strategies if all(c.allows(s, topo.sizes) for c in mine)]
+            if not kept[key]:
+                raise ConstraintError(_nothing_left(u, mine, graph, topo))
+        u.strategies = kept[key]
+    return counts
+
+
+def _nothing_left(u, mine, graph: Graph, topo: MeshTopology) -> str:
+    shapes = [graph.values[r].shape for r in u.results]
+    what = f"{u.kind} {u.name!r}" + (f" ({graph.nodes[u.ref].op.split('.')[-1]})" if u.kind == "node" else "")
+    return (f"{' and '.join(map(str, mine))} leaves {what}, of result shape {', '.join(map(str, shapes))}, no "
+            f"strategy on the mesh {dict(topo.sizes)}"
+            + (" beside its rj.annotate pin" if any(p.value in u.results for p in graph.pins) else "")
+            + ": allow more dims or parts, or narrow the glob so it does not name this "
+            + ("argument" if u.kind == "arg" else "op"))

@@ -1,0 +1,199 @@
+"""rj.op_trans: the user constrains the search space (nnScaler's op-trans), the search obeys it,
+the plan runs with one device's numbers, and a constraint that names nothing or leaves an op no
+strategy is an error that says what to change."""
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import rhino_jax as rj
+
+from helpers import assert_same_numbers
+
+BATCH, SEQ, VOCAB, WIDTH, HEADS = 8, 16, 64, 32, 4
+ATTENTION = "*MultiHeadDotProductAttention_*"
+
+
+class Block(nn.Module):
+    """A pre-LN transformer block (4 heads of 8). The attention has no biases: its key bias gets
+    no gradient, and Adam would scale the rounding noise of that zero into an update."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS, use_bias=False, deterministic=True)(nn.LayerNorm()(x))
+        return x + nn.Dense(WIDTH)(nn.gelu(nn.Dense(4 * WIDTH)(nn.LayerNorm()(x))))
+
+
+class AttentionLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, WIDTH)(tokens)
+        for _ in range(2):
+            x = Block()(x)
+        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+def _step_and_args():
+    model = AttentionLM()
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (BATCH, SEQ + 1), 0, VOCAB)
+    params = model.init(jax.random.PRNGKey(0), tokens[:, :-1])["params"]
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+    def step(params, opt_state, tokens):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, tx.init(params), tokens)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    step, args = _step_and_args()
+    return step, args, jax.jit(step)(*args)
+
+
+def _mesh():
+    return rj.device_mesh((2, 4), ("data", "model"))
+
+
+def _kernels(plan):
+    """(path, spec) of every attention kernel and its optimizer moments in `plan.input_shardings`."""
+    return [(jax.tree_util.keystr(p), s.spec) for p, s in jax.tree_util.tree_flatten_with_path(plan.input_shardings)[0]
+            if "MultiHeadDotProductAttention" in jax.tree_util.keystr(p) and "kernel" in jax.tree_util.keystr(p)]
+
+
+def _readme_constraints(train_step, mesh):
+    """The README's example, run as written: its `step`."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Constraining the search space"):]
+    code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python"))]
+    scope = dict(rj=rj, train_step=train_step, mesh=mesh)
+    exec(code, scope)
+    return scope["step"]
+
+
+def test_the_readme_constraints_split_attention_by_heads(lm, tmp_path):
+    """The README's constraints: every attention kernel (and its Adam moments, which the same
+    globs name) split four ways along its heads dim and nowhere else (q/k/v kernels are (width,
+    heads, head dim), the output projection's (heads, head dim, width)); the forward query
+    projections split their heads dim; the blocks' MLPs whole."""
+    step, args, reference = lm
+    lowered = _readme_constraints(step, _mesh()).lower(*args)
+    plan, graph = lowered.plan, lowered.graph
+    kernels = _kernels(plan)
+    assert len(kernels) == 2 * 4 * 3  # 2 blocks x q, k, v, out x the parameter and Adam's two moments
+    for path, spec in kernels:
+        heads_dim = 0 if "['out']" in path else 1
+        split = [d for d, axes in enumerate(spec) if axes]
+        assert split == [heads_dim], (path, spec)
+        assert spec[heads_dim] in ("model", ("model",)), (path, spec)  # four ways on (2, 4): 'model'
+    forward = [(n.name, plan.value_specs[r]) for n in graph.nodes if (n.name or "").startswith("jvp(")
+               for r in n.results if r in plan.value_specs and graph.values[r].shape]
+    queries = [(n, spec) for n, spec in forward if "/query/" in n]
+    assert queries and all([d for d, a in enumerate(spec.dims) if a] in ([], [len(spec.dims) - 2])
+                           for _, spec in queries), queries
+    mlps = [(n, spec) for n, spec in forward if "/Block_" in n and "/Dense_" in n]
+    assert mlps and not any(spec.used_axes() for _, spec in mlps), mlps
+    assert "op_trans" in plan.report()
+    plan.save(tmp_path / "plan.json")
+    assert rj.Plan.load(tmp_path / "plan.json").constrained() == plan.constrained() != {}
+    assert_same_numbers(reference, lowered.compile()(*args))
+
+
+def test_forward_ops_take_only_the_allowed_result_dims(lm):
+    """The forward query projections ((batch, seq, heads, head dim)) split their heads dim four
+    ways; the MLP's forward ops split eight ways (`parts`), or are kept whole (`replicate`)."""
+    step, args, reference = lm
+    free = rj.parallelize(step, mesh=_mesh(), progress=False).lower(*args).plan
+    query = rj.op_trans(f"jvp(*){ATTENTION}/query/*", dims=-2, parts=4)
+    mlp = "jvp(*)/Block_*/Dense_*/*"
+
+    def lower(*constraints):
+        return rj.parallelize(step, mesh=_mesh(), constraints=list(constraints), progress=False).lower(*args)
+
+    def results(lowered, *parts: str):
+        graph, plan = lowered.graph, lowered.plan
+        found = [(n.name, plan.value_specs[r]) for n in graph.nodes
+                 if (n.name or "").startswith("jvp(") and all(p in n.name for p in parts)
+                 for r in n.results if r in plan.value_specs and graph.values[r].shape]
+        assert found, parts
+        return found
+
+    split = lower(query, rj.op_trans(mlp, parts=8))
+    for name, spec in results(split, "/query/"):
+        rank = len(spec.dims)
+        assert [d for d, axes in enumerate(spec.dims) if axes] == [rank - 2] and not spec.partial, (name, spec)
+        assert spec.shard_factor(split.plan.mesh_axes) == 4, (name, spec)
+    for name, spec in results(split, "/Block_", "/Dense_"):
+        assert len(spec.used_axes()) == 2, (name, spec)  # both axes: eight parts
+    whole = lower(query, rj.op_trans(mlp, replicate=True))
+    for name, spec in results(whole, "/Block_", "/Dense_"):
+        assert not spec.used_axes(), (name, spec)
+    for lowered in (split, whole):
+        assert lowered.plan.cost.total_s >= free.cost.total_s * (1 - 1e-9)  # a smaller space is never better
+        assert_same_numbers(reference, lowered.compile()(*args))
+
+
+def test_constraints_combine_with_pins():
+    """A pin (rj.annotate, named "w") and a constraint on the op it pins: the pin's layout must be
+    one the constraint allows, else the error names both."""
+    def step(w, x):
+        w = rj.annotate(w, P("model", None), name="w")
+        return (x @ w).sum()
+
+    args = (jax.numpy.ones((64, 32)), jax.numpy.ones((16, 64)))
+    allowed = rj.parallelize(step, mesh=_mesh(), constraints=[rj.op_trans("w/*", dims=0)], progress=False)
+    lowered = allowed.lower(*args)
+    (pin,) = lowered.graph.pins
+    assert lowered.plan.value_specs[pin.value].dims == (("model",), ())
+    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
+    refused = rj.parallelize(step, mesh=_mesh(), constraints=[rj.op_trans("w/*", replicate=True)], progress=False)
+    with pytest.raises(rj.ConstraintError, match=r"op_trans\('w/\*', replicate=True\) leaves node "
+                                                 r"'w/sharding_constraint'.*beside its rj.annotate pin"):
+        refused.lower(*args)
+
+
+def test_a_constraint_that_leaves_no_strategy_names_the_op_and_itself(lm):
+    step, args, _ = lm
+    three = rj.op_trans(f"jvp(*){ATTENTION}/query/*", parts=3)  # no split of 8 devices is 3 parts
+    with pytest.raises(rj.ConstraintError, match=r"op_trans\(.*parts=\(3,\)\) leaves node 'jvp\(AttentionLM\)/"
+                                                 r"Block_0/MultiHeadDotProductAttention_0/query/.*no strategy"):
+        rj.parallelize(step, mesh=_mesh(), constraints=[three], progress=False).lower(*args)
+
+
+def test_a_constraint_that_names_nothing_is_refused(lm):
+    step, args, _ = lm
+    typo = rj.op_trans("*MultiHeadAttention*", replicate=True)
+    with pytest.raises(rj.ConstraintError, match=r"names no op or argument of the step.*jvp\(AttentionLM\)/"):
+        rj.parallelize(step, mesh=_mesh(), constraints=[typo], progress=False).lower(*args)
+
+
+@pytest.mark.parametrize("how", [dict(mesh=_mesh(), num_micro_batches=2), dict(devices=jax.devices()[:4])],
+                         ids=["micro-batches", "mesh=None"])
+def test_a_constraint_that_names_nothing_is_refused_before_searching(lm, how):
+    step, args, _ = lm
+    typo = rj.op_trans("*Attention_9/*", replicate=True)
+    with pytest.raises(rj.ConstraintError, match="names no op or argument"):
+        rj.parallelize(step, constraints=[typo], progress=False, **how).lower(*args)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: rj.op_trans("", replicate=True), "non-empty glob"),
+    (lambda: rj.op_trans("*Dense*"), "constrains nothing"),
+    (lambda: rj.op_trans("*Dense*", dims=0, replicate=True), "drop dims and parts"),
+    (lambda: rj.op_trans("*Dense*", dims="heads"), "dims must be an int"),
+    (lambda: rj.op_trans("*Dense*", parts=(0, 2)), r"parts must be .* >= 1"),
+    (lambda: rj.op_trans("*Dense*", replicate="yes"), "replicate must be True or False"),
+    (lambda: rj.parallelize(lambda x: x, mesh=_mesh(), constraints="*Dense*"), "list of rj.op_trans"),
+    (lambda: rj.parallelize(lambda x: x, mesh=_mesh(), constraints=[("*Dense*", 0)]), "list of rj.op_trans"),
+])
+def test_bad_constraints_say_what_to_change(make, message):
+    with pytest.raises(rj.ConstraintError, match=message):
+        make()
