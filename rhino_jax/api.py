@@ -29,10 +29,10 @@ from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_module
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
-from rhino_jax.search.constraints import check_matched
+from rhino_jax.search.constraints import OpAssign, check_matched
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
-from .errors import MeshError, SolverInterruptedWarning, TracedCallWarning
+from .errors import ConstraintError, MeshError, SolverInterruptedWarning, TracedCallWarning
 from .explain import SearchInputs
 from .gpu_topology import refuse_described
 from .mesh import auto_axes, context_mesh
@@ -297,6 +297,10 @@ class Parallelized:
     def lower_with(self, options: Options, call: Call, key):
         """The step lowered and planned under `options` (one candidate of `pipeline="auto"`)."""
         pipelined = options.pipeline not in ("off", 1)
+        assigned = [c for c in options.constraints if isinstance(c, OpAssign)]
+        if assigned and not pipelined:  # with pipeline="auto", its SPMD candidate is infeasible
+            raise ConstraintError(f"{assigned[0]} places ops on a pipeline stage, and this plan has none: pass "
+                                  f"pipeline={max(2, max(c.stage for c in assigned) + 1)} (or 'auto') with num_micro_batches")
         if options.num_micro_batches > 1 or pipelined:
             if self.mesh is None:
                 raise MeshError("num_micro_batches > 1 and pipeline need a mesh: pass mesh=rj.device_mesh(...)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rhino_jax.search.constraints import OpTrans
+from rhino_jax.search.constraints import Named, OpAssign, OpTrans
 
 from .errors import ConstraintError
 
@@ -25,9 +25,7 @@ def op_trans(where: str, dims: int | Sequence[int] | None = None, parts: int | S
     its parameters and optimizer state alike. The backward pass's results are laid out otherwise
     than the forward's (a weight gradient's dims follow XLA's dot_general), so a `dims` constraint
     usually names the forward ops (`"jvp(*)/..."`) or the parameters."""
-    if not isinstance(where, str) or not where:
-        raise ConstraintError(f"op_trans: where must be a non-empty glob string, e.g. '*Block_*/Dense_0/*'; "
-                              f"got {where!r}")
+    _check_where("op_trans", where)
     if replicate not in (True, False):
         raise ConstraintError(f"op_trans({where!r}): replicate must be True or False, got {replicate!r}")
     if replicate and (dims is not None or parts is not None):
@@ -37,6 +35,28 @@ def op_trans(where: str, dims: int | Sequence[int] | None = None, parts: int | S
         raise ConstraintError(f"op_trans({where!r}) constrains nothing: give dims (the result dims it may split), "
                               "parts (the numbers of parts it may be split into) or replicate=True")
     return OpTrans(where, _ints("dims", where, dims, lowest=None), _ints("parts", where, parts, lowest=1), replicate)
+
+
+def op_assign(where: str, stage: int) -> OpAssign:
+    """The forward ops `where` names (a glob, as for `op_trans`) run on pipeline stage `stage`
+    (0 the first); their backward ops follow them. The stager still balances the rest and cuts
+    the fewest bytes; where the assignment leaves no division within its balance (a share of
+    1 ± 0.25), the balance is relaxed as far as the assignment needs, and the report says by how
+    much. Needs `pipeline=k` (or "auto", where a candidate with too few stages is infeasible)."""
+    _check_where("op_assign", where)
+    if stage == "all":
+        raise ConstraintError(f"op_assign({where!r}, stage='all'): the interlaced pipeline (ops on every device, "
+                              "between the stages' programs) is not built yet; assign the ops to a stage k, or "
+                              "leave them to the stager")
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+        raise ConstraintError(f"op_assign({where!r}): stage must be an int >= 0 (0 the first stage), got {stage!r}")
+    return OpAssign(where, stage)
+
+
+def _check_where(kind: str, where) -> None:
+    if not isinstance(where, str) or not where:
+        raise ConstraintError(f"{kind}: where must be a non-empty glob string, e.g. '*Block_*/Dense_0/*'; "
+                              f"got {where!r}")
 
 
 def _ints(name: str, where: str, value, lowest: int | None) -> tuple[int, ...] | None:

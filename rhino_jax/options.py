@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rhino_jax.search.cluster import Cluster, get_cluster
-from rhino_jax.search.constraints import OpTrans
+from rhino_jax.search.constraints import Named
 
 from .errors import ConstraintError, MeshError
 
@@ -31,8 +31,8 @@ class Options:
     strided_specs: bool = True
     # A one-line progress display on stderr for searches longer than a few seconds (`search.progress`).
     progress: bool = True
-    # The user's constraints on the search space (`rj.op_trans`), in order.
-    constraints: tuple[OpTrans, ...] = ()
+    # The user's constraints on the search space (`rj.op_trans`, `rj.op_assign`), in order.
+    constraints: tuple[Named, ...] = ()
 
     def __post_init__(self):
         if self.opt_level not in ("O2", "O3"):
@@ -59,9 +59,9 @@ class Options:
         object.__setattr__(self, "solver", self.solver.upper())
         if not isinstance(self.strided_specs, bool):
             raise ValueError(f"strided_specs must be True or False, got {self.strided_specs!r}")
-        constraints = (self.constraints,) if isinstance(self.constraints, OpTrans) else self.constraints
-        if not isinstance(constraints, (list, tuple)) or not all(isinstance(c, OpTrans) for c in constraints):
-            raise ConstraintError(f"constraints must be a list of rj.op_trans(...) values, e.g. "
+        constraints = (self.constraints,) if isinstance(self.constraints, Named) else self.constraints
+        if not isinstance(constraints, (list, tuple)) or not all(isinstance(c, Named) for c in constraints):
+            raise ConstraintError(f"constraints must be a list of rj.op_trans(...) and rj.op_assign(...), e.g. "
                                   f"[rj.op_trans('*Attention*', replicate=True)]; got {self.constraints!r}")
         object.__setattr__(self, "constraints", tuple(constraints))
         if not isinstance(self.progress, bool):

@@ -38,8 +38,9 @@ from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph, transfer
-from rhino_jax.search import interrupt, stager
+from rhino_jax.search import interrupt, progress, stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
+from rhino_jax.search.constraints import OpAssign, fixed_stages
 from rhino_jax.search.memory import local_bytes
 from rhino_jax.search.specs import ShardingSpec
 
@@ -57,6 +58,38 @@ from .plan_target import PlanTarget, PlanTargetError
 Planned = tuple[stage_programs.Program, Graph, Plan]
 
 EPSILON = 0.25  # the stages' compute may differ from a balanced share by this much
+
+
+def _check_every_stage_works(place: dict[int, tuple[str, int]], p: int, assigned: list) -> None:
+    """Each stage runs a forward and a backward program. A stage whose forward ops have their
+    gradients taken elsewhere (an embedding lookup alone: its gradient is a scatter into the
+    table, placed with the cotangent it reads, on the next stage) has no backward; only an
+    `op_assign` leaves a stage that little, so it is the user's to change."""
+    idle = [f"{'backward' if kind == 'B' else 'forward'} of stage {s}" for s in range(p) for kind in "FB"
+            if (kind, s) not in set(place.values())]
+    if idle:
+        raise StagingError(f"this division into {p} stages leaves no ops in the {', '.join(idle)}"
+                           + (f": {' and '.join(map(str, assigned))} leave{'s' if len(assigned) == 1 else ''} that "
+                              "stage too little of the step; "
+                              "assign it more (e.g. a whole layer)" if assigned else "; use fewer stages"))
+
+
+def _staging(coarse: stager.StageGraph, p: int, fixed: dict[int, int], options: Options):
+    """The stager's division (and the balance it kept): within `EPSILON` of a balanced share; with
+    the user's `op_assign`s (`fixed`: stage-graph node → stage), as much more imbalance as they
+    need, up to none kept but that no stage is empty."""
+    def division(epsilon: float):
+        return stager.stage(coarse, p, epsilon, backend=options.solver, time_limit_s=options.solver_time_limit_s,
+                            advice=f"use fewer stages than pipeline={p}, or pipeline='auto'", fixed=fixed), epsilon
+
+    tolerances = [EPSILON] + (sorted({e for e in (0.5, 1.0, p - 1.0) if e > EPSILON}) if fixed else [])
+    for epsilon in tolerances[:-1]:
+        try:
+            return division(epsilon)
+        except StagingError:
+            progress.say("rhino_jax: the op_assign constraints leave no division within %g of a balanced share; "
+                         "relaxing the balance", epsilon)
+    return division(tolerances[-1])
 
 
 def sub_meshes(mesh: Mesh, p: int) -> list[Mesh]:
@@ -94,11 +127,13 @@ class PipelinedLowered(SeveralProgramsLowered):
         cg, ag, whole = step.compute_graph, step.apply_graph, step.whole
         if given is None:
             loss = _loss_sum(cg)
-            coarse, node_of = stager.forward_stage_graph(cg, loss)
-            staging = stager.stage(coarse, p, EPSILON, backend=options.solver, time_limit_s=options.solver_time_limit_s,
-                                   advice=f"use fewer stages than pipeline={p}, or pipeline='auto'")
+            assigned = fixed_stages(options.constraints, cg, stager.forward_ops(cg, loss), p)
+            coarse, node_of = stager.forward_stage_graph(cg, loss, assigned)
+            staging, epsilon = _staging(coarse, p, {node_of[i]: k for i, k in assigned.items()}, options)
             place = stage_programs.assign(cg, loss, {i: staging.stage[node_of[i]] for i in node_of})
-            staged = {"stage_cut_bytes": staging.cut_bytes, "stage_flops": staging.stage_compute}
+            _check_every_stage_works(place, p, [c for c in options.constraints if isinstance(c, OpAssign)])
+            staged = {"stage_cut_bytes": staging.cut_bytes, "stage_flops": staging.stage_compute,
+                      **({"stage_epsilon": epsilon} if epsilon > EPSILON else {})}
         else:
             given.check_matches(target)
             place, staged = _saved_placement(given, cg, p)
@@ -444,7 +479,8 @@ def _saved_placement(plan: Plan, cg, p: int) -> tuple[dict[int, tuple[str, int]]
         raise PlanTargetError(f"the plan places {len(place)} ops in {p} stages (e.g. {wrong[:1] or 'none misplaced'}), "
                               f"compute-gradients cut from this step has {len(cg.nodes)} ops: it was saved by another "
                               "version of rhino_jax or edited; plan again")
-    return place, stats
+    relaxed = plan.search_stats.get("stage_epsilon")
+    return place, dict(stats, **({"stage_epsilon": relaxed} if relaxed is not None else {}))
 
 
 def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, int, str], resharding.ReshardPlan]:

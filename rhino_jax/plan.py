@@ -316,7 +316,10 @@ class Plan:
                     for c in s["pipeline_candidates"]))
             if s.get("pipeline"):
                 lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}, {s['micro_batches']} "
-                             f"micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut, {s['transfer_s'] * 1e3:.3f} ms "
+                             f"micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut"
+                             + (f", the stages' balance relaxed to ±{s['stage_epsilon']:g} of a share for op_assign"
+                                if s.get("stage_epsilon") else "")
+                             + f", {s['transfer_s'] * 1e3:.3f} ms "
                              f"to move a micro-batch's tensors across a boundary; {s['arguments_in_s'] * 1e3:.3f} ms to "
                              f"bring the programs the arguments they read elsewhere, {s['sums_out_s'] * 1e3:.3f} ms to "
                              "bring apply-gradients the sums and values of other stages, "

@@ -24,12 +24,22 @@ from .strategies import Strategy
 
 
 @dataclass(frozen=True)
-class OpTrans:
+class Named:
+    """What every constraint has: the glob naming its ops and arguments (see the module's doc)."""
+
+    where: str
+
+    def matches(self, names: tuple[str, ...]) -> bool:
+        pattern = _glob(self.where)
+        return any(pattern.fullmatch(n) for n in names)
+
+
+@dataclass(frozen=True)
+class OpTrans(Named):
     """`rj.op_trans`: the units `where` names may split their results only along `dims` (indices,
     negative from the end; None: any), only into a number of parts in `parts` (the product of the
     mesh axes a strategy uses; None: any), or not at all (`replicate`)."""
 
-    where: str
     dims: tuple[int, ...] | None = None
     parts: tuple[int, ...] | None = None
     replicate: bool = False
@@ -38,10 +48,6 @@ class OpTrans:
         shown = [repr(self.where)] + [f"{k}={v!r}" for k, v in (("dims", self.dims), ("parts", self.parts))
                                       if v is not None] + (["replicate=True"] if self.replicate else [])
         return f"op_trans({', '.join(shown)})"
-
-    def matches(self, names: tuple[str, ...]) -> bool:
-        pattern = _glob(self.where)
-        return any(pattern.fullmatch(n) for n in names)
 
     def allows(self, s: Strategy, sizes: dict[str, int]) -> bool:
         """Whether strategy `s` of a unit splits its results as this constraint lets it."""
@@ -58,6 +64,17 @@ class OpTrans:
             if spec.partial or any(axes and d not in allowed for d, axes in enumerate(spec.dims)):
                 return False
         return True
+
+
+@dataclass(frozen=True)
+class OpAssign(Named):
+    """`rj.op_assign`: the forward ops `where` names run on pipeline stage `stage` (the backward
+    ops follow the forward values they read, `hlo_passes.stages`)."""
+
+    stage: int = 0
+
+    def __str__(self) -> str:
+        return f"op_assign({self.where!r}, stage={self.stage})"
 
 
 def _glob(where: str) -> re.Pattern:
@@ -110,10 +127,10 @@ def apply_constraints(constraints, graph: Graph, units, topo: MeshTopology) -> d
     share the restricted one, so alike cones stay alike (`cones.signature`). A unit left with no
     strategy is a `ConstraintError` naming it and the constraint."""
     kept: dict[tuple, list[Strategy]] = {}
-    counts = {str(c): 0 for c in constraints}
+    counts = {str(c): 0 for c in constraints if isinstance(c, OpTrans)}
     for u in units:
         names = unit_names(u, graph)
-        mine = tuple(c for c in constraints if names and c.matches(names))
+        mine = tuple(c for c in constraints if isinstance(c, OpTrans) and names and c.matches(names))
         if not mine:
             continue
         for c in mine:
@@ -135,3 +152,25 @@ def _nothing_left(u, mine, graph: Graph, topo: MeshTopology) -> str:
             + (" beside its rj.annotate pin" if any(p.value in u.results for p in graph.pins) else "")
             + ": allow more dims or parts, or narrow the glob so it does not name this "
             + ("argument" if u.kind == "arg" else "op"))
+
+
+def fixed_stages(constraints, graph: Graph, forward: set[int], stages: int) -> dict[int, int]:
+    """Forward op → the stage the user's `op_assign`s put it on; an op two of them put on two
+    stages, or one that names no forward op, is a `ConstraintError` (backward ops follow the
+    forward values they read, and are not assigned)."""
+    fixed: dict[int, tuple[int, OpAssign]] = {}
+    for c in constraints:
+        if not isinstance(c, OpAssign):
+            continue
+        if not 0 <= c.stage < stages:
+            raise ConstraintError(f"{c}: the pipeline has stages 0..{stages - 1}; assign to one of them")
+        named = [i for i in sorted(forward) if graph.nodes[i].name and c.matches((graph.nodes[i].name,))]
+        if not named:
+            raise ConstraintError(f"{c} names no op of the forward pass (the ops the loss depends on), which is "
+                                  "what stages divide; the backward ops run where the forward values they read "
+                                  "were made")
+        for i in named:
+            k, other = fixed.setdefault(i, (c.stage, c))
+            if k != c.stage:
+                raise ConstraintError(f"{c} and {other} put {graph.nodes[i].name!r} on two stages")
+    return {i: k for i, (k, _) in fixed.items()}

@@ -31,7 +31,7 @@ from .assembly import add_hubs, ilp_problem
 from .memory_limit import by_size, fit_memory, held_bytes, least_arguments, raise_memory_error
 from .plan_making import make_plan
 from .units import Unit, apply_pins, build_units, replicated_choice
-from .constraints import OpTrans, apply_constraints
+from .constraints import Named, apply_constraints
 
 
 OVERLAP_ROUNDS = 3  # searches at most, with Cluster.overlap, to price what compute can hide
@@ -79,7 +79,7 @@ def _hidden(plan: Plan, overlap: float) -> dict:
 
 def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: levels.Deadline, opt_level: str = "O2",
             backend: str = "HIGHS", memory_limit_bytes: int | None = None, strided: bool = True,
-            constraints: tuple[OpTrans, ...] = (), with_choice: bool = False):
+            constraints: tuple[Named, ...] = (), with_choice: bool = False):
     """O3: cones, then one ILP over the whole graph, started from O2's plan. O2: the same ILP
     with the cones of repeated segments tied together (`repeats`), solved whole when small,
     else by windows (`levels`); on three or more mesh axes, first on a mesh of one axis fewer

@@ -71,7 +71,9 @@ def _order(g: StageGraph) -> list[int]:
             if not preds_left[j]:
                 ready.append(j)
     if len(order) < n:
-        raise StagingError("the stage graph has a cycle: stages need a DAG")
+        raise StagingError("the stage graph has a cycle: stages need a DAG (an op_assign that takes some ops "
+                           "from between others of one segment, which then feed each other, makes one; widen "
+                           "its glob to whole layers)")
     return order
 
 
@@ -104,10 +106,11 @@ def bounds(g: StageGraph, stages: int, epsilon: float) -> tuple[np.ndarray, np.n
 
 def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = True,
           backend: str = "HIGHS", time_limit_s: float = 60.0,
-          advice: str = "raise epsilon or use fewer stages") -> Staging:
+          advice: str = "raise epsilon or use fewer stages", fixed: dict[int, int] | None = None) -> Staging:
     """The division of g into `stages` stages balanced within `epsilon` that cuts the fewest bytes.
     `advice`: what an unbalanceable graph's error tells the caller to change (a caller whose
-    user cannot change epsilon says what they can)."""
+    user cannot change epsilon says what they can). `fixed`: node → the stage it must run in
+    (the user's `op_assign`), where the balance's bounds allow it."""
     start = time.perf_counter()
     n, d = len(g.compute), stages
     if d < 1 or d > n:
@@ -126,6 +129,12 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
         name = g.names[heaviest] if g.names else f"node {heaviest}"
         raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share: {name} "
                            f"alone computes {c[heaviest] / share:.2f} shares; {advice}")
+    for i, k in (fixed or {}).items():
+        if not lo[i] <= k <= hi[i]:
+            name = g.names[i] if g.names and g.names[i] else f"node {i}"
+            raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share puts "
+                               f"{name} on stage {k} (it may run in stages {lo[i]}..{hi[i]}); {advice}")
+        lo[i] = hi[i] = k
     if (lo > hi).any():
         stuck = int(np.argmax(lo > hi))
         name = g.names[stuck] if g.names and g.names[stuck] else f"node {stuck}"
@@ -163,10 +172,11 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
         diff = [stage_terms(t, 1.0), stage_terms(s, -1.0)]
         add_row(diff + [(np.array([f_at + e]), np.array([-1.0]))], 0.0, np.inf)  # F ≤ B_t − B_s (so B_t ≥ B_s)
         add_row(diff + [(np.array([f_at + e]), np.array([-(d - 1.0)]))], -np.inf, 0.0)  # B_t − B_s ≤ (d−1)F
-    for k in range(d):  # balance, in shares
+    for k in range(d):  # balance, in shares; and no stage empty (a tolerance of a share or more allows one)
         members = [i for i in range(n) if lo[i] <= k <= hi[i]]
-        add_row([(np.array([x_at[i] + k - lo[i] for i in members], dtype=int),
-                  np.array([c[i] / share for i in members]))], 1.0 - epsilon, 1.0 + epsilon)
+        at = np.array([x_at[i] + k - lo[i] for i in members], dtype=int)
+        add_row([(at, np.array([c[i] / share for i in members]))], 1.0 - epsilon, 1.0 + epsilon)
+        add_row([(at, np.ones(len(members)))], 1.0, np.inf)
     weight = np.array([b for _, _, b in g.edges], dtype=float)
     objective = np.zeros(n_vars)
     objective[f_at:] = weight / max(weight.max(initial=0.0), 1.0)
@@ -193,11 +203,8 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
                    time.perf_counter() - start, n_vars, len(row_lo))
 
 
-def forward_stage_graph(graph: Graph, loss: int) -> tuple[StageGraph, dict[int, int]]:
-    """The forward pass of a train step as a stage graph, and each forward op's node: the ops the
-    loss (value id) depends on, coarsened by the backbone's segments (each opened by a critical
-    node: a compute-heavy op on the critical path, `critical`). Compute is FLOPs; an edge carries
-    the bytes of the values one segment reads from another (a value read twice, once)."""
+def forward_ops(graph: Graph, loss: int) -> set[int]:
+    """The ops the loss (value id) depends on: the forward pass."""
     producer = {r: n.id for n in graph.nodes for r in n.results}
     forward: set[int] = set()
     stack = [producer[loss]] if loss in producer else []
@@ -209,11 +216,25 @@ def forward_stage_graph(graph: Graph, loss: int) -> tuple[StageGraph, dict[int, 
         stack.extend(producer[o] for o in graph.nodes[i].operands if o in producer)
     if not forward:
         raise StagingError("the loss depends on no op: there is no forward pass to divide into stages")
+    return forward
+
+
+def forward_stage_graph(graph: Graph, loss: int, apart: dict[int, int] | None = None
+                        ) -> tuple[StageGraph, dict[int, int]]:
+    """The forward pass of a train step as a stage graph, and each forward op's node: the ops the
+    loss (value id) depends on, coarsened by the backbone's segments (each opened by a critical
+    node: a compute-heavy op on the critical path, `critical`). Compute is FLOPs; an edge carries
+    the bytes of the values one segment reads from another (a value read twice, once). `apart`:
+    op → a label (the stage the user assigns it); ops of one segment with other labels are
+    other nodes, so an assignment moves its ops and nothing beside them."""
+    forward = forward_ops(graph, loss)
+    producer = {r: n.id for n in graph.nodes for r in n.results}
     segment = backbone(graph).segment
-    node_of_segment: dict[int, int] = {}
+    node_of_segment: dict[tuple, int] = {}
+    key = {i: (segment[i], (apart or {}).get(i)) for i in forward}
     for i in sorted(forward):
-        node_of_segment.setdefault(segment[i], len(node_of_segment))
-    node = {i: node_of_segment[segment[i]] for i in forward}
+        node_of_segment.setdefault(key[i], len(node_of_segment))
+    node = {i: node_of_segment[key[i]] for i in forward}
     compute = [0.0] * len(node_of_segment)
     names = [""] * len(node_of_segment)
     for i in sorted(forward):

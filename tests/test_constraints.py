@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
+from rhino_jax.errors import StagingError
 
 from helpers import assert_same_numbers
 
@@ -184,6 +185,48 @@ def test_a_constraint_that_names_nothing_is_refused_before_searching(lm, how):
         rj.parallelize(step, constraints=[typo], progress=False, **how).lower(*args)
 
 
+def test_op_assign_moves_a_block_to_the_stage_it_names(lm):
+    """The stager alone puts the second block (partly) on stage 1; op_assign puts it on stage 0,
+    its parameters on stage 0's devices, with the balance relaxed as far as that needs (the
+    report says so), and the step keeps one device's numbers."""
+    step, args, reference = lm
+
+    def lower(*constraints):
+        return rj.parallelize(step, mesh=_mesh(), constraints=list(constraints), pipeline=2, num_micro_batches=2,
+                              progress=False).lower(*args)
+
+    def stage_of_block_1(plan):
+        devices = [set(st.devices) for st in plan.stages]
+        return {devices.index({d.id for d in s.device_set}) for p, s in
+                jax.tree_util.tree_flatten_with_path(plan.input_shardings[0])[0] if "Block_1" in jax.tree_util.keystr(p)}
+
+    assert 1 in stage_of_block_1(lower().plan), "the stager puts it on stage 0 by itself: no check"
+    moved = lower(rj.op_assign("*Block_1/*", stage=0))
+    assert stage_of_block_1(moved.plan) == {0}
+    assert "balance relaxed" in moved.plan.report()
+    assert_same_numbers(reference, moved.compile()(*args))
+
+
+def test_op_assign_errors_say_what_to_change(lm):
+    step, args, _ = lm
+
+    def lower(*constraints, pipeline=2):
+        return rj.parallelize(step, mesh=_mesh(), constraints=list(constraints), pipeline=pipeline,
+                              num_micro_batches=2, progress=False).lower(*args)
+
+    with pytest.raises(StagingError, match=r"no ops in the backward of stage 0: op_assign\('\*Block_0/\*', "
+                                              r"stage=1\) leaves that stage too little"):
+        lower(rj.op_assign("*Block_0/*", stage=1))  # stage 0 keeps the embedding, whose gradient is stage 1's
+    with pytest.raises(rj.ConstraintError, match=r"stages 0\.\.1; assign to one of them"):
+        lower(rj.op_assign("*Block_1/*", stage=2))
+    with pytest.raises(rj.ConstraintError, match="and op_assign.*put .* on two stages"):
+        lower(rj.op_assign("*Block_1/*", stage=0), rj.op_assign("*Block_*/*", stage=1))
+    with pytest.raises(rj.ConstraintError, match="names no op of the forward pass"):
+        lower(rj.op_assign("transpose(*", stage=0))
+    with pytest.raises(rj.ConstraintError, match=r"places ops on a pipeline stage.*pass pipeline=2"):
+        lower(rj.op_assign("*Block_1/*", stage=0), pipeline="off")
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: rj.op_trans("", replicate=True), "non-empty glob"),
     (lambda: rj.op_trans("*Dense*"), "constrains nothing"),
@@ -191,6 +234,8 @@ def test_a_constraint_that_names_nothing_is_refused_before_searching(lm, how):
     (lambda: rj.op_trans("*Dense*", dims="heads"), "dims must be an int"),
     (lambda: rj.op_trans("*Dense*", parts=(0, 2)), r"parts must be .* >= 1"),
     (lambda: rj.op_trans("*Dense*", replicate="yes"), "replicate must be True or False"),
+    (lambda: rj.op_assign("*Dense*", stage="all"), "interlaced pipeline .* is not built yet"),
+    (lambda: rj.op_assign("*Dense*", stage=-1), "stage must be an int >= 0"),
     (lambda: rj.parallelize(lambda x: x, mesh=_mesh(), constraints="*Dense*"), "list of rj.op_trans"),
     (lambda: rj.parallelize(lambda x: x, mesh=_mesh(), constraints=[("*Dense*", 0)]), "list of rj.op_trans"),
 ])

@@ -85,6 +85,18 @@ def test_bounds_never_change_the_optimum_and_remove_most_variables():
     assert all(lo[i] <= loose.stage[i] <= hi[i] for i in range(n))  # the untightened optimum lies inside
 
 
+def test_fixed_nodes_stay_where_the_user_puts_them_and_no_stage_is_left_empty():
+    """A chain of four equal nodes: node 1 fixed on stage 1 takes its descendants along (1 share
+    against 3: only a tolerance of a share allows it); no tolerance lets a stage go empty."""
+    g = StageGraph((1.0,) * 4, tuple((i, i + 1, 1.0) for i in range(3)))
+    assert stager.stage(g, 2, 0.25).stage == (0, 0, 1, 1)
+    with pytest.raises(StagingError, match="puts node 1 on stage 1"):
+        stager.stage(g, 2, 0.25, fixed={1: 1})
+    assert stager.stage(g, 2, 1.0, fixed={1: 1}).stage == (0, 1, 1, 1)
+    with pytest.raises(StagingError, match="no division"):
+        stager.stage(g, 2, 1.0, fixed={0: 1})  # every node on stage 1, stage 0 empty
+
+
 def test_bad_requests_get_clear_errors():
     g = StageGraph((1.0, 1.0, 1.0), ((0, 1, 1.0), (1, 2, 1.0)))
     with pytest.raises(StagingError, match="4 stages for a graph of 3 nodes"):
