@@ -32,6 +32,7 @@ from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
 from rhino_jax.search.constraints import OpAssign, check_matched
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
+from .constraints import OpOrder
 from .errors import ConstraintError, MeshError, SolverInterruptedWarning, TracedCallWarning
 from .explain import SearchInputs
 from .gpu_topology import refuse_described
@@ -297,10 +298,11 @@ class Parallelized:
     def lower_with(self, options: Options, call: Call, key):
         """The step lowered and planned under `options` (one candidate of `pipeline="auto"`)."""
         pipelined = options.pipeline not in ("off", 1)
-        assigned = [c for c in options.constraints if isinstance(c, OpAssign)]
-        if assigned and not pipelined:  # with pipeline="auto", its SPMD candidate is infeasible
-            raise ConstraintError(f"{assigned[0]} places ops on a pipeline stage, and this plan has none: pass "
-                                  f"pipeline={max(2, max(c.stage for c in assigned) + 1)} (or 'auto') with num_micro_batches")
+        staged = [c for c in options.constraints if isinstance(c, (OpAssign, OpOrder))]
+        if staged and not pipelined:  # with pipeline="auto", its SPMD candidate is infeasible
+            least = max([2] + [c.stage + 1 for c in staged if isinstance(c, OpAssign)])
+            raise ConstraintError(f"{staged[0]} is about pipeline stages, and this plan has none: pass "
+                                  f"pipeline={least} (or 'auto') with num_micro_batches")
         if options.num_micro_batches > 1 or pipelined:
             if self.mesh is None:
                 raise MeshError("num_micro_batches > 1 and pipeline need a mesh: pass mesh=rj.device_mesh(...)")
@@ -441,7 +443,8 @@ def _runs_as_planned(plan: Plan, mesh: Mesh | None, options: Options) -> None:
     given = {"num_micro_batches": options.num_micro_batches,
              "pipeline": "off" if options.pipeline == 1 else options.pipeline}
     if "pipeline" in stats:
-        planned["schedule"], given["schedule"] = stats["schedule"], options.schedule
+        ordered = any(isinstance(c, OpOrder) for c in options.constraints)
+        planned["schedule"], given["schedule"] = stats["schedule"], "op_order" if ordered else options.schedule
     if mesh is None or given != planned:
         where = plan.target and f"rj.device_mesh({plan.target.mesh_shape}, {plan.target.axis_names})"
         wanted = ", ".join([f"mesh={where or 'rj.device_mesh(...)'}"] + [f"{k}={v!r}" for k, v in planned.items()])

@@ -2,9 +2,11 @@
 by the search (`search/constraints.py`)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
-from rhino_jax.search.constraints import Named, OpAssign, OpTrans
+from rhino_jax.runtime.schedules import Task
+from rhino_jax.search.constraints import OpAssign, OpTrans
 
 from .errors import ConstraintError
 
@@ -51,6 +53,30 @@ def op_assign(where: str, stage: int) -> OpAssign:
     if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
         raise ConstraintError(f"op_assign({where!r}): stage must be an int >= 0 (0 the first stage), got {stage!r}")
     return OpAssign(where, stage)
+
+
+@dataclass(frozen=True)
+class OpOrder:
+    """`rj.op_order`: the pipeline's schedule derived from ordering constraints."""
+
+    rule: Callable[[int, int], Iterable[tuple[Task, Task]]]
+
+    def __str__(self) -> str:
+        return f"op_order({getattr(self.rule, '__name__', 'rule')})"
+
+
+def op_order(rule: Callable[[int, int], Iterable[tuple[Task, Task]]]) -> OpOrder:
+    """The pipeline's schedule as ordering constraints (nnScaler's op-order, seeds/002 Table 4):
+    `rule(stages, micro_batches)` returns or yields pairs `(a, b)` of `rj.Task(kind, stage,
+    micro_batch)` (kind "F" or "B", counted from 0), each "a runs before b" on one stage. Each
+    stage then runs its forward and backward tasks in an order the pairs allow (a micro-batch's
+    F before its B, the stages' own dependencies kept); where they leave a choice, the task that
+    can start first. The schedule is checked (every task once, no deadlock) and simulated before
+    anything runs; with `pipeline=p` and `num_micro_batches`, in place of `schedule`."""
+    if not callable(rule):
+        raise ConstraintError(f"op_order takes a rule(stages, micro_batches) returning pairs (a, b) of rj.Task, "
+                              f"a to run before b on one stage; got {rule!r}")
+    return OpOrder(rule)
 
 
 def _check_where(kind: str, where) -> None:

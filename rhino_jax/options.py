@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from rhino_jax.search.cluster import Cluster, get_cluster
 from rhino_jax.search.constraints import Named
 
+from .constraints import OpOrder
 from .errors import ConstraintError, MeshError
 
 
@@ -31,8 +32,8 @@ class Options:
     strided_specs: bool = True
     # A one-line progress display on stderr for searches longer than a few seconds (`search.progress`).
     progress: bool = True
-    # The user's constraints on the search space (`rj.op_trans`, `rj.op_assign`), in order.
-    constraints: tuple[Named, ...] = ()
+    # The user's constraints on the search space (`rj.op_trans`, `rj.op_assign`, `rj.op_order`), in order.
+    constraints: tuple[Named | OpOrder, ...] = ()
 
     def __post_init__(self):
         if self.opt_level not in ("O2", "O3"):
@@ -59,10 +60,14 @@ class Options:
         object.__setattr__(self, "solver", self.solver.upper())
         if not isinstance(self.strided_specs, bool):
             raise ValueError(f"strided_specs must be True or False, got {self.strided_specs!r}")
-        constraints = (self.constraints,) if isinstance(self.constraints, Named) else self.constraints
-        if not isinstance(constraints, (list, tuple)) or not all(isinstance(c, Named) for c in constraints):
-            raise ConstraintError(f"constraints must be a list of rj.op_trans(...) and rj.op_assign(...), e.g. "
-                                  f"[rj.op_trans('*Attention*', replicate=True)]; got {self.constraints!r}")
+        constraints = (self.constraints,) if isinstance(self.constraints, (Named, OpOrder)) else self.constraints
+        if not isinstance(constraints, (list, tuple)) or not all(isinstance(c, (Named, OpOrder)) for c in constraints):
+            raise ConstraintError(f"constraints must be a list of rj.op_trans(...), rj.op_assign(...) and "
+                                  f"rj.op_order(...), e.g. [rj.op_trans('*Attention*', replicate=True)]; "
+                                  f"got {self.constraints!r}")
+        if self.schedule != "1f1b" and any(isinstance(c, OpOrder) for c in constraints):
+            raise ConstraintError(f"schedule={self.schedule!r} and rj.op_order both give the pipeline's schedule; "
+                                  "pass one of them")
         object.__setattr__(self, "constraints", tuple(constraints))
         if not isinstance(self.progress, bool):
             raise ValueError(f"progress must be True or False, got {self.progress!r}")

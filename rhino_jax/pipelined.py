@@ -44,7 +44,8 @@ from rhino_jax.search.constraints import OpAssign, fixed_stages
 from rhino_jax.search.memory import local_bytes
 from rhino_jax.search.specs import ShardingSpec
 
-from .errors import MemoryLimitError, MeshError, StagingError
+from .constraints import OpOrder
+from .errors import ConstraintError, MemoryLimitError, MeshError, StagingError
 from .gpu_topology import refuse_described
 from .mesh_search import plan_on
 from .arguments import Call, call_tree
@@ -58,6 +59,25 @@ from .plan_target import PlanTarget, PlanTargetError
 Planned = tuple[stage_programs.Program, Graph, Plan]
 
 EPSILON = 0.25  # the stages' compute may differ from a balanced share by this much
+
+
+def _schedule(options: Options, p: int, k: int, given: Plan | None) -> schedules.Schedule:
+    """The schedule the stages run: a saved plan's own, else the one the user's `rj.op_order`
+    rules call for, else the `schedule` option's."""
+    if given is not None and "schedule_order" in given.search_stats:
+        stats = given.search_stats
+        return schedules.Schedule.parse(stats["schedule"], stats["schedule_order"], k)
+    rules = [c for c in options.constraints if isinstance(c, OpOrder)]
+    if not rules:
+        return schedules.make(options.schedule, p, k)
+    pairs = []
+    for c in rules:
+        try:
+            pairs += list(c.rule(p, k))
+        except TypeError as e:
+            raise ConstraintError(f"{c}: rule(stages, micro_batches) must return or yield pairs (a, b) of rj.Task; "
+                                  f"calling it with ({p}, {k}) raised TypeError: {e}") from e
+    return schedules.ordered(p, k, pairs)
 
 
 def _check_every_stage_works(place: dict[int, tuple[str, int]], p: int, assigned: list) -> None:
@@ -142,7 +162,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         topology = [MeshTopology.from_mesh(sub, cluster) for sub in meshes]
         self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
         self._step, self._place = step, place
-        self.schedule = schedules.make(options.schedule, p, k)
+        self.schedule = _schedule(options, p, k, given)
 
         def search(prog: stage_programs.Program, graph: Graph, opts: Options) -> Planned:
             return prog, graph, program_plan(
@@ -277,7 +297,8 @@ class PipelinedLowered(SeveralProgramsLowered):
         whole, ag, n = self._step.whole, self._step.apply_graph, len(self._step.compute_graph.args)
         plans = [plan for _, _, plan in self._applies]
         stats = dict(_searches([plan.search_stats for plan in plans]), pipeline=len(self.stages),
-                     schedule=self.schedule.name, micro_batches=self.k, **staged, transfer_s=transfer_s,
+                     schedule=self.schedule.name, schedule_order=self.schedule.rows(), micro_batches=self.k,
+                     **staged, transfer_s=transfer_s,
                      arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1], outputs_out_s=self.moves_s[2],
                      applies=self.apply_tasks)
         outputs = self._output_layouts()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rhino_jax.hlo_passes.graph import dtype_size
-from rhino_jax.runtime.schedules import make as make_schedule
+from rhino_jax.runtime.schedules import Schedule, make as make_schedule
 from rhino_jax.runtime.task_graph import TaskGraph, build as build_task_graph
 from rhino_jax.search.cluster import combiner_for
 from rhino_jax.search.combining import combined_collectives
@@ -173,8 +173,14 @@ class Plan:
     def task_graph(self) -> TaskGraph:
         """What runs in a step, where and after what (Rhino §6.1); `.to_dot()` for Graphviz."""
         s = self.search_stats
-        return build_task_graph(make_schedule(s.get("schedule", "1f1b"), s.get("pipeline", 1),
-                                              s.get("micro_batches", 1)), s.get("applies", ()))
+        return build_task_graph(self.schedule(), s.get("applies", ()))
+
+    def schedule(self) -> Schedule:
+        """The pipeline's schedule as it runs (one stage, one micro-batch without a pipeline)."""
+        s = self.search_stats
+        if "schedule_order" in s:
+            return Schedule.parse(s["schedule"], s["schedule_order"], s["micro_batches"])
+        return make_schedule(s.get("schedule", "1f1b"), s.get("pipeline", 1), s.get("micro_batches", 1))
 
     def collective_summary(self, backend: str | None = None) -> dict[str, tuple[int, int]]:
         """kind → (count, bytes) of the collectives a backend's XLA compiles for this plan, once

@@ -11,7 +11,6 @@ from collections import defaultdict
 import numpy as np
 
 from rhino_jax.hlo_passes.graph import dtype_size
-from rhino_jax.runtime.schedules import make as make_schedule
 from rhino_jax.search.specs import ShardingSpec
 
 from .explain import all_collectives, arg_layers, by_kind, describe, op_layer, path_tokens, plan_axes
@@ -162,7 +161,7 @@ def schedule_svg(plan: Plan) -> str:
     simulation (`Schedule.timeline`) places it, then each stage's apply-gradients."""
     s = plan.search_stats
     p, k = len(plan.stages), s["micro_batches"]
-    schedule = make_schedule(s["schedule"], p, k)
+    schedule = plan.schedule()
     fwd, bwd = [st.forward_s for st in plan.stages], [st.backward_s for st in plan.stages]
     times = schedule.timeline(lambda t: (fwd if t.kind == "F" else bwd)[t.stage], s["transfer_s"])
     apply_at = max(end for _, end in times.values()) + sum(s.get(m, 0.0) for m in

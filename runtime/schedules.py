@@ -11,10 +11,16 @@ the remaining backwards:
   a transfer is in flight, at the price of p − s − 1 more micro-batches held.
 (p stages, m micro-batches, stages counted from 0.) `check` proves a schedule runs: every task
 once, F before B of a micro-batch on its stage, and no stage waiting forever on another.
+
+A schedule may also be derived from ordering constraints (nnScaler's op-order, seeds/002 Table 4):
+pairs "task a runs before task b" on one stage (`ordered`). 1F1B is ① F(k) before F(k+1),
+② B(k) before B(k+1), ③ F(k+w−1) before B(k) and ④ B(k) before F(k+w), w = p − s; the three
+schedules above, written so, come out as `make` makes them.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import heapq
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from rhino_jax.errors import ScheduleError
@@ -38,6 +44,21 @@ class Schedule:
     stages: int
     micro_batches: int
     order: tuple[tuple[Task, ...], ...]  # per stage, in run order
+
+    def rows(self) -> tuple[str, ...]:
+        """Each stage's order as text ("F0 F1 B0 F2 B1 B2"), as a plan saves it (`parse`)."""
+        return tuple(" ".join(f"{t.kind}{t.micro_batch}" for t in tasks) for tasks in self.order)
+
+    @staticmethod
+    def parse(name: str, rows: Sequence[str], micro_batches: int) -> "Schedule":
+        """The schedule `rows` writes (`Schedule.rows`), checked."""
+        try:
+            order = tuple(tuple(Task(w[0], s, int(w[1:])) for w in row.split()) for s, row in enumerate(rows))
+        except (ValueError, IndexError):
+            raise ScheduleError(f"{name}: a stage's order must be words like F0 or B3, got {list(rows)!r}") from None
+        schedule = Schedule(name, len(rows), micro_batches, order)
+        schedule.check()
+        return schedule
 
     def needs(self, task: Task) -> list[Task]:
         """The tasks of other stages, and its own forward, a task waits for."""
@@ -134,5 +155,70 @@ def make(name: str, stages: int, micro_batches: int) -> Schedule:
                 tasks.append(Task("F", s, w + k))
         order.append(tuple(tasks))
     schedule = Schedule(name, stages, micro_batches, tuple(order))
+    schedule.check()
+    return schedule
+
+
+def ordered(stages: int, micro_batches: int, before: Iterable[tuple[Task, Task]], name: str = "op_order") -> Schedule:
+    """The schedule the ordering constraints `before` ((a, b): a runs before b, both on one
+    stage) call for, checked. Each stage runs its tasks in an order the constraints allow, a
+    micro-batch's F before its B; where they leave a choice, the task that can start first runs
+    (F taking 1 and B 2, as a backward pass about doubles its forward), ties to the earlier
+    micro-batch, then to its B. Constraints that name a task the pipeline lacks or pair two
+    stages, form a cycle, or deadlock the stages are a ScheduleError."""
+    if stages < 1 or micro_batches < 1:
+        raise ScheduleError(f"a schedule needs at least one stage and one micro-batch, got {stages} and "
+                            f"{micro_batches}")
+    tasks = [Task(kind, s, k) for s in range(stages) for k in range(micro_batches) for kind in "FB"]
+    preds: dict[Task, set[Task]] = {t: set() for t in tasks}
+    for t in tasks:
+        if t.kind == "B":
+            preds[t].add(Task("F", t.stage, t.micro_batch))
+    for pair in before:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(t, Task) for t in pair)):
+            raise ScheduleError(f"{name}: each ordering constraint is a pair (a, b) of Tasks, e.g. "
+                                f"(Task('F', 0, 1), Task('B', 0, 0)); got {pair!r}")
+        a, b = pair
+        for t in pair:
+            if t not in preds:
+                raise ScheduleError(f"{name}: {t} is not a task of {stages} stages and {micro_batches} micro-batches "
+                                    "(kind F or B, stage and micro-batch counted from 0)")
+        if a.stage != b.stage:
+            raise ScheduleError(f"{name}: ({a}, {b}) orders tasks of two stages; the stages' own dependencies order "
+                                "those (a stage's F after the previous stage's, its B after the next stage's)")
+        preds[b].add(a)
+    order: list[list[Task]] = [[] for _ in range(stages)]
+    end: dict[Task, float] = {}
+    free = [0.0] * stages
+    waiting = {t: len(ps) for t, ps in preds.items()}
+    succs: dict[Task, list[Task]] = {t: [] for t in tasks}
+    for t, ps in preds.items():
+        for q in ps:
+            succs[q].append(t)
+    probe = Schedule(name, stages, micro_batches, ())
+    allowed = [t for t in tasks if not waiting[t]]  # every in-stage predecessor has run
+    while allowed:
+        ready = []  # (start, micro-batch, B first, stage, task) of the allowed tasks whose inputs are made
+        for t in allowed:
+            needs = probe.needs(t)
+            if all(n in end for n in needs):
+                ready.append((max([free[t.stage]] + [end[n] for n in needs]), t.micro_batch, t.kind != "B", t.stage, t))
+        if not ready:
+            break
+        start, *_, t = heapq.nsmallest(1, ready)[0]
+        allowed.remove(t)
+        end[t] = start + (1.0 if t.kind == "F" else 2.0)
+        free[t.stage] = end[t]
+        order[t.stage].append(t)
+        for u in succs[t]:
+            waiting[u] -= 1
+            if not waiting[u]:
+                allowed.append(u)
+    if len(end) < len(tasks):
+        stuck = sorted(t for t in tasks if t not in end)
+        raise ScheduleError(f"{name}: the ordering constraints leave {len(stuck)} tasks unable to run (a cycle among "
+                            f"them, or a task waiting on another stage that waits on it): "
+                            f"{', '.join(map(str, stuck[:8]))}{' ...' if len(stuck) > 8 else ''}")
+    schedule = Schedule(name, stages, micro_batches, tuple(map(tuple, order)))
     schedule.check()
     return schedule

@@ -102,9 +102,10 @@ def unit_names(u, graph: Graph) -> tuple[str, ...]:
 
 
 def unmatched(constraints, graph: Graph) -> list:
-    """The constraints that name no op and no argument of `graph` (the whole step's)."""
+    """The constraints that name no op and no argument of `graph` (the whole step's); an
+    `rj.op_order` names tasks, not ops, and is not one of them."""
     names = [n.name for n in graph.nodes if n.name] + [x for a in graph.args for x in arg_names(a.path)]
-    return [c for c in constraints if not any(c.matches((n,)) for n in names)]
+    return [c for c in constraints if isinstance(c, Named) and not any(c.matches((n,)) for n in names)]
 
 
 def check_matched(constraints, graph: Graph) -> None:

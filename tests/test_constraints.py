@@ -10,11 +10,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
-from rhino_jax.errors import StagingError
+from rhino_jax.errors import ScheduleError, StagingError
 
-from helpers import assert_same_numbers
+from helpers import assert_same_adam_step, assert_same_numbers
 
 BATCH, SEQ, VOCAB, WIDTH, HEADS = 8, 16, 64, 32, 4
+LR = 1e-3
 ATTENTION = "*MultiHeadDotProductAttention_*"
 
 
@@ -41,7 +42,7 @@ def _step_and_args():
     model = AttentionLM()
     tokens = jax.random.randint(jax.random.PRNGKey(1), (BATCH, SEQ + 1), 0, VOCAB)
     params = model.init(jax.random.PRNGKey(0), tokens[:, :-1])["params"]
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR))
 
     def step(params, opt_state, tokens):
         def loss_fn(p):
@@ -70,14 +71,16 @@ def _kernels(plan):
             if "MultiHeadDotProductAttention" in jax.tree_util.keystr(p) and "kernel" in jax.tree_util.keystr(p)]
 
 
-def _readme_constraints(train_step, mesh):
-    """The README's example, run as written: its `step`."""
+def _readme_example(n: int, train_step, mesh) -> dict:
+    """The README's n-th example on constraints, run as written with `train_step` and `mesh`:
+    what it defines (its `step`, its functions)."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = readme[readme.index("## Constraining the search space"):]
-    code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python"))]
+    blocks = section.split("```python")[1:n + 2]
+    assert len(blocks) == n + 1, "the README's section has fewer examples"
     scope = dict(rj=rj, train_step=train_step, mesh=mesh)
-    exec(code, scope)
-    return scope["step"]
+    exec(blocks[n].split("```")[0], scope)
+    return scope
 
 
 def test_the_readme_constraints_split_attention_by_heads(lm, tmp_path):
@@ -86,7 +89,7 @@ def test_the_readme_constraints_split_attention_by_heads(lm, tmp_path):
     heads, head dim), the output projection's (heads, head dim, width)); the forward query
     projections split their heads dim; the blocks' MLPs whole."""
     step, args, reference = lm
-    lowered = _readme_constraints(step, _mesh()).lower(*args)
+    lowered = _readme_example(0, step, _mesh())["step"].lower(*args)
     plan, graph = lowered.plan, lowered.graph
     kernels = _kernels(plan)
     assert len(kernels) == 2 * 4 * 3  # 2 blocks x q, k, v, out x the parameter and Adam's two moments
@@ -204,7 +207,7 @@ def test_op_assign_moves_a_block_to_the_stage_it_names(lm):
     moved = lower(rj.op_assign("*Block_1/*", stage=0))
     assert stage_of_block_1(moved.plan) == {0}
     assert "balance relaxed" in moved.plan.report()
-    assert_same_numbers(reference, moved.compile()(*args))
+    assert_same_adam_step(reference, moved.compile()(*args), lr=LR)
 
 
 def test_op_assign_errors_say_what_to_change(lm):
@@ -223,8 +226,57 @@ def test_op_assign_errors_say_what_to_change(lm):
         lower(rj.op_assign("*Block_1/*", stage=0), rj.op_assign("*Block_*/*", stage=1))
     with pytest.raises(rj.ConstraintError, match="names no op of the forward pass"):
         lower(rj.op_assign("transpose(*", stage=0))
-    with pytest.raises(rj.ConstraintError, match=r"places ops on a pipeline stage.*pass pipeline=2"):
+    with pytest.raises(rj.ConstraintError, match=r"is about pipeline stages.*pass pipeline=2"):
         lower(rj.op_assign("*Block_1/*", stage=0), pipeline="off")
+
+
+def test_op_order_derives_the_schedule_the_stages_run(lm, tmp_path):
+    """1F1B written as ordering constraints (the README's) plans and runs as schedule='1f1b' does; "every
+    forward before any backward" holds every micro-batch at once, as GPipe; a saved plan keeps
+    its derived schedule."""
+    step, args, reference = lm
+
+    def lower(constraints, **options):
+        return rj.parallelize(step, mesh=_mesh(), constraints=constraints, pipeline=2, num_micro_batches=4,
+                              progress=False, **options).lower(*args)
+
+    made = lower([])
+    example = _readme_example(2, step, _mesh())
+    derived = example["step"].lower(*args)
+    assert derived.plan.schedule().order == made.plan.schedule().order
+    assert derived.plan.cost == made.plan.cost
+    assert "op_order" in derived.plan.report()
+    assert_same_adam_step(reference, derived.compile()(*args), lr=LR)
+
+    def forwards_first(p, m):  # GPipe: each pass in micro-batch order, the last forward before the first backward
+        return [(rj.Task(kind, s, k), rj.Task(kind, s, k + 1)) for s in range(p) for k in range(m - 1) for kind in "FB"
+                ] + [(rj.Task("F", s, m - 1), rj.Task("B", s, 0)) for s in range(p)]
+
+    flush = lower([rj.op_order(forwards_first)])
+    assert [st.in_flight for st in flush.plan.stages] == [4, 4]
+    assert [st.in_flight for st in made.plan.stages] == [2, 1]
+    flush.plan.save(tmp_path / "plan.json")
+    again = rj.parallelize(step, mesh=_mesh(), pipeline=2, num_micro_batches=4, constraints=[rj.op_order(forwards_first)],
+                           plan=str(tmp_path / "plan.json")).lower(*args)
+    assert again.plan.schedule() == flush.plan.schedule()
+    assert_same_adam_step(reference, again.compile()(*args), lr=LR)
+
+
+def test_op_order_errors_say_what_to_change(lm):
+    step, args, _ = lm
+
+    def lower(*constraints, **options):
+        return rj.parallelize(step, mesh=_mesh(), constraints=list(constraints), num_micro_batches=2,
+                              progress=False, **dict(dict(pipeline=2), **options)).lower(*args)
+
+    with pytest.raises(ScheduleError, match="unable to run"):
+        lower(rj.op_order(lambda p, m: [(rj.Task("B", 0, 0), rj.Task("F", 0, 0))]))
+    with pytest.raises(rj.ConstraintError, match="must return or yield pairs"):
+        lower(rj.op_order(lambda p, m: None))
+    with pytest.raises(rj.ConstraintError, match="is about pipeline stages"):
+        lower(rj.op_order(lambda p, m: []), pipeline="off")
+    with pytest.raises(rj.ConstraintError, match="schedule='gpipe' and rj.op_order"):
+        lower(rj.op_order(lambda p, m: []), schedule="gpipe")
 
 
 @pytest.mark.parametrize("make, message", [
@@ -236,6 +288,7 @@ def test_op_assign_errors_say_what_to_change(lm):
     (lambda: rj.op_trans("*Dense*", replicate="yes"), "replicate must be True or False"),
     (lambda: rj.op_assign("*Dense*", stage="all"), "interlaced pipeline .* is not built yet"),
     (lambda: rj.op_assign("*Dense*", stage=-1), "stage must be an int >= 0"),
+    (lambda: rj.op_order([(rj.Task("F", 0, 0), rj.Task("F", 0, 1))]), "takes a rule"),
     (lambda: rj.parallelize(lambda x: x, mesh=_mesh(), constraints="*Dense*"), "list of rj.op_trans"),
     (lambda: rj.parallelize(lambda x: x, mesh=_mesh(), constraints=[("*Dense*", 0)]), "list of rj.op_trans"),
 ])

@@ -52,6 +52,62 @@ def test_a_broken_schedule_is_refused():
         schedules.make("1f1b", 2, 0)
 
 
+def _warm_up_rule(warm_up):
+    """nnScaler's Table 4 with stage s's warm-up w(p, m, s): ① F(k) before F(k+1), ② B(k) before
+    B(k+1), ③ F(k+w-1) before B(k), ④ B(k) before F(k+w)."""
+    def rule(p, m):
+        for s in range(p):
+            w = min(warm_up(p, m, s), m)
+            for k in range(m - 1):
+                yield Task("F", s, k), Task("F", s, k + 1)
+                yield Task("B", s, k), Task("B", s, k + 1)
+            for k in range(m - w + 1):
+                yield Task("F", s, k + w - 1), Task("B", s, k)
+            for k in range(m - w):
+                yield Task("B", s, k), Task("F", s, k + w)
+    return rule
+
+
+ORDERING = {"1f1b": _warm_up_rule(lambda p, m, s: p - s),
+            "gpipe": _warm_up_rule(lambda p, m, s: m),
+            "eager-1f1b": _warm_up_rule(lambda p, m, s: 2 * (p - s) - 1)}
+
+
+@pytest.mark.parametrize("name", schedules.NAMES)
+@pytest.mark.parametrize("stages,micro_batches", SHAPES)
+def test_the_three_schedules_written_as_ordering_constraints_come_out_as_made(name, stages, micro_batches):
+    derived = schedules.ordered(stages, micro_batches, ORDERING[name](stages, micro_batches), name=name)
+    assert derived == schedules.make(name, stages, micro_batches)
+    assert schedules.Schedule.parse(name, derived.rows(), micro_batches) == derived
+
+
+def test_where_the_constraints_leave_a_choice_the_task_that_can_start_first_runs():
+    """Only "forwards in order, backwards in order": each stage runs what it can as early as it
+    can, a checked schedule that is never slower than GPipe and holds fewer micro-batches (the
+    later stages start their backwards as soon as they can)."""
+    p, m = 3, 6
+    rule = [(Task(kind, s, k), Task(kind, s, k + 1)) for s in range(p) for k in range(m - 1) for kind in "FB"]
+    free = schedules.ordered(p, m, rule)
+    gpipe = schedules.make("gpipe", p, m)
+    assert free.makespan([1.0] * p, [2.0] * p) <= gpipe.makespan([1.0] * p, [2.0] * p)
+    assert sum(free.in_flight()) < sum(gpipe.in_flight())
+
+
+def test_bad_ordering_constraints_are_refused():
+    with pytest.raises(ScheduleError, match="B0@0 before F0@0|unable to run"):
+        schedules.ordered(2, 2, [(Task("B", 0, 0), Task("F", 0, 0))])  # against F before B: a cycle
+    with pytest.raises(ScheduleError, match="orders tasks of two stages"):
+        schedules.ordered(2, 2, [(Task("F", 0, 0), Task("F", 1, 0))])
+    with pytest.raises(ScheduleError, match="F5@0 is not a task of 2 stages and 2 micro-batches"):
+        schedules.ordered(2, 2, [(Task("F", 0, 5), Task("F", 0, 0))])
+    with pytest.raises(ScheduleError, match="a pair"):
+        schedules.ordered(2, 2, [("F0", "F1")])
+    # Stage 0 finishes micro-batch 0 first, stage 1 insists on micro-batch 1 first: each waits.
+    stuck = [(Task("B", 0, 0), Task("F", 0, 1)), (Task("B", 1, 1), Task("F", 1, 0))]
+    with pytest.raises(ScheduleError, match="unable to run"):
+        schedules.ordered(2, 2, stuck)
+
+
 @pytest.mark.parametrize("name", schedules.NAMES)
 def test_the_task_graph_holds_every_task_and_its_order_runs_the_schedule(name):
     p, m = 3, 4
