@@ -226,12 +226,21 @@ def forward_stage_graph(graph: Graph, loss: int, apart: dict[int, int] | None = 
     node: a compute-heavy op on the critical path, `critical`). Compute is FLOPs; an edge carries
     the bytes of the values one segment reads from another (a value read twice, once). `apart`:
     op → a label (the stage the user assigns it); ops of one segment with other labels are
-    other nodes, so an assignment moves its ops and nothing beside them."""
+    other nodes, so an assignment moves its ops and what they feed in their segment, nothing
+    before them."""
     forward = forward_ops(graph, loss)
     producer = {r: n.id for n in graph.nodes for r in n.results}
     segment = backbone(graph).segment
+    label = dict(apart or {})
+    if label:  # an op reading a labelled op of its segment goes with it (its unnamed reshapes, its adds)
+        for i in sorted(forward):  # program order: producers first
+            if i not in label:
+                found = [label[producer[o]] for o in graph.nodes[i].operands
+                         if o in producer and producer[o] in label and segment[producer[o]] == segment[i]]
+                if found:
+                    label[i] = max(found)
     node_of_segment: dict[tuple, int] = {}
-    key = {i: (segment[i], (apart or {}).get(i)) for i in forward}
+    key = {i: (segment[i], label.get(i)) for i in forward}
     for i in sorted(forward):
         node_of_segment.setdefault(key[i], len(node_of_segment))
     node = {i: node_of_segment[key[i]] for i in forward}

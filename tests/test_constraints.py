@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 import rhino_jax as rj
 from rhino_jax.errors import ScheduleError, StagingError
 
+from benchmarks.third_party_models import linen_gpt
 from helpers import assert_same_adam_step, assert_same_numbers
 
 BATCH, SEQ, VOCAB, WIDTH, HEADS = 8, 16, 64, 32, 4
@@ -208,6 +209,20 @@ def test_op_assign_moves_a_block_to_the_stage_it_names(lm):
     assert stage_of_block_1(moved.plan) == {0}
     assert "balance relaxed" in moved.plan.report()
     assert_same_adam_step(reference, moved.compile()(*args), lr=LR)
+
+
+def test_op_assign_takes_the_ops_its_layer_feeds_in_its_segment():
+    """A GPT whose blocks make their causal mask and residual adds: block1 put on stage 0 takes
+    the unnamed ops it feeds inside its segments along, so the stage graph stays a DAG (it made a
+    cycle when only the named ops moved)."""
+    case = linen_gpt()
+    lowered = rj.parallelize(case.step, mesh=_mesh(), constraints=[rj.op_assign("*block1/*", stage=0)],
+                             pipeline=2, num_micro_batches=4, progress=False).lower(*case.args)
+    plan = lowered.plan
+    stage0 = set(plan.stages[0].devices)
+    for path, sharding in jax.tree_util.tree_flatten_with_path(plan.input_shardings[0])[0]:
+        if "'block1'" in jax.tree_util.keystr(path):
+            assert {d.id for d in sharding.device_set} == stage0, jax.tree_util.keystr(path)
 
 
 def test_op_assign_errors_say_what_to_change(lm):

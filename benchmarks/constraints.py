@@ -1,0 +1,144 @@
+"""The search spaces users constrain (issue 32): each of nnScaler's primitives on a Flax GPT, the
+plan with and without the constraint, predicted and priced from what XLA's GPU compiler makes.
+
+    python -m benchmarks.constraints            # writes benchmarks/constraints.md and .json
+
+The step: `third_party_models.linen_gpt` (Flax linen GPT-2-like LM, d 256, 4 blocks of 8 heads,
+seq 128, batch 16, vocab 1024, adamw), f32. Devices: 8 described H100s on one host
+(`rj.gpu_topology`), mesh (2, 4) ("data", "model"), preset 8x-h100, O2. Every plan is compiled for
+those GPUs and priced from its GPU HLO (`hlo_passes.compiled_cost.price_compiled`; a pipeline's
+programs in its schedule, `compiled_step_s`); the Megatron row beside op_trans is the hand plan
+(`jax.jit` with `in_shardings` from `third_party_models`' Megatron rules) priced the same way.
+
+- op_trans: Megatron's layouts as constraints (q/k/v kernels on heads, the output projection on
+  heads, fc1 on columns, fc2 on rows, the LM head on the vocabulary; each 4 ways), the search
+  laying out the rest (activations, optimizer state, the batch).
+- op_assign: pipeline=2 with 4 micro-batches; the stager alone cuts block2 in two, op_assign
+  puts it whole on stage 1.
+- op_order: pipeline=2 with 4 micro-batches, GPipe written as ordering constraints (forwards
+  then backwards, each in micro-batch order), against the default 1F1B.
+Needs jax's CUDA plugin (Python 3.12: `pip install -e '.[test]'`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import rhino_jax as rj  # noqa: E402
+from rhino_jax.hlo_passes.compiled_cost import price_compiled  # noqa: E402
+
+from .compilers import devices  # noqa: E402
+from .third_party_models import linen_gpt  # noqa: E402
+
+HERE = pathlib.Path(__file__).parent
+CLUSTER, MESH, NAMES = "8x-h100", (2, 4), ("data", "model")
+MEGATRON = [rj.op_trans(f"*block?/attn/{w}/kernel", dims=-2, parts=4) for w in ("query", "key", "value")] + [
+    rj.op_trans("*block?/attn/out/kernel", dims=-3, parts=4), rj.op_trans("*block?/fc1/kernel", dims=-1, parts=4),
+    rj.op_trans("*block?/fc2/kernel", dims=-2, parts=4), rj.op_trans("*/head/kernel", dims=-1, parts=4)]
+PIPELINE = dict(pipeline=2, num_micro_batches=4)
+
+
+def gpipe(p: int, m: int):
+    """GPipe as ordering constraints: each pass in micro-batch order, the last forward first."""
+    for s in range(p):
+        for k in range(m - 1):
+            yield rj.Task("F", s, k), rj.Task("F", s, k + 1)
+            yield rj.Task("B", s, k), rj.Task("B", s, k + 1)
+        yield rj.Task("F", s, m - 1), rj.Task("B", s, 0)
+
+
+def _mesh():
+    return rj.device_mesh(MESH, NAMES, devices=devices("gpu", 8))
+
+
+def _row(primitive: str, label: str, lowered, compiled_s: float, compiled_gib: float | None, search_s: float) -> dict:
+    plan = lowered.plan if lowered is not None else None
+    return dict(primitive=primitive, plan=label, search_s=search_s,
+                predicted_ms=plan.cost.total_s * 1e3 if plan else None,
+                predicted_gib=plan.cost.memory_bytes / 2**30 if plan else None,
+                compiled_ms=compiled_s * 1e3, compiled_gib=compiled_gib,
+                stages=[list(st.layers) for st in plan.stages] if plan else [],
+                in_flight=[st.in_flight for st in plan.stages] if plan else [])
+
+
+def _plan(case, primitive: str, label: str, **options) -> dict:
+    t0 = time.perf_counter()
+    lowered = rj.parallelize(case.step, mesh=_mesh(), cluster=CLUSTER, progress=False, **options).lower(*case.args)
+    search_s = time.perf_counter() - t0
+    compiled = lowered.compile()
+    if options.get("pipeline"):
+        return _row(primitive, label, lowered, compiled.compiled_step_s(), None, search_s)
+    cost = price_compiled(compiled._executable, CLUSTER, case.dtype)
+    return _row(primitive, label, lowered, cost.total_s, cost.memory.total / 2**30, search_s)
+
+
+def _megatron_by_hand(case) -> dict:
+    """Megatron as users write it: the rules' dims over 'model', the batch over 'data'."""
+    mesh = _mesh()
+
+    def spec(path, x):
+        key = jax.tree_util.keystr(path)
+        dim = next((d for rule, d in case.tp_rules if re.search(rule, key)), None)
+        return NamedSharding(mesh, P(*[("model" if d == dim % x.ndim else None) for d in range(x.ndim)])
+                             if dim is not None else P())
+
+    state = jax.tree_util.tree_map_with_path(spec, case.args[:2])
+    batch = jax.tree.map(lambda _: NamedSharding(mesh, P("data")), case.args[2])
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.args)  # no data on described GPUs
+    compiled = jax.jit(case.step, in_shardings=(*state, batch),
+                       out_shardings=(*state, NamedSharding(mesh, P()))).lower(*shapes).compile()
+    cost = price_compiled(compiled, CLUSTER, case.dtype)
+    return _row("op_trans", "Megatron by hand (jax.jit in_shardings)", None, cost.total_s,
+                cost.memory.total / 2**30, 0.0)
+
+
+def measure() -> list[dict]:
+    case = linen_gpt()
+    return [_plan(case, "op_trans", "free search"),
+            _plan(case, "op_trans", "Megatron's layouts as op_trans", constraints=MEGATRON),
+            _megatron_by_hand(case),
+            _plan(case, "op_assign", "free staging", **PIPELINE),
+            _plan(case, "op_assign", "op_assign('*block2/*', stage=1)",
+                  constraints=[rj.op_assign("*block2/*", stage=1)], **PIPELINE),
+            _plan(case, "op_order", "1F1B (schedule=)", **PIPELINE),
+            _plan(case, "op_order", "GPipe as op_order", constraints=[rj.op_order(gpipe)], **PIPELINE)]
+
+
+def table(rows: list[dict]) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    lines = ["| primitive | plan | search s | predicted ms | predicted GiB/dev | GPU-compiled ms | compiled GiB/dev "
+             "| stages (layers; micro-batches in flight) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        stages = "; ".join(f"{', '.join(layers)} ({n})" for layers, n in zip(r["stages"], r["in_flight"])) or "-"
+        lines.append(f"| {r['primitive']} | {r['plan']} | {num(r['search_s'] or None, '.1f')} | "
+                     f"{num(r['predicted_ms'], '.3f')} | {num(r['predicted_gib'], '.3f')} | "
+                     f"{num(r['compiled_ms'], '.3f')} | {num(r['compiled_gib'], '.3f')} | {stages} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    rows = measure()
+    text = table(rows)
+    print(text)
+    (HERE / "constraints.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (HERE / "constraints.md").write_text(
+        "# Constraints on the search space: with and without\n\n"
+        "`python -m benchmarks.constraints` (its docstring says what each row is). Flax linen GPT (d 256, 4 "
+        "blocks, seq 128, batch 16), 8 described H100s, mesh (2, 4), preset 8x-h100, O2. Predicted: the "
+        "plan's cost model; GPU-compiled: the programs XLA's GPU compiler makes for the plan, priced from "
+        "their HLO (a pipeline: its programs in its schedule). A pipeline's compiled memory is not summed "
+        "here (its programs run beside each other).\n\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()
