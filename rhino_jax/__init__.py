@@ -1,9 +1,8 @@
 """rhino_jax: automatic SPMD parallelization of JAX training steps (Rhino, in JAX)."""
+from rhino_jax.runtime.schedules import Task
 from rhino_jax.search.cluster import A100_8X, H100_8X, H200_8X, M8_V100, Cluster
 
 from .annotate import annotate
-from rhino_jax.runtime.schedules import Task
-
 from .constraints import op_assign, op_order, op_trans
 from .api import Compiled, Lowered, Parallelized, parallelize
 from .errors import (ConstraintError, MemoryLimitError, MeshError, NoFeasibleMeshError, RhinoError, ShardingPinError,

@@ -392,9 +392,11 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
     maximum strides (each device holds one block per split dim), as most systems do.
     `progress`: a search longer than a few seconds shows a one-line progress display on stderr
     (elapsed, what it does, the best predicted step so far); False or RHINO_JAX_PROGRESS=0: none.
-    `constraints`: a list of `rj.op_trans(...)`, what the named ops and arguments may be split
-    along, into how many parts, or not at all (nnScaler's constrained search space); a
-    constraint that names nothing or leaves an op no strategy is a `ConstraintError`.
+    `constraints`: nnScaler's primitives, a list of `rj.op_trans(...)` (what the named ops and
+    arguments may be split along, into how many parts, or not at all), `rj.op_assign(...)` (the
+    pipeline stage of the named forward ops) and `rj.op_order(...)` (the pipeline's schedule as
+    ordering pairs of tasks); one that names nothing, leaves an op no strategy, or asks for
+    stages of an SPMD plan is a `ConstraintError`.
 
     `plan`: a saved plan (`Plan.load(path)`, or the path) to run without a search; it must have
     been made for this step and mesh (`Plan.check_matches`: PlanTargetError otherwise), and is

@@ -10,8 +10,8 @@ class ShardingPinError(RhinoError, ValueError):
 
 
 class ConstraintError(RhinoError, ValueError):
-    """A constraint on the search space (rj.op_trans) that is malformed, names nothing, or leaves
-    an op no strategy."""
+    """A constraint on the search space (rj.op_trans, rj.op_assign, rj.op_order) that is
+    malformed, names nothing, or leaves an op no strategy or stage."""
 
 
 class SolverError(RhinoError, RuntimeError):

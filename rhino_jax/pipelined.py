@@ -149,7 +149,7 @@ class PipelinedLowered(SeveralProgramsLowered):
             loss = _loss_sum(cg)
             assigned = fixed_stages(options.constraints, cg, stager.forward_ops(cg, loss), p)
             coarse, node_of = stager.forward_stage_graph(cg, loss, assigned)
-            staging, epsilon = _staging(coarse, p, {node_of[i]: k for i, k in assigned.items()}, options)
+            staging, epsilon = _staging(coarse, p, {node_of[i]: at for i, at in assigned.items()}, options)
             place = stage_programs.assign(cg, loss, {i: staging.stage[node_of[i]] for i in node_of})
             _check_every_stage_works(place, p, [c for c in options.constraints if isinstance(c, OpAssign)])
             staged = {"stage_cut_bytes": staging.cut_bytes, "stage_flops": staging.stage_compute,

@@ -19,7 +19,6 @@ schedules above, written so, come out as `make` makes them.
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -205,7 +204,7 @@ def ordered(stages: int, micro_batches: int, before: Iterable[tuple[Task, Task]]
                 ready.append((max([free[t.stage]] + [end[n] for n in needs]), t.micro_batch, t.kind != "B", t.stage, t))
         if not ready:
             break
-        start, *_, t = heapq.nsmallest(1, ready)[0]
+        start, *_, t = min(ready)
         allowed.remove(t)
         end[t] = start + (1.0 if t.kind == "F" else 2.0)
         free[t.stage] = end[t]

@@ -1,5 +1,6 @@
-"""The user's constraints on the search space (nnScaler's op-trans, seeds/002 §3-§4): which
-strategies the ops and arguments a glob names may take.
+"""The user's constraints on the search space (nnScaler's op-trans and op-assign, seeds/002
+§3-§4): which strategies the ops and arguments a glob names may take (`OpTrans`), and which
+pipeline stage the forward ops it names run on (`OpAssign`, applied by the stager).
 
 A constraint names ops by their source names (the jax name stack, as the report prints it:
 `jvp(LM)/Block_0/MultiHeadDotProductAttention_0/query/dot_general`) and arguments by their paths
