@@ -28,6 +28,7 @@ from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
 from rhino_jax.search.collectives import reshard_path
 from rhino_jax.search.units import tied_outputs
 from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.search.constraints import layout_allowed
 from rhino_jax.search.strategies import tensor_specs
 
 from .errors import RhinoError, UnknownTensorError
@@ -158,9 +159,11 @@ def _alternatives(plan: Plan, inputs: SearchInputs, i: int, k: int) -> tuple[tup
     if any(p.value == arg.value for p in graph.pins):
         return (), "none: the step pins this argument's layout (rj.annotate), the search did not choose it"
     chosen = plan.arg_specs[i]
-    others = [s for s in tensor_specs(graph.values[arg.value].shape, inputs.topo) if s != chosen]
+    shaped = [s for s in tensor_specs(graph.values[arg.value].shape, inputs.topo) if s != chosen]
+    others = [s for s in shaped if layout_allowed(inputs.options.constraints, arg.path, s, inputs.topo.sizes)]
     if not others:
-        return (), "none: no other layout of its shape divides it on this mesh"
+        return (), ("none: no other layout of its shape divides it on this mesh" if not shaped else
+                    f"none: the constraints allow it none of its {len(shaped)} other layouts")
     if k == 0:
         return (), f"not searched (alternatives=0; {len(others)} other layouts)"
     moves = _moves_s(plan, inputs, i)

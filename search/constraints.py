@@ -102,6 +102,12 @@ def unit_names(u, graph: Graph) -> tuple[str, ...]:
     return arg_names(u.name) if u.kind == "arg" else ()
 
 
+def layout_allowed(constraints, path: str, spec, sizes: dict[str, int]) -> bool:
+    """Whether every `op_trans` naming the argument at `path` lets it take layout `spec`."""
+    names, held = arg_names(path), Strategy((), (spec,), 0.0)
+    return all(c.allows(held, sizes) for c in constraints if isinstance(c, OpTrans) and c.matches(names))
+
+
 def unmatched(constraints, graph: Graph) -> list:
     """The constraints that name no op and no argument of `graph` (the whole step's); an
     `rj.op_order` names tasks, not ops, and is not one of them."""

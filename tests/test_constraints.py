@@ -107,6 +107,10 @@ def test_the_readme_constraints_split_attention_by_heads(lm, tmp_path):
     mlps = [(n, spec) for n, spec in forward if "/Block_" in n and "/Dense_" in n]
     assert mlps and not any(spec.used_axes() for _, spec in mlps), mlps
     assert "op_trans" in plan.report()
+    # why: its one allowed layout is the one it has, so no alternative is searched
+    kernel = "[0]['Block_0']['MultiHeadDotProductAttention_0']['query']['kernel']"
+    why = plan.explain(kernel)
+    assert why.alternatives == () and "none: the constraints allow it none of its" in str(why)
     plan.save(tmp_path / "plan.json")
     assert rj.Plan.load(tmp_path / "plan.json").constrained() == plan.constrained() != {}
     assert_same_numbers(reference, lowered.compile()(*args))
