@@ -1,6 +1,7 @@
 """rj.op_trans: the user constrains the search space (nnScaler's op-trans), the search obeys it,
 the plan runs with one device's numbers, and a constraint that names nothing or leaves an op no
 strategy is an error that says what to change."""
+import re
 from pathlib import Path
 
 import flax.linen as nn
@@ -210,6 +211,15 @@ def test_op_assign_moves_a_block_to_the_stage_it_names(lm):
     assert stage_of_block_1(moved.plan) == {0}
     assert "balance relaxed" in moved.plan.report()
     assert_same_adam_step(reference, moved.compile()(*args), lr=LR)
+
+
+def test_with_pipeline_auto_op_assign_rules_out_the_spmd_candidate(lm):
+    step, args, _ = lm
+    lowered = rj.parallelize(step, mesh=_mesh(), constraints=[rj.op_assign("*Block_1/*", stage=1)], pipeline="auto",
+                             num_micro_batches=2, progress=False).lower(*args)
+    assert len(lowered.plan.stages) == 2
+    assert re.search(r"SPMD only, 2 micro-batches \(infeasible: op_assign\('\*Block_1/\*', stage=1\) is about "
+                     r"pipeline stages", lowered.plan.report())
 
 
 def test_op_assign_takes_the_ops_its_layer_feeds_in_its_segment():
