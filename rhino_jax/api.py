@@ -449,6 +449,8 @@ def _runs_as_planned(plan: Plan, mesh: Mesh | None, options: Options) -> None:
         planned["schedule"], given["schedule"] = stats["schedule"], "op_order" if ordered else options.schedule
     if mesh is None or given != planned:
         where = plan.target and f"rj.device_mesh({plan.target.mesh_shape}, {plan.target.axis_names})"
-        wanted = ", ".join([f"mesh={where or 'rj.device_mesh(...)'}"] + [f"{k}={v!r}" for k, v in planned.items()])
-        got = ([] if mesh is not None else ["mesh=None"]) + [f"{k}={v!r}" for k, v in given.items() if planned[k] != v]
+        def said(k: str, v) -> str:  # an op_order schedule comes from its constraint, not the option
+            return "constraints=[rj.op_order(...)]" if (k, v) == ("schedule", "op_order") else f"{k}={v!r}"
+        wanted = ", ".join([f"mesh={where or 'rj.device_mesh(...)'}"] + [said(k, v) for k, v in planned.items()])
+        got = ([] if mesh is not None else ["mesh=None"]) + [said(k, v) for k, v in given.items() if planned[k] != v]
         raise ValueError(f"plan= runs a saved plan as it was made: pass {wanted} (got {', '.join(got)})")

@@ -286,6 +286,8 @@ def test_op_order_derives_the_schedule_the_stages_run(lm, tmp_path):
                            plan=str(tmp_path / "plan.json")).lower(*args)
     assert again.plan.schedule() == flush.plan.schedule()
     assert_same_adam_step(reference, again.compile()(*args), lr=LR)
+    with pytest.raises(ValueError, match=r"pass .*constraints=\[rj.op_order\(\.\.\.\)\] \(got schedule='1f1b'\)"):
+        rj.parallelize(step, mesh=_mesh(), pipeline=2, num_micro_batches=4, plan=str(tmp_path / "plan.json")).lower(*args)
 
 
 def test_op_order_errors_say_what_to_change(lm):
