@@ -83,6 +83,17 @@ class Arg:
     held_beside: int = 0
 
 
+_PATH_TOKEN = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[(\d+)\]|\.(\w+)")
+
+
+def path_tokens(path: str) -> list[tuple[str, str]]:
+    """An argument path after the argument's own index, as (kind, text) pairs, kind "key" (a dict
+    key), "index" or "attr": arg[1][0].mu['w'] → [("index", "0"), ("attr", "mu"), ("key", "w")]."""
+    return [("key", m.group(1)) if m.group(1) is not None else ("index", m.group(2)) if m.group(2) is not None
+            else ("attr", m.group(3))
+            for m in _PATH_TOKEN.finditer(path.split("]", 1)[1] if "]" in path else "")]
+
+
 @dataclass(frozen=True)
 class Pin:
     """A user-fixed sharding of one value (rj.annotate / with_sharding_constraint).

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from rhino_jax.hlo_passes.graph import Graph, Pin, dtype_size
+from rhino_jax.hlo_passes.graph import Graph, Pin, dtype_size, path_tokens
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
 from rhino_jax.search.collectives import reshard_path
@@ -268,16 +267,6 @@ def all_collectives(plan: Plan) -> list[PlannedCollective]:
     for st in plan.stages:
         out += (list(st.forward.collectives) + list(st.backward.collectives)) * k
     return out
-
-
-_KEY = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[(\d+)\]|\.(\w+)")
-
-
-def path_tokens(path: str) -> list[tuple[str, str]]:
-    """An argument path after the argument's own index, as (kind, text) pairs, kind "key" (a dict
-    key), "index" or "attr": arg[1][0].mu['w'] → [("index", "0"), ("attr", "mu"), ("key", "w")]."""
-    return [("key", m.group(1)) if m.group(1) is not None else ("index", m.group(2)) if m.group(2) is not None
-            else ("attr", m.group(3)) for m in _KEY.finditer(path.split("]", 1)[1] if "]" in path else "")]
 
 
 def _keys(path: str) -> list[str]:

@@ -62,8 +62,9 @@ EPSILON = 0.25  # the stages' compute may differ from a balanced share by this m
 
 
 def _schedule(options: Options, p: int, k: int, given: Plan | None) -> schedules.Schedule:
-    """The schedule the stages run: a saved plan's own, else the one the user's `rj.op_order`
-    rules call for, else the `schedule` option's."""
+    """The schedule the stages run: a saved op_order plan's own rows, else the one the user's
+    `rj.op_order` rules call for, else the `schedule` option's (a saved plan's name, as
+    `api._runs_as_planned` checked)."""
     if given is not None and "schedule_order" in given.search_stats:
         stats = given.search_stats
         return schedules.Schedule.parse(stats["schedule"], stats["schedule_order"], k)
@@ -85,8 +86,9 @@ def _check_every_stage_works(place: dict[int, tuple[str, int]], p: int, assigned
     gradients taken elsewhere (an embedding lookup alone: its gradient is a scatter into the
     table, placed with the cotangent it reads, on the next stage) has no backward; only an
     `op_assign` leaves a stage that little, so it is the user's to change."""
+    working = set(place.values())
     idle = [f"{'backward' if kind == 'B' else 'forward'} of stage {s}" for s in range(p) for kind in "FB"
-            if (kind, s) not in set(place.values())]
+            if (kind, s) not in working]
     if idle:
         raise StagingError(f"this division into {p} stages leaves no ops in the {', '.join(idle)}"
                            + (f": {' and '.join(map(str, assigned))} leave{'s' if len(assigned) == 1 else ''} that "
@@ -297,8 +299,8 @@ class PipelinedLowered(SeveralProgramsLowered):
         whole, ag, n = self._step.whole, self._step.apply_graph, len(self._step.compute_graph.args)
         plans = [plan for _, _, plan in self._applies]
         stats = dict(_searches([plan.search_stats for plan in plans]), pipeline=len(self.stages),
-                     schedule=self.schedule.name, schedule_order=self.schedule.rows(), micro_batches=self.k,
-                     **staged, transfer_s=transfer_s,
+                     schedule=self.schedule.name, micro_batches=self.k, **staged, transfer_s=transfer_s,
+                     **({"schedule_order": self.schedule.rows()} if self.schedule.name == "op_order" else {}),
                      arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1], outputs_out_s=self.moves_s[2],
                      applies=self.apply_tasks)
         outputs = self._output_layouts()

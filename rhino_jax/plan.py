@@ -176,7 +176,8 @@ class Plan:
         return build_task_graph(self.schedule(), s.get("applies", ()))
 
     def schedule(self) -> Schedule:
-        """The pipeline's schedule as it runs (one stage, one micro-batch without a pipeline)."""
+        """The pipeline's schedule as it runs (one stage, one micro-batch without a pipeline): an
+        op_order schedule from its saved rows, the others made again from their name."""
         s = self.search_stats
         if "schedule_order" in s:
             return Schedule.parse(s["schedule"], s["schedule_order"], s["micro_batches"])

@@ -10,10 +10,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from rhino_jax.hlo_passes.graph import dtype_size
+from rhino_jax.hlo_passes.graph import dtype_size, path_tokens
 from rhino_jax.search.specs import ShardingSpec
 
-from .explain import all_collectives, arg_layers, by_kind, describe, op_layer, path_tokens, plan_axes
+from .explain import all_collectives, arg_layers, by_kind, describe, op_layer, plan_axes
 from .plan import Plan, PlannedCollective, mesh_label
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")

@@ -45,7 +45,8 @@ class Schedule:
     order: tuple[tuple[Task, ...], ...]  # per stage, in run order
 
     def rows(self) -> tuple[str, ...]:
-        """Each stage's order as text ("F0 F1 B0 F2 B1 B2"), as a plan saves it (`parse`)."""
+        """Each stage's order as text ("F0 F1 B0 F2 B1 B2"), as a plan saves an op_order schedule
+        (`parse`)."""
         return tuple(" ".join(f"{t.kind}{t.micro_batch}" for t in tasks) for tasks in self.order)
 
     @staticmethod

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from rhino_jax.errors import ConstraintError
 
-from ..hlo_passes.graph import Graph
+from ..hlo_passes.graph import Graph, path_tokens
 from .cluster import MeshTopology
 from .strategies import Strategy
 
@@ -84,14 +84,11 @@ def _glob(where: str) -> re.Pattern:
     return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in where), re.DOTALL)
 
 
-_KEY = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[(\d+)\]|\.(\w+)")
-
-
 def arg_names(path: str) -> tuple[str, ...]:
     """An argument's names for a glob: its path as the report prints it, that path without the
-    leading "arg" (as `plan.input_shardings` prints it), and its keys joined by slashes."""
-    keys = "/".join(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
-    return path, path.removeprefix("arg"), keys
+    leading "arg" (as `plan.input_shardings` prints it), and its index and keys joined by slashes."""
+    own = path.split("]", 1)[0].rpartition("[")[2]
+    return path, path.removeprefix("arg"), "/".join([own] + [text for _, text in path_tokens(path)])
 
 
 def unit_names(u, graph: Graph) -> tuple[str, ...]:

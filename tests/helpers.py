@@ -1,4 +1,6 @@
 """Shared checks: a parallel result must equal the single-device one."""
+import re
+
 import jax
 import numpy as np
 
@@ -30,3 +32,8 @@ def topology(**sizes):
     n = len(sizes)
     return MeshTopology(tuple(sizes), tuple(sizes.values()), (M8_V100.intra_host_bandwidth,) * n,
                         (M8_V100.intra_host_latency,) * n, M8_V100.collective_launch_s)
+
+
+def code_blocks(text: str) -> list[tuple[str, str, int]]:
+    """A Markdown text's fenced code blocks: (language, code, offset in the text)."""
+    return [(m.group(1), m.group(2), m.start()) for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S)]

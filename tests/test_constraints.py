@@ -14,7 +14,7 @@ import rhino_jax as rj
 from rhino_jax.errors import ScheduleError, StagingError
 
 from benchmarks.third_party_models import linen_gpt
-from helpers import assert_same_adam_step, assert_same_numbers
+from helpers import assert_same_adam_step, assert_same_numbers, code_blocks
 
 BATCH, SEQ, VOCAB, WIDTH, HEADS = 8, 16, 64, 32, 4
 LR = 1e-3
@@ -77,11 +77,12 @@ def _readme_example(n: int, train_step, mesh) -> dict:
     """The README's n-th example on constraints, run as written with `train_step` and `mesh`:
     what it defines (its `step`, its functions)."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Constraining the search space"):]
-    blocks = section.split("```python")[1:n + 2]
-    assert len(blocks) == n + 1, "the README's section has fewer examples"
+    section = readme.index("## Constraining the search space")
+    end = readme.index("\n## ", section + 1)
+    blocks = [code for language, code, at in code_blocks(readme) if section < at < end and language == "python"]
+    assert len(blocks) > n, "the README's section has fewer examples"
     scope = dict(rj=rj, train_step=train_step, mesh=mesh)
-    exec(blocks[n].split("```")[0], scope)
+    exec(blocks[n], scope)
     return scope
 
 

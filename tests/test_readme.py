@@ -6,13 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import code_blocks
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-
-
-def _blocks(text: str) -> list[tuple[str, str, int]]:
-    """Fenced code blocks: (language, code, offset in the text)."""
-    return [(m.group(1), m.group(2), m.start()) for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S)]
 
 
 def _commands(script: str) -> list[str]:
@@ -30,7 +27,7 @@ def _env() -> dict:
 
 
 def test_the_readme_starts_with_the_demo_and_the_test_command_ci_runs():
-    language, code, offset = _blocks(README)[0]
+    language, code, offset = code_blocks(README)[0]
     assert language == "bash" and README[:offset].strip() == "# rhino_jax"
     demo, tests = code.strip().splitlines()
     assert _commands(demo) == ["pip install -e .", "python -m rhino_jax.demo"]
@@ -50,7 +47,7 @@ def test_the_demo_command_runs(tmp_path):
 
 def test_the_flax_optax_example_runs_as_written(tmp_path):
     section = README.index("## A Flax + Optax train step")
-    language, code, _ = next(b for b in _blocks(README) if b[2] > section)
+    language, code, _ = next(b for b in code_blocks(README) if b[2] > section)
     assert language == "python" and "import optax" in code and "rj.parallelize" in code
     (tmp_path / "example.py").write_text(code)
     done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
