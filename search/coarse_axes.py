@@ -14,7 +14,9 @@ and an edge between two of them 15,625 pairs, and the ILP of a 4-layer Llama on 
    move any single axis; its space holds the coarse plan, so a fine search solved to optimality
    is no worse than it.
 
-O3 searches the whole space.
+O3 searches the whole space. Where O2 solves by windows, on two axes too, the coarse plan is also
+where the windows may start (`planner._starts`): from the replicated plan alone they stop where no
+single window can move to data parallelism.
 """
 from __future__ import annotations
 

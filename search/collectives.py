@@ -113,7 +113,9 @@ def _settle_step(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, sizes: d
     that dim's axes, then one local slice of every such dim; the axes scattered nowhere are
     summed last, in an all-reduce of the sliced piece. An all-reduce whose result is sliced in
     one dim is a reduce-scatter (GPU XLA merges the pair, `Combiner.compiled_kind`); with
-    several dims sliced at once it stays an all-reduce of the whole buffer on every backend."""
+    several dims sliced at once it stays an all-reduce of the whole buffer on every backend.
+    A reduce's partial sums (`ShardingSpec.at_once`) are all-reduced over every partial axis at
+    once, a reduce-scatter only when all of them are scattered into one dim."""
     settled = _settle(src, dst, shape, sizes)
     before = _local_bytes(src, full_bytes, sizes)
     into: dict[int, tuple[str, ...]] = {}
@@ -121,6 +123,11 @@ def _settle_step(src: ShardingSpec, dst: ShardingSpec, full_bytes: int, sizes: d
         d = settled.dim_of(a)
         if d is not None:
             into[d] = into.get(d, ()) + (a,)
+    if src.at_once and not (len(into) == 1 and len(next(iter(into.values()))) == len(src.partial)):
+        # A reduce's partial sums: one all-reduce of the whole buffer over every partial axis,
+        # then the reader's slices (XLA forms a reduce-scatter only of an all-reduce sliced over
+        # its whole group).
+        return Step(src.without_partial(), (Collective("all-reduce", src.partial, before),))
     kind = "reduce-scatter" if len(into) == 1 else "all-reduce"
     collectives = [Collective(kind, into[d], before) for d in sorted(into, reverse=True)]
     reduce = tuple(a for a in src.partial if settled.dim_of(a) is None)

@@ -11,6 +11,7 @@ O2's solve and the build of its own model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,12 +107,15 @@ class Levels:
     WR depth 50; the windows, 9 s for a plan 4 % off); then the untied ILP when tying saved little
     (`UNTIED_GROWTH`; `untied_vars`: its size, known before it is built, 0 when O2's tying tied
     no repeats and so is the untied ILP already). O3: the untied ILP after O2's, always. The
-    first stage starts from `start` (`_start`). Built once, solved once per memory-limit trial,
-    with strategies forbidden and memory priced (`memory_limit.fit_memory`)."""
+    first stage starts from the cheapest of `starts(windowed)`, called once, `windowed` saying
+    whether that stage is solved by windows (`_start`). Built once, solved once per memory-limit
+    trial, with strategies forbidden and memory priced (`memory_limit.fit_memory`)."""
 
     def __init__(self, similar: Callable[[], Tying], o2: Tying, untied: Callable[[], Tying], untied_vars: int,
-                 whole_graph: bool, backend: str, start: Sequence[int | None] = ()):
-        self.start = start  # each group's strategy in a plan the first stage must beat (None: its choice)
+                 whole_graph: bool, backend: str,
+                 starts: Callable[[bool], Sequence[Sequence[int | None]]] = lambda windowed: ()):
+        # plans the first stage must beat: each group's strategy (None: its choice)
+        self.starts = functools.cache(lambda: starts(not self.stages[0][1]))
         self.stages: list[tuple[Tying, bool]] = [(o2, True)]  # (tying, solved as one ILP)
         tied_vars = windows.size(o2.problem)
         if tied_vars > windows.WHOLE_VARS:
@@ -137,18 +141,21 @@ class Levels:
         return self._solvers[k, weight_s]
 
     def _start(self, tied: Tying, forbidden: Sequence[np.ndarray]) -> tuple[int, ...] | None:
-        """`start` as a choice of `tied`'s classes, its forbidden strategies and its gaps filled
-        greedily: an incumbent the relaxation's rounding must beat. The rounding can miss a plan
-        of no collectives at all when the family variables' relaxation pays a fraction of a
-        launch (a latency-bound step, where one launch is a large share of the step)."""
-        if not self.start:
-            return None
+        """The cheapest of `starts` as a choice of `tied`'s classes, its forbidden strategies and
+        its gaps filled greedily: an incumbent the relaxation's rounding must beat, and where the
+        windows start. The rounding can miss a plan of no collectives at all when the family
+        variables' relaxation pays a fraction of a launch (a latency-bound step, where one launch
+        is a large share of the step); windows from there miss any plan that needs every layer
+        to move at once (data parallelism), which a coarse plan holds (`planner._coarse_start`)."""
         stage = ilp.forbid(tied.problem, tied.classes(forbidden))
-        partial: list[int | None] = [None] * len(stage.costs)
-        for g, j in enumerate(self.start):
-            if j is not None and np.isfinite(stage.costs[tied.index[g]][j]):
-                partial[tied.index[g]] = j
-        return ilp.greedy(stage, partial)
+        found = []
+        for start in self.starts():
+            partial: list[int | None] = [None] * len(stage.costs)
+            for g, j in enumerate(start):
+                if j is not None and np.isfinite(stage.costs[tied.index[g]][j]):
+                    partial[tied.index[g]] = j
+            found.append(ilp.greedy(stage, partial))
+        return min(found, key=lambda c: ilp.evaluate(stage, c), default=None)
 
     def solve(self, deadline: Deadline, forbidden: Sequence[np.ndarray], weight_s: float = 0.0,
               held: Sequence[np.ndarray] | None = None) -> tuple[list[int], ilp.Solution, dict]:

@@ -38,6 +38,7 @@ OVERLAP_ROUNDS = 3  # searches at most, with Cluster.overlap, to price what comp
 # The coarse search's share of the time (`_near_coarse_plan`): its memory-limit trials are most of
 # the work; the fine search starts near a plan that fits, each op with a tenth of its strategies.
 COARSE_SHARE = 0.6
+START_SHARE = 0.3  # the coarse search's share where its plan is only the windows' start (`_starts`)
 
 
 def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: float = 60.0, **options) -> Plan:
@@ -93,9 +94,13 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     units, producer_unit, fallback, ties = build_units(graph, topo, cluster, strided, building)
     apply_pins(graph, units, producer_unit, topo)
     constrained = apply_constraints(constraints, graph, units, topo)
+    coarse_options = dict(backend=backend, memory_limit_bytes=memory_limit_bytes, strided=strided,
+                          constraints=constraints)
+    coarse = None
     if opt_level == "O2" and len(topo.axis_names) >= 3:
-        _near_coarse_plan(graph, topo, cluster, units, deadline=deadline, backend=backend,
-                          memory_limit_bytes=memory_limit_bytes, strided=strided, constraints=constraints)
+        coarse = _coarse_plan(graph, topo, cluster, COARSE_SHARE, deadline, coarse_options)
+        if coarse is not None:
+            _keep_near(units, *coarse, topo.axis_names)
     sizes = topo.sizes
 
     prices = Prices(graph, topo, [u.results for u in units])
@@ -127,7 +132,8 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
         levels.tying(problem, _merge_classes(repeats, loops), segments),
         lambda: levels.tying(problem, _merge_classes(list(range(len(groups))), loops), segments),
         windows.size(problem) if stats["tied_segments"] else 0, opt_level == "O3", backend,
-        start=replicated_choice(units, groups))
+        starts=lambda windowed: _starts(windowed, coarse, graph, topo, cluster, units, groups, deadline,
+                                        coarse_options))
     stats["build_s"] = time.perf_counter() - t0
     progress.say("rhino_jax: %d ops → %d cones (%d critical nodes, %d segments, %d tied) in %.2f s",
                  len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],
@@ -187,34 +193,69 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     return (plan, next(ch for p, ch in made if p is plan)) if with_choice else plan
 
 
-def _near_coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, units: list[Unit], *,
-                      deadline: levels.Deadline, **options) -> None:
-    """Restrict each unit to the strategies near the plan of the mesh with two axes merged
-    (`coarse_axes`), searched first with `COARSE_SHARE` of the time left. Where no plan of the
-    coarser mesh fits the memory limit or obeys the constraints, the whole space is kept; where
+def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge] | None", graph: Graph, topo: MeshTopology,
+            cluster: Cluster, units: list[Unit], groups: list, deadline: levels.Deadline,
+            options: dict) -> list[list[int | None]]:
+    """The plans the first solve must beat (`levels.Levels._start`): the one-device step run on
+    every device, and where windows solve it, the coarse plan too (searched now on two axes;
+    on three, the one the strategies were restricted near). Windows from the replicated plan
+    stop at local optima: no single window can move to data parallelism, which needs every
+    layer at once; a coarse plan can already be there."""
+    starts = [replicated_choice(units, groups)]
+    if windowed and len(topo.axis_names) >= 2:
+        if coarse is None:
+            coarse = _coarse_plan(graph, topo, cluster, START_SHARE, deadline, options)
+        if coarse is not None:
+            starts.append(_coarse_start(units, groups, *coarse, topo.axis_names))
+    return starts
+
+
+def _coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, share: float, deadline: levels.Deadline,
+                 options: dict) -> "tuple[list, coarse_axes.Merge] | None":
+    """Each unit's strategy in the plan of the mesh with two axes merged (`coarse_axes`),
+    searched with `share` of the time left, and the merge; None where no plan of the coarser
+    mesh fits the memory limit or obeys the constraints (then the whole space is searched). Where
     that search runs out of time, so would the whole space's (`SolverError`)."""
     coarse, merge = coarse_axes.merged(topo)
     progress.say("rhino_jax: %d mesh axes: searching first with %s and %s as one axis", len(topo.axis_names),
                  merge.major, merge.minor)
-    share = levels.Deadline(deadline.seconds, time.perf_counter() + COARSE_SHARE * deadline.left())
+    part = levels.Deadline(deadline.seconds, time.perf_counter() + share * deadline.left())
     try:
         _, chosen = _search(dataclasses.replace(graph, pins=coarse_axes.coarse_pins(graph.pins, merge)), coarse,
-                            cluster, deadline=share, opt_level="O2", with_choice=True, **options)
+                            cluster, deadline=part, opt_level="O2", with_choice=True, **options)
     except MemoryLimitError:
         progress.say("rhino_jax: no plan with %s merged fits the memory limit; searching the whole space", merge.name)
-        return
+        return None
     except ConstraintError:  # `parts` that the merged axis's size does not meet
         progress.say("rhino_jax: the constraints leave an op no strategy with %s merged; searching the whole space",
                      merge.name)
-        return
+        return None
+    return chosen, merge
+
+
+def _keep_near(units: list[Unit], chosen: list, merge: "coarse_axes.Merge", axes: tuple[str, ...]) -> None:
+    """Restrict each unit to the strategies near its coarse plan's (`coarse_axes.near`)."""
     assert len(chosen) == len(units), "the coarse search built other units"
     kept: dict[tuple, tuple[list, list]] = {}  # the layers' identical ops share one strategy list
     for u, s in zip(units, chosen):
         key = (id(u.strategies), s)
         if key not in kept:
-            kept[key] = (u.strategies, coarse_axes.near(u.strategies, coarse_axes.anchor(s, merge, topo.axis_names),
-                                                        topo.axis_names))
+            kept[key] = (u.strategies, coarse_axes.near(u.strategies, coarse_axes.anchor(s, merge, axes), axes))
         u.strategies = kept[key][1]
+
+
+def _coarse_start(units: list[Unit], groups: list, chosen: list, merge: "coarse_axes.Merge",
+                  axes: tuple[str, ...]) -> list[int | None]:
+    """The coarse plan on the real mesh: each cone's choice whose root places every axis where
+    the coarse plan does (`coarse_axes.anchor`; None where no choice does)."""
+    assert len(chosen) == sum(u.kind != "hub" for u in units), "the coarse search built other units"
+
+    def at(g) -> int | None:
+        if units[g.root].kind == "hub":  # a hub is added after the units, in each search its own
+            return None
+        want = coarse_axes.anchor(chosen[g.root], merge, axes)
+        return next((j for j, ch in enumerate(g.choice) if coarse_axes.placements(ch[g.root], axes) == want), None)
+    return [at(g) for g in groups]
 
 
 def _merge_classes(class_of: list[int], pairs: list[tuple[int, int]]) -> list[int]:

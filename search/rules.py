@@ -23,7 +23,13 @@ class LoopSpace:
     sizes: tuple[int, ...]
     operands: tuple[Dims, ...]
     results: tuple[Dims, ...]
-    reduce_kind: str = "none"  # how split reduction loops combine: "sum", "other" or "none"
+    # How split reduction loops combine. "sum" (XLA's dot and convolution handlers): the last
+    # split loop's addends are left for the reader to settle, reduce-scattered into each dim the
+    # reader splits; "sum_at_once" (its reduce and scatter handlers): every split loop's addends
+    # are left for the reader, who settles them all in one all-reduce of the whole local buffer,
+    # a reduce-scatter only where it splits one dim over all of them (`ShardingSpec.at_once`);
+    # "other": combined inside the op (max, argmax, ...); "none": never split.
+    reduce_kind: str = "none"
 
     def reduction_loops(self) -> tuple[int, ...]:
         in_result = {l for r in self.results for l in r if l is not None}
@@ -196,17 +202,20 @@ def _convolution(a: dict, shapes_in, shapes_out) -> LoopSpace:
 
 def _reduce(a: dict, shapes_in, shapes_out) -> LoopSpace:
     """Kept dims are parallel loops, reduced dims reduction loops. A single `add` leaves partial
-    sums; any other body (max, and, argmax's two-operand compare-and-select, ...) is combined inside
-    the op: XLA reduces each device's piece, then combines the pieces (an all-reduce, or for a
-    variadic reduce an all-gather of the pieces and a second reduce). StableHLO leaves the order of
-    a reduction to the implementation, so splitting it is always allowed."""
+    sums, which XLA's partitioner settles in one all-reduce over every split reduced dim's axes
+    before the reader slices its piece (a reduce-scatter only when that slice splits one dim over
+    all of them: "sum_at_once"). Any other body (max, and, argmax's two-operand
+    compare-and-select, ...) is combined inside the op: XLA reduces each device's piece, then
+    combines the pieces (an all-reduce, or for a variadic reduce an all-gather of the pieces and
+    a second reduce). StableHLO leaves the order of a reduction to the implementation, so
+    splitting it is always allowed."""
     n = len(shapes_in) // 2
     x = shapes_in[0]
     kept = [d for d in range(len(x)) if d not in a["dims"]]
     order = kept + list(a["dims"])  # result loops first, then reduction loops
     loop_of = {d: i for i, d in enumerate(order)}
     dims = tuple(loop_of[d] for d in range(len(x)))
-    kind = "sum" if a["combiner"] == "stablehlo.add" and n == 1 else "other"
+    kind = "sum_at_once" if a["combiner"] == "stablehlo.add" and n == 1 else "other"
     return LoopSpace(tuple(x[d] for d in order), (dims,) * n + ((),) * n,
                      (tuple(range(len(kept))),) * len(shapes_out), kind)
 
@@ -254,8 +263,8 @@ def _scatter(a: dict, shapes_in, shapes_out) -> LoopSpace:
     operand alone: each device applies the updates that land in its rows. A dim neither indexed nor
     batched follows the operand (and the update window, when it spans the whole dim). With an
     `add` combiner the updates' other scatter dims are reduction loops: each device scatters its
-    share of updates and the results sum; the cost model charges that reduction and the
-    partitioner (which sees the operand) keeps the result exact."""
+    share of updates and the results sum, settled as a reduce's ("sum_at_once"; the partitioner
+    sees the operand and keeps the result exact)."""
     operand, indices, updates = shapes_in
     rank = len(operand)
     sizes: list[int] = []
@@ -285,4 +294,4 @@ def _scatter(a: dict, shapes_in, shapes_out) -> LoopSpace:
             if idx_dims[idd] is None:
                 idx_dims[idd] = upd_dims[ud] = _new_loop(sizes, updates[ud])
     return LoopSpace(tuple(sizes), (tuple(op_dims), tuple(idx_dims), tuple(upd_dims)),
-                     (tuple(op_dims),), "sum" if add else "none")
+                     (tuple(op_dims),), "sum_at_once" if add else "none")

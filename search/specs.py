@@ -21,6 +21,10 @@ class ShardingSpec:
     dims: tuple[tuple[str, ...], ...]
     partial: tuple[str, ...] = ()
     strides: tuple[tuple[int, int], ...] = ()  # (dim, stride) where the stride is not the maximum
+    # The partial sums are a reduce's or a scatter's: XLA settles them all in one all-reduce of
+    # the whole local buffer (a reduce-scatter only where the reader splits one dim over all of
+    # them), not one dim at a time as a dot's (`collectives._settle_step`).
+    at_once: bool = False
 
     @staticmethod
     def replicated(rank: int) -> "ShardingSpec":
@@ -51,7 +55,7 @@ class ShardingSpec:
         return tuple(n // self.shard_factor_of(axes, axis_sizes) for n, axes in zip(shape, self.dims))
 
     def without_partial(self) -> "ShardingSpec":
-        return ShardingSpec(self.dims, (), self.strides)
+        return ShardingSpec(self.dims, (), self.strides)  # at_once goes with the partial sums
 
     def stride(self, dim: int) -> int | None:
         """The dim's stride, or None for the maximum."""
@@ -74,7 +78,7 @@ class ShardingSpec:
             period = s * self.shard_factor_of(axes, axis_sizes)
             out_shape += [size // period, period]
             out_dims += [(), axes]
-        return tuple(out_shape), ShardingSpec(tuple(out_dims), self.partial)
+        return tuple(out_shape), ShardingSpec(tuple(out_dims), self.partial, (), self.at_once)
 
     @staticmethod
     def shard_factor_of(axes: tuple[str, ...], axis_sizes: dict[str, int]) -> int:

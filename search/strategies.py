@@ -1,9 +1,10 @@
 """Strategy space: every way to split one op's loops over the mesh axes, with its cost.
 
 A strategy assigns each mesh axis to one loop of the op (or to none). It fixes the spec every
-operand must arrive in, the spec of every result (partial on axes that split a summed
-reduction), the compute time of the local piece, and collectives the op needs inside itself
-(a reduction that is not a sum, or a sum split on several loops: all but the last loop's).
+operand must arrive in, the spec of every result (partial on axes that split a dot's or a
+convolution's summed loop), the compute time of the local piece, and collectives the op needs
+inside itself (a reduce's or a scatter's, or a dot's sum split on several loops: all but the
+last loop's; `rules.LoopSpace.reduce_kind`).
 """
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ def _divides(n: int, size: int) -> bool:
     return size % n == 0
 
 
-def _spec(dims: tuple[int | None, ...], asg: "_Assigned", partial=()) -> ShardingSpec:
+def _spec(dims: tuple[int | None, ...], asg: "_Assigned", partial=(), at_once: bool = False) -> ShardingSpec:
     return ShardingSpec(tuple(() if l is None else asg.loop_axes[l] for l in dims), tuple(partial),
                         tuple((d, asg.strides[l]) for d, l in enumerate(dims)
-                              if l is not None and asg.strides[l] is not None))
+                              if l is not None and asg.strides[l] is not None), bool(partial) and at_once)
 
 
 def tensor_specs(shape: tuple[int, ...], topo: MeshTopology, facts: frozenset[Fact] = frozenset()
@@ -185,11 +186,14 @@ def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Clust
         reduced: tuple[str, ...] = tuple(a for g in groups for a in g) if space.reduce_kind == "other" else ()
         partial: tuple[str, ...] = ()
         if space.reduce_kind == "sum" and groups:
-            # XLA sums the pieces of one split reduction loop at a time, each in a full-size
-            # all-reduce; only the last loop's sum is left for the reader to settle.
+            # XLA's dot sums the pieces of one split reduction loop at a time, each in a
+            # full-size all-reduce; only the last loop's sum is left for the reader to settle.
             reduced, partial = tuple(a for g in groups[:-1] for a in g), tuple(groups[-1])
+        elif space.reduce_kind == "sum_at_once" and groups:
+            partial = tuple(a for g in groups for a in g)  # settled by the reader, all at once
+        at_once = space.reduce_kind == "sum_at_once"
         operands = tuple(_spec(d, asg) for d in space.operands)
-        results = tuple(_spec(d, asg, partial) for d in space.results)
+        results = tuple(_spec(d, asg, partial, at_once) for d in space.results)
         split = float(np.prod(asg.split))
         inner: tuple[Collective, ...] = ()
         if reduced:

@@ -153,6 +153,24 @@ def test_partial_sums_settle_where_the_plan_priced_them():
     assert_same_numbers(jax.jit(f)(w, a), compiled(w, a))
 
 
+def test_a_reduces_partial_sums_settle_in_one_all_reduce_unless_scattered_over_them_all():
+    """XLA's reduce handler (and its scatter's) sums the addends over every partial axis in one
+    all-reduce of the whole buffer, and a reader split on only some of those axes slices it: no
+    reduce-scatter, unlike a dot's sums, which settle one dim at a time. Only a reader split over
+    all of them in one dim gets a reduce-scatter (an all-reduce sliced over its whole group)."""
+    full = 1024 * 4
+    dot_like = ShardingSpec(((),), ("x", "y"))
+    reduce_like = ShardingSpec(((),), ("x", "y"), at_once=True)
+    assert [(c.kind, c.axes) for c in reshard(dot_like, spec(("y",)), full, XY, (1024,))] == [
+        ("reduce-scatter", ("y",)), ("all-reduce", ("x",))]
+    assert [(c.kind, c.axes, c.bytes) for c in reshard(reduce_like, spec(("y",)), full, XY, (1024,))] == [
+        ("all-reduce", ("x", "y"), full)]
+    assert [(c.kind, c.axes) for c in reshard(reduce_like, spec(("x", "y")), full, XY, (1024,))] == [
+        ("reduce-scatter", ("x", "y"))]
+    assert [(c.kind, c.axes) for c in reshard(reduce_like, spec(()), full, XY, (1024,))] == [
+        ("all-reduce", ("x", "y"))]
+
+
 def test_partial_sums_are_scattered_only_into_a_dim_that_divides():
     """MoE's expert combine: [G=4, S, D] split 4 ways on G, a partial sum over the other axis,
     read split on that axis. Scattering it into G beside the first would cut 4 groups 8 ways;
