@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
 from rhino_jax.hlo_passes.compiled_cost import xla_cost_analysis
@@ -35,7 +35,7 @@ from .arguments import ArgSpec, Call, call_tree, donated_leaves
 from .constraints import OpOrder
 from .errors import ConstraintError, MeshError, SolverInterruptedWarning, TracedCallWarning
 from .explain import SearchInputs
-from .gpu_topology import refuse_described
+from .gpu_topology import described_mesh, refuse_described
 from .mesh import auto_axes, context_mesh
 from .mesh_search import plan_on, search_meshes
 from .controller import choose
@@ -360,7 +360,8 @@ class Parallelized:
         return self._fn(*args, **kwargs)
 
 
-def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices: Sequence | None = None,
+def parallelize(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh | None = None,
+                devices: Sequence | None = None,
                 opt_level: str = "O2", memory_limit_bytes: int | None = None, cluster=None,
                 num_micro_batches: int = 1, pipeline: str | int = "off", schedule: str = "1f1b",
                 donate_argnums: int | Sequence[int] | None = None,
@@ -378,7 +379,11 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
 
     `mesh`: a `jax.sharding.Mesh` of Auto or Explicit axes (`jax.make_mesh`, `rj.device_mesh`);
     `None` takes the mesh of `jax.set_mesh` when one is set (and `devices` is not given). The plan's
-    shardings name the given mesh, so results can go on into the user's own jitted code.
+    shardings name the given mesh, so results can go on into the user's own jitted code. An
+    `AbstractMesh` (sizes and axis names, no devices) with a `cluster` of a described GPU kind
+    ('8x-h100', '8x-h200', '8x-a100'): planned for described GPUs of that kind in a mesh of its
+    shape (`rj.gpu_topology`, jax's CUDA plugin), on any machine; save the plan and run it on the
+    cluster (`plan=`).
 
     `mesh=None` (no mesh set) searches over mesh shapes of `devices` (default: all): every 1-, 2- and 3-axis
     shape whose inner axes stay inside one host (`cluster.devices_per_host`), axes of size >= 2,
@@ -406,6 +411,8 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | None = None, devices
                       () if constraints is None else constraints)
     if mesh is None and devices is None:
         mesh = context_mesh()  # jax.set_mesh's, as jax.jit takes it
+    if isinstance(mesh, AbstractMesh):
+        mesh = described_mesh(mesh, cluster)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise MeshError(f"mesh must be a jax.sharding.Mesh, e.g. rj.device_mesh((2, 4), ('data', 'model')); "
                         f"got {mesh!r}")

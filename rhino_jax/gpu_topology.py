@@ -19,11 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
-from jax.sharding import Mesh
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh
 
-from rhino_jax.search.cluster import is_described
+from rhino_jax.search.cluster import Cluster, get_cluster, is_described
 
-from .errors import RhinoError
+from .errors import MeshError, RhinoError
 
 
 class DescribedDeviceError(RhinoError, RuntimeError):
@@ -129,6 +130,27 @@ def gpu_topology(kind: str = "h100", hosts: int = 1, devices_per_host: int = 8) 
     except Exception as e:  # no CUDA plugin, or one of another version than jaxlib
         raise RuntimeError(f"jax cannot describe {kind} GPUs here ({type(e).__name__}: {e}); {_plugin_hint()}") from e
     return sorted(topology.devices, key=lambda d: (d.process_index, d.id))
+
+
+def described_mesh(mesh: AbstractMesh, cluster: "Cluster | str | None") -> Mesh:
+    """The Mesh of described GPUs an AbstractMesh is planned on: the cluster's GPU kind
+    (`Cluster.gpu`), in hosts of its `devices_per_host`, with the AbstractMesh's shape, axis names
+    and axis types. An AbstractMesh names no devices, so the cluster says what they are; the
+    plan then loads on a real cluster of that shape (`Plan.check_matches`)."""
+    if cluster is None:
+        raise MeshError(f"an AbstractMesh ({dict(mesh.shape_tuple)}) names no devices: pass the cluster it stands for, "
+                        "e.g. cluster='8x-h100', and the plan is made for described GPUs of that kind")
+    c = get_cluster(cluster)
+    if c.gpu not in GPUS:
+        raise MeshError(f"an AbstractMesh is planned on described GPUs, and cluster {c.name!r} names none "
+                        f"(Cluster.gpu={c.gpu!r}; described kinds: {sorted(GPUS)}): pass a preset such as "
+                        "cluster='8x-h100', or devices=rj.gpu_topology(kind, hosts=...) in a Mesh")
+    per_host = min(c.devices_per_host, mesh.size)
+    if mesh.size % per_host:
+        raise MeshError(f"an AbstractMesh of {mesh.size} devices does not fill hosts of {per_host} "
+                        f"(cluster {c.name!r}): make its size a multiple of {per_host}")
+    devices = gpu_topology(c.gpu, hosts=mesh.size // per_host, devices_per_host=per_host)
+    return Mesh(np.array(devices).reshape(mesh.axis_sizes), mesh.axis_names, axis_types=mesh.axis_types)
 
 
 def refuse_described(devices: Sequence[jax.Device] | Mesh | None) -> None:

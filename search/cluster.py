@@ -118,6 +118,10 @@ class Cluster:
     # How many hosts the preset describes (None: as many as the devices used need). A mesh with
     # more devices than hosts * devices_per_host does not fit it (`MeshTopology.from_mesh`).
     hosts: int | None = None
+    # The GPU kind `rj.gpu_topology` describes for this cluster ("h100", "h200", "a100"): what an
+    # AbstractMesh is planned on (`gpu_topology.described_mesh`); "" where none is (V100s, a
+    # cluster of the user's).
+    gpu: str = ""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -168,11 +172,13 @@ H100_8X = Cluster(
     inter_host_bandwidth=8 * 45e9, inter_host_latency=10e-6, collective_launch_s=6e-6,
     flops_per_s={"float32": 400e12, "bfloat16": 750e12, "float16": 750e12},
     memory_bandwidth=3.0e12, memory_per_device=80 << 30, host_to_device_bandwidth=50e9,  # PCIe 5 x16
+    gpu="h100",
 )
 
 # One HGX H200 host: the H100's chip, links and network, HBM3e (4.8 TB/s, 4.3 TB/s measured in a
 # device-to-device copy) and 141 GB.
-H200_8X = dataclasses.replace(H100_8X, name="8x-h200", memory_bandwidth=4.3e12, memory_per_device=140 << 30)
+H200_8X = dataclasses.replace(H100_8X, name="8x-h200", memory_bandwidth=4.3e12, memory_per_device=140 << 30,
+                              gpu="h200")
 
 # One DGX/HGX A100 80 GB host: NVLink3 (300 GB/s per direction per GPU, ~240 achieved in rings),
 # 8x200 Gb/s HDR InfiniBand (25 GB/s per GPU, ~22.5 achieved), TF32 156 and bf16 312 TFLOP/s
@@ -182,7 +188,7 @@ A100_8X = Cluster(
     intra_host_bandwidth=240e9, intra_host_latency=0.8e-6,
     inter_host_bandwidth=8 * 22.5e9, inter_host_latency=10e-6, collective_launch_s=8e-6,
     flops_per_s={"float32": 125e12, "bfloat16": 250e12, "float16": 250e12},
-    memory_bandwidth=1.83e12, memory_per_device=80 << 30, host_to_device_bandwidth=25e9,
+    memory_bandwidth=1.83e12, memory_per_device=80 << 30, host_to_device_bandwidth=25e9, gpu="a100",
 )
 
 

@@ -150,6 +150,45 @@ def test_a_plan_for_a_described_cluster_runs_on_one_of_the_same_shape(tmp_path):
         plan.check_matches(dataclasses.replace(rj.parallelize(step, mesh=cpu).lower(*args).plan.target))
 
 
+def test_an_abstract_mesh_is_planned_on_described_gpus_of_the_clusters_kind(tmp_path):
+    """An AbstractMesh names sizes and axes, no devices: with a cluster of a described GPU kind it
+    is planned on that many described GPUs in hosts of the cluster's size, and the saved plan
+    runs on a cluster of that shape (here another description of it)."""
+    from jax.sharding import AbstractMesh
+
+    step, args = _mlp()
+    abstract = AbstractMesh((4, 8), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    lowered = rj.parallelize(step, mesh=abstract, cluster="8x-h200").lower(*args)
+    devices = list(lowered.mesh.devices.flat)
+    assert lowered.mesh.shape == {"data": 4, "model": 8}
+    assert {d.device_kind for d in devices} == {"NVIDIA H200"}
+    assert [d.process_index for d in devices] == [h for h in range(4) for _ in range(8)]
+    assert lowered.plan.cluster == "8x-h200" and lowered.compile().collectives.count() >= 0
+    lowered.plan.save(tmp_path / "plan.json")
+    cluster = rj.device_mesh((4, 8), ("data", "model"), devices=rj.gpu_topology("h200", hosts=4))
+    rj.parallelize(step, mesh=cluster, plan=tmp_path / "plan.json").lower(*args)
+
+
+@pytest.mark.parametrize("cluster, message", [
+    (None, r"an AbstractMesh \({'data': 2, 'model': 8}\) names no devices: pass the cluster it stands for"),
+    ("m8-v100", r"cluster 'm8-v100' names none \(Cluster.gpu=''"),
+])
+def test_an_abstract_mesh_needs_a_cluster_of_described_gpus(cluster, message):
+    from jax.sharding import AbstractMesh
+
+    step, _ = _mlp()
+    with pytest.raises(rj.MeshError, match=message):
+        rj.parallelize(step, mesh=AbstractMesh((2, 8), ("data", "model")), cluster=cluster)
+
+
+def test_an_abstract_mesh_must_fill_the_clusters_hosts():
+    from jax.sharding import AbstractMesh
+
+    step, _ = _mlp()
+    with pytest.raises(rj.MeshError, match="of 12 devices does not fill hosts of 8"):
+        rj.parallelize(step, mesh=AbstractMesh((3, 4), ("data", "model")), cluster="8x-h100")
+
+
 def test_a_described_programs_cudnn_convolutions_are_counted():
     """GPU XLA compiles convolutions to cuDNN calls, which XLA's generic analysis does not count:
     their FLOPs (forward, backward input as a forward convolution, backward filter) are added."""
