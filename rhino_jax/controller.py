@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 from rhino_jax.search import interrupt, progress
 from rhino_jax.search.cluster import get_cluster
+from rhino_jax.search.levels import Budget
 
 from .errors import MemoryLimitError, MeshError, RhinoError
+from .options import within
 
 
 def candidates(options, first_axis: int) -> list:
@@ -66,11 +68,13 @@ def _lower_candidates(parallelized, call, key, limit: int) -> tuple[list[tuple[C
     """Each candidate lowered, or why not. Ctrl-C: the candidates lowered so far (none: it propagates)."""
     tried: list[tuple[Candidate, object]] = []
     errors: list[RhinoError] = []
-    for cand in candidates(parallelized.options, parallelized.mesh.devices.shape[0]):
+    cands = candidates(parallelized.options, parallelized.mesh.devices.shape[0])
+    budget = Budget(parallelized.options.solver_time_limit_s, len(cands))  # the candidates share the limit
+    for cand in cands:
         if interrupt.pressed():  # a candidate's search answered Ctrl-C with its plan so far: no more
             break
         try:
-            lowered = parallelized.lower_with(cand, call, key)
+            lowered = parallelized.lower_with(within(cand, budget, 1, _label(cand)), call, key)
         except RhinoError as e:
             errors.append(e)
             tried.append((Candidate(_label(cand), None, None, str(e).splitlines()[0][:160]), None))

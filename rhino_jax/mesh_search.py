@@ -34,13 +34,14 @@ from rhino_jax.search import interrupt, progress
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster, host_ids
 from rhino_jax.search.constraints import check_matched
 from rhino_jax.search.gemm_workspace import with_gemm_workspaces
+from rhino_jax.search.levels import Budget
 from rhino_jax.search.meshes import candidate_meshes
 from rhino_jax.search.planner import search
 
 from .arguments import Call
 from .errors import NoFeasibleMeshError, RhinoError
 from .mesh import device_mesh
-from .options import Options
+from .options import Options, within
 from .plan import MeshCandidate, Plan
 
 
@@ -129,12 +130,17 @@ def _record(c: _Candidate, result, n: int) -> None:
         progress.say("rhino_jax: mesh [%s] (%d/%d): infeasible: %s", c.label, c.index + 1, n, error)
 
 
-def _search_here(todo: list[_Candidate], cluster: Cluster, options: Options, n: int) -> None:
+def _search_here(todo: list[_Candidate], cluster: Cluster, options: Options, n: int, budget: Budget) -> None:
     for c in todo:
         if interrupt.pressed():  # Ctrl-C: the user wants a plan now
             break
         progress.say("rhino_jax: searching mesh [%s] (%d/%d)", c.label, c.index + 1, n)
-        _record(c, search_worker(c.graph, c.topo, cluster, options), n)
+        try:
+            mine = within(options, budget, 1, f"mesh [{c.label}]")
+        except RhinoError as e:  # no time left for it
+            c.error, c.done = f"{type(e).__name__}: {e}", True
+            continue
+        _record(c, search_worker(c.graph, c.topo, cluster, mine), n)
 
 
 def _interrupted(cands: list[_Candidate]) -> None:
@@ -200,13 +206,17 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _search_pool(todo: list[_Candidate], workers: int, cluster: Cluster, options: Options, n: int) -> None:
+def _search_pool(todo: list[_Candidate], workers: int, cluster: Cluster, options: Options, n: int,
+                 budget: Budget) -> None:
     progress.say("rhino_jax: searching %d mesh shapes in %d worker processes: %s", len(todo), workers,
                  ", ".join(f"[{c.label}]" for c in todo))
+    # `workers` searches at a time: each takes the time left over the rounds they need
+    each = within(options, budget, len(todo), f"{len(todo)} mesh shapes")
+    each = replace(each, solver_time_limit_s=each.solver_time_limit_s / math.ceil(len(todo) / workers))
     try:
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_ignore_ctrl_c) as pool:
-            futures = {pool.submit(search_worker, c.graph, c.topo, cluster, options): c for c in todo}
+            futures = {pool.submit(search_worker, c.graph, c.topo, cluster, each): c for c in todo}
             try:
                 for future in as_completed(futures):
                     _record(futures[future], future.result(), n)
@@ -218,7 +228,7 @@ def _search_pool(todo: list[_Candidate], workers: int, cluster: Cluster, options
         warnings.warn(f"searching mesh shapes in worker processes failed ({type(e).__name__}: {e}); searching "
                       f"the {len(rest)} left in this process. If your script has no `if __name__ == "
                       "'__main__':` guard, add one, or pass search_workers=0.", RuntimeWarning, stacklevel=4)
-        _search_here(rest, cluster, options, n)
+        _search_here(rest, cluster, options, n, budget)
 
 
 def search_meshes(call: Call, devices, options: Options) -> tuple[Mesh, LoweredStep, Graph, Plan]:
@@ -242,18 +252,19 @@ def search_meshes(call: Call, devices, options: Options) -> tuple[Mesh, LoweredS
     todo = [c for c in cands if not c.done]
     if todo:  # one step, alike on every mesh
         check_matched(options.constraints, todo[0].graph)
+    budget = Budget(options.solver_time_limit_s, len(todo))  # the candidates share the limit
     with interrupt.session():
         try:
             workers = _pool_size(options, len(todo), None)
             if not workers and todo:
                 # Search one here; if that was slow, search the rest in worker processes.
                 first, todo = todo[0], todo[1:]
-                _search_here([first], cluster, options, n)
+                _search_here([first], cluster, options, n, budget)
                 workers = _pool_size(options, len(todo), first.search_s)
             if workers and not interrupt.pressed():
-                _search_pool(todo, workers, cluster, options, n)
+                _search_pool(todo, workers, cluster, options, n, budget)
             else:
-                _search_here(todo, cluster, options, n)
+                _search_here(todo, cluster, options, n, budget)
         except KeyboardInterrupt:
             _interrupted(cands)
         _not_searched(cands)

@@ -29,12 +29,13 @@ from rhino_jax.runtime.executable import compile_program
 from rhino_jax.search import interrupt
 from rhino_jax.search.cluster import MeshTopology, get_cluster
 from rhino_jax.search.constraints import check_matched
+from rhino_jax.search.levels import Budget
 
 from .arguments import Call, call_tree, donated_leaves
 from .errors import MeshError
 from .gpu_topology import refuse_described
 from .mesh_search import plan_on
-from .options import Options
+from .options import Options, within
 from .plan import Plan, PlanCost
 from .plan_target import PlanTarget
 
@@ -218,8 +219,11 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         cluster = get_cluster(options.cluster, list(mesh.devices.flat))
         topo = MeshTopology.from_mesh(mesh, cluster)
 
+        budget = Budget(options.solver_time_limit_s, len(compute_graph.nodes) + len(apply_graph.nodes))
+
         def plan(name: str, module, graph: Graph) -> Plan:
-            return program_plan(name, module, graph, mesh, given, lambda: plan_on(graph, topo, cluster, options, mesh))
+            return program_plan(name, module, graph, mesh, given, lambda: plan_on(
+                graph, topo, cluster, within(options, budget, len(graph.nodes), name), mesh))
 
         compute_plan = plan("compute_gradients", parts.compute, compute_graph)
         apply_graph = dataclasses.replace(apply_graph, pins=apply_graph.pins + _same_layouts(

@@ -1,10 +1,12 @@
 """Options of rj.parallelize, checked once so a bad value fails before any tracing."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from rhino_jax.search.cluster import Cluster, get_cluster
 from rhino_jax.search.constraints import Named
+from rhino_jax.search.levels import Budget
 
 from .constraints import OpOrder
 from .errors import ConstraintError, MeshError
@@ -85,3 +87,9 @@ class Options:
                                                 or self.search_workers < 0):
             raise ValueError("search_workers must be None (automatic) or an int >= 0, "
                              f"got {self.search_workers!r}")
+
+
+def within(options: Options, budget: Budget, weight: float, what: str) -> Options:
+    """`options` with the share of the step's time limit (`budget`) that the search of `what`
+    takes (`weight`: its ops, or 1 per candidate)."""
+    return dataclasses.replace(options, solver_time_limit_s=budget.take(weight, f"it searched {what}"))

@@ -41,17 +41,18 @@ from rhino_jax.runtime import resharding, schedules, task_graph, transfer
 from rhino_jax.search import interrupt, progress, stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
 from rhino_jax.search.constraints import OpAssign, fixed_stages
+from rhino_jax.search.levels import Budget
 from rhino_jax.search.memory import local_bytes
 from rhino_jax.search.specs import ShardingSpec
 
 from .constraints import OpOrder
-from .errors import ConstraintError, MemoryLimitError, MeshError, StagingError
+from .errors import ConstraintError, MemoryLimitError, MeshError, SolverError, StagingError
 from .gpu_topology import refuse_described
 from .mesh_search import plan_on
 from .arguments import Call, call_tree
 from .micro_batched import (SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of, named,
                             program_plan, split_step)
-from .options import Options
+from .options import Options, within
 from .plan import Plan, PlanCost, StagePlan, program_name
 from .plan_target import PlanTarget, PlanTargetError
 
@@ -59,6 +60,7 @@ from .plan_target import PlanTarget, PlanTargetError
 Planned = tuple[stage_programs.Program, Graph, Plan]
 
 EPSILON = 0.25  # the stages' compute may differ from a balanced share by this much
+STAGER_SHARE = 0.05  # the stager's weight in the time limit, per op of the step (its programs': 1)
 
 
 def _schedule(options: Options, p: int, k: int, given: Plan | None) -> schedules.Schedule:
@@ -147,11 +149,15 @@ class PipelinedLowered(SeveralProgramsLowered):
         step = split_step(call, mesh, k, options.constraints)
         target = PlanTarget.of(step.whole, mesh, step.donated)
         cg, ag, whole = step.compute_graph, step.apply_graph, step.whole
+        # One time limit for the stager and every program's search, shared by their ops.
+        ops = len(cg.nodes) + len(ag.nodes)
+        budget = Budget(options.solver_time_limit_s, (1 + STAGER_SHARE) * ops)
         if given is None:
             loss = _loss_sum(cg)
             assigned = fixed_stages(options.constraints, cg, stager.forward_ops(cg, loss), p)
             coarse, node_of = stager.forward_stage_graph(cg, loss, assigned)
-            staging, epsilon = _staging(coarse, p, {node_of[i]: at for i, at in assigned.items()}, options)
+            staging, epsilon = _staging(coarse, p, {node_of[i]: at for i, at in assigned.items()},
+                                        within(options, budget, STAGER_SHARE * ops, "the stages"))
             place = stage_programs.assign(cg, loss, {i: staging.stage[node_of[i]] for i in node_of})
             _check_every_stage_works(place, p, [c for c in options.constraints if isinstance(c, OpAssign)])
             staged = {"stage_cut_bytes": staging.cut_bytes, "stage_flops": staging.stage_compute,
@@ -167,9 +173,12 @@ class PipelinedLowered(SeveralProgramsLowered):
         self.schedule = _schedule(options, p, k, given)
 
         def search(prog: stage_programs.Program, graph: Graph, opts: Options) -> Planned:
+            name = program_name(prog.kind, prog.stage, prog.wave)
             return prog, graph, program_plan(
-                program_name(prog.kind, prog.stage, prog.wave), prog.module, graph, meshes[prog.stage], given,
-                lambda: _own(graph, plan_on(graph, topology[prog.stage], cluster, opts, meshes[prog.stage])))
+                name, prog.module, graph, meshes[prog.stage], given,
+                lambda: _own(graph, plan_on(graph, topology[prog.stage], cluster,
+                                            within(opts, budget, len(graph.nodes), f"program {name}"),
+                                            meshes[prog.stage])))
 
         def search_apply(i: int) -> Planned:
             """apply-gradients' program i, its arguments pinned to the stage's layouts of them, and
@@ -214,13 +223,13 @@ class PipelinedLowered(SeveralProgramsLowered):
                 for kind in ("F", "B"):
                     try:
                         self._programs[kind, s] = search(*self._programs[kind, s][:2], tighter)
-                    except MemoryLimitError:
+                    except (MemoryLimitError, SolverError):  # none fits, or no time is left
                         pass  # keeps the first plan; pipeline='auto' reports the stage over the limit
                 for i, (prog, _) in enumerate(cut):
                     if prog.stage == s:
                         try:
                             self._applies[i] = search_apply(i)  # pinned to the stage's new layouts
-                        except MemoryLimitError:
+                        except (MemoryLimitError, SolverError):
                             pass  # keeps its plan: what it reads in other layouts moves, priced
                 stages[s] = self._stage_plan(s)
         self.stages = tuple(stages)

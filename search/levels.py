@@ -54,6 +54,28 @@ class Deadline:
                 "plan: raise solver_time_limit_s, or plan for a mesh of fewer axes")
 
 
+class Budget:
+    """One `solver_time_limit_s` shared by the searches of one step (a pipeline's stager and
+    programs, a micro-batched step's two programs, `pipeline="auto"`'s candidates, `mesh=None`'s
+    mesh shapes): each search takes the time left in proportion to its weight (its ops) among
+    the weight still to run, so the step's searches end within the limit (each within 1.2 times
+    its share, `Deadline.check`). Time a search leaves unused goes to the ones after it."""
+
+    def __init__(self, seconds: float, weight: float):
+        self.seconds, self.at = seconds, time.perf_counter() + seconds
+        self.weight_left = float(weight)
+
+    def take(self, weight: float, what: str) -> float:
+        """Seconds for the next search, `what` (named in the error when no time is left)."""
+        left = self.at - time.perf_counter()
+        if left <= 0:
+            raise SolverError(f"the step's searches reached their solver_time_limit_s={self.seconds:g} "
+                              f"before {what}: raise solver_time_limit_s")
+        share = left * min(1.0, weight / max(self.weight_left, 1e-12))
+        self.weight_left = max(0.0, self.weight_left - weight)
+        return share
+
+
 @dataclass(frozen=True)
 class Tying:
     """The problem with groups of one class taking one strategy."""

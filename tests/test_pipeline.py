@@ -1,5 +1,6 @@
 """pipeline=p: stages on sub-meshes run by a static schedule; the numbers of one device."""
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import jax
@@ -269,3 +270,54 @@ def test_the_optimizer_runs_on_the_stage_of_the_parameters_it_updates():
     assert s["arguments_in_s"] + s["sums_out_s"] < 0.01 * all_params_s
     assert "apply-gradients on the stages" in plan.report()
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
+
+
+def _search_limits(monkeypatch) -> list[tuple[float, float]]:
+    """(start, time limit) of every search of the step that runs next: each program's, each
+    candidate's and the stager's."""
+    from rhino_jax import mesh_search
+    from rhino_jax.search import stager
+
+    found: list[tuple[float, float]] = []
+
+    def recording(real):
+        def run(*args, time_limit_s, **kwargs):
+            found.append((time.perf_counter(), time_limit_s))
+            return real(*args, time_limit_s=time_limit_s, **kwargs)
+        return run
+    monkeypatch.setattr(mesh_search, "search", recording(mesh_search.search))
+    monkeypatch.setattr(stager, "stage", recording(stager.stage))
+    return found
+
+
+@pytest.mark.parametrize("how", [dict(pipeline=2, num_micro_batches=4), dict(num_micro_batches=4),
+                                 dict(pipeline="auto", num_micro_batches=2),
+                                 dict(mesh=None, search_workers=0)])
+def test_the_searches_of_one_step_share_its_time_limit(monkeypatch, how):
+    """A pipeline's stager and programs, a micro-batched step's two programs, pipeline='auto''s
+    candidates, mesh=None's mesh shapes: each search takes a share of the time left, so each
+    ends by the step's limit."""
+    limits = _search_limits(monkeypatch)
+    step, args = _case("gpt")
+    how = {"mesh": rj.device_mesh((8,), ("data",)), **how}
+    rj.parallelize(step, solver_time_limit_s=40, **how).lower(*args)
+    assert len(limits) >= 2
+    first = limits[0][0]  # the limit counts from the lowering's end, just before the first search
+    assert all(at + limit <= first + 40 for at, limit in limits), limits
+    assert all(limit < 40 for _, limit in limits)
+
+
+def test_a_step_whose_searches_run_out_of_time_says_which_was_next(monkeypatch):
+    """The stager leaves no time for the programs: the error names the limit and the program."""
+    from rhino_jax.search import stager
+    real = stager.stage
+
+    def slow(*args, **kwargs):
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(stager, "stage", slow)
+    step, args = _case("mlp")
+    with pytest.raises(rj.SolverError, match=r"reached their solver_time_limit_s=0.1 before it searched program "
+                                             r"forward\[0\]: raise solver_time_limit_s"):
+        rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=2, num_micro_batches=2,
+                       solver_time_limit_s=0.1).lower(*args)
