@@ -69,6 +69,9 @@ class Case:
     layers: int | None = None  # fewer layers than the model's (the small case)
     pipeline: str | int = "off"
     micro_batches: int = 1
+    # solver_time_limit_s when it is not --limit-s: the searches of a pipeline (its stager and
+    # programs; pipeline="auto": its candidates) share one limit
+    limit_s: float | None = None
 
     @property
     def devices(self) -> int:
@@ -87,8 +90,8 @@ CASES = [
     Case("70b-8x4x8", "70b", (8, 4, 8)),
     Case("7b-128x8", "7b", (128, 8)),
     Case("70b-128x8", "70b", (128, 8)),
-    Case("70b-32x8-pp4", "70b", (32, 8), pipeline=4, micro_batches=8),
-    Case("70b-32x8-auto", "70b", (32, 8), pipeline="auto", micro_batches=8),
+    Case("70b-32x8-pp4", "70b", (32, 8), pipeline=4, micro_batches=8, limit_s=300.0),
+    Case("70b-32x8-auto", "70b", (32, 8), pipeline="auto", micro_batches=8, limit_s=540.0),
 ]
 
 
@@ -271,7 +274,9 @@ def run_case(case: Case, limit_s: float, compile_plans: bool = False) -> dict:
     mfu = 6 * shape.parameters() * tokens / plan.cost.total_s / case.devices / PEAK_FLOPS
     out = {"lower_s": lower_s, "plan_s": planned, "search_s": planned - lower_s, "build_s": stats.get("build_s"),
            "step_s": plan.cost.total_s, "gib_per_device": plan.cost.memory_bytes / GIB, "mfu": mfu,
-           "parameters": shape.parameters(), "ilp_vars": stats.get("ilp_vars"), "status": stats.get("status")}
+           "parameters": shape.parameters(), "ilp_vars": stats.get("ilp_vars"), "status": stats.get("status"),
+           "limit_s": limit_s,
+           "candidates": [[c.label, c.step_s, c.why] for c in stats.get("pipeline_candidates", ())]}
     if compile_plans:
         t0 = time.perf_counter()
         out["compiled"] = compile_and_price(step, args, mesh, lowered)
@@ -307,11 +312,12 @@ def measure(case: Case, limit_s: float, timeout_s: float, compile_plans: bool = 
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| case | devices | lower s | search s (build) | wall s | peak RSS GiB | predicted step s | "
-           "GiB/dev | predicted MFU |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| case | devices | limit s | lower s | search s (build) | wall s | peak RSS GiB | predicted step s | "
+           "GiB/dev | predicted MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    auto = []
     for r in rows:
         m = r["result"]
-        head = f"| {r['case']['name']} | {r['devices']} "
+        head = f"| {r['case']['name']} | {r['devices']} | {m.get('limit_s') or '-'} "
         if not m["ok"]:
             out.append(head + f"| failed: {m['error'][:160]} | | {m['wall_s']:.0f} | "
                        f"{m.get('peak_rss_gib', float('nan')):.1f} | | | |")
@@ -319,6 +325,12 @@ def table(rows: list[dict]) -> str:
         out.append(head + f"| {m['lower_s'] or 0:.1f} | {m['search_s'] or 0:.1f} ({m['build_s'] or 0:.1f}) | "
                    f"{m['wall_s']:.0f} | {m['peak_rss_gib']:.2f} | {m['step_s']:.3f} | {m['gib_per_device']:.1f} | "
                    f"{100 * m['mfu']:.0f} % |")
+        if m.get("candidates"):
+            auto.append(f"- {r['case']['name']}: " + "; ".join(
+                f"{label}: " + (f"{step:.3f} s" if step is not None else "no plan") + (f" ({why})" if why else "")
+                for label, step, why in m["candidates"]))
+    if auto:
+        out += ["", "pipeline='auto' candidates (chosen first; predicted step, or why not):", *auto]
     compiled = [r for r in rows if r["result"].get("compiled")]
     if compiled:
         out += ["", "Priced from the GPU compile (8x-h100, bf16 matmuls; seconds per step, GiB per device as XLA's "
@@ -358,7 +370,7 @@ def main(argv=None) -> None:
     rows = []
     for name in names:
         case = next(c for c in CASES if c.name == name)
-        result = measure(case, args.limit_s, args.timeout_s, args.compile)
+        result = measure(case, case.limit_s or args.limit_s, args.timeout_s, args.compile)
         rows.append({"case": asdict(case), "devices": case.devices, "result": result})
         print(f"{name}: " + json.dumps(result)[:400], flush=True)
     rows = sorted(rows + [r for n, r in kept.items() if n not in names],

@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverTimeLimitWarning
+from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError, SolverTimeLimitWarning
 from rhino_jax.plan import Plan
 
 from ..hlo_passes.graph import Graph
@@ -204,7 +204,10 @@ def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge] | None", gra
     starts = [replicated_choice(units, groups)]
     if windowed and len(topo.axis_names) >= 2:
         if coarse is None:
-            coarse = _coarse_plan(graph, topo, cluster, START_SHARE, deadline, options)
+            try:
+                coarse = _coarse_plan(graph, topo, cluster, START_SHARE, deadline, options)
+            except SolverError:  # its share ran out in its build: the windows start from the replicated plan
+                coarse = None
         if coarse is not None:
             starts.append(_coarse_start(units, groups, *coarse, topo.axis_names))
     return starts
@@ -221,8 +224,10 @@ def _coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, share: floa
                  merge.major, merge.minor)
     part = levels.Deadline(deadline.seconds, time.perf_counter() + share * deadline.left())
     try:
-        _, chosen = _search(dataclasses.replace(graph, pins=coarse_axes.coarse_pins(graph.pins, merge)), coarse,
-                            cluster, deadline=part, opt_level="O2", with_choice=True, **options)
+        with warnings.catch_warnings():  # its time running out is the fine search's to say
+            warnings.simplefilter("ignore", SolverTimeLimitWarning)
+            _, chosen = _search(dataclasses.replace(graph, pins=coarse_axes.coarse_pins(graph.pins, merge)), coarse,
+                                cluster, deadline=part, opt_level="O2", with_choice=True, **options)
     except MemoryLimitError:
         progress.say("rhino_jax: no plan with %s merged fits the memory limit; searching the whole space", merge.name)
         return None
