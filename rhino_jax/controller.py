@@ -6,7 +6,8 @@ Candidates: SPMD over the whole mesh (with the user's micro-batches), and p stag
 of 2, 4, 8, ... that splits the mesh's first axis, each with the user's micro-batches or 2p when
 they are fewer than 2 (a pipeline needs several in flight; micro-batching keeps the numbers).
 The least predicted step among those that fit the devices' memory wins; the report lists every
-candidate, an infeasible one with why.
+candidate, an infeasible one with why. The candidates share `solver_time_limit_s`, each taking the
+time left over the candidates left (`levels.Budget`): one without time is infeasible, saying so.
 """
 from __future__ import annotations
 
