@@ -3,7 +3,7 @@ against hand plans compiled by plain jax, every program priced from its compiled
 (`hlo_passes.compiled_cost.price_compiled`), as XLA's CPU compiler and as its GPU compiler build it.
 
 python -m benchmarks.third_party [--quick] [--models NAME ...] [--compiler cpu|gpu|both]
-                                 [--meshes 8 2x4 2x8] [--out DIR]
+                                 [--meshes 8 2x4 2x8] [--out DIR] [--keep]
     → prints a table, writes DIR/THIRD_PARTY.md and DIR/third_party.json (DIR: benchmarks/)
 
 Per model x target x cluster preset, where a target is a mesh of one compiler's devices (`TARGETS`):
@@ -40,7 +40,8 @@ the target's compiler combines them, `plan.cost.memory_bytes`), so the cost mode
 the table, the ratio of its priced total to the best hand plan's, fallback ops (no sharding rule)
 and search time. Per model, rhino_jax's step on the CPU (2, 4) mesh is run and compared with
 jax.jit on one device (max |Δ| over every output); described devices cannot run it.
---quick: linen_gpt and eqx_mlp only. --compiler and --meshes pick a subset of the targets.
+--quick: linen_gpt and eqx_mlp only. --compiler and --meshes pick a subset of the targets. --keep:
+the configurations not rerun stay as DIR/third_party.json has them (the tables say from which run).
 """
 import os
 
@@ -315,14 +316,24 @@ COMPILED_BY = {
 }
 
 
-def write(rows: list[Row], checks: dict, out: pathlib.Path, argv: list[str], wall_s: float) -> str:
+def _order(r: Row) -> tuple:
+    """Rows in the order the script runs them: model, target, method."""
+    target = next(i for i, t in enumerate(TARGETS) if (t.compiler, t.label) == (r.compiler, r.mesh))
+    methods = (*HAND, RHINO)
+    return list(CASES).index(r.model), target, r.preset, methods.index(r.method) if r.method in methods else 99
+
+
+def write(rows: list[Row], checks: dict, out: pathlib.Path, argv: list[str], wall_s: float,
+          kept_from: list[str] | None = None) -> str:
     summary = summarize(rows)
     failed = [f"{r.model} {r.mesh} {r.compiler} {r.preset} {r.method}" for r in rows if r.error]
     ran = [c for c in COMPILERS if any(r.compiler == c for r in rows)]
     goal = "; ".join(_goal(summary, failed, c) for c in ran)
+    kept = (f" The configurations it did not rerun are kept from `python -m benchmarks.third_party "
+            f"{' '.join(kept_from)}`." if kept_from is not None else "")
     md = ["# Third-party train steps: rhino_jax vs hand plans, priced from compiled HLO", "",
-          f"`python -m benchmarks.third_party {' '.join(argv)}` ({wall_s / 60:.1f} min, jax {jax.__version__}). "
-          "Script docstring: what each plan is.", "",
+          f"`python -m benchmarks.third_party {' '.join(argv)}` ({wall_s / 60:.1f} min, jax {jax.__version__})."
+          f"{kept} Script docstring: what each plan is.", "",
           "Which compiler made which row (column `compiler`):", ""]
     md += [f"- **{c}**: {COMPILED_BY[c]}." for c in ran]
     md += ["",
@@ -364,7 +375,8 @@ def write(rows: list[Row], checks: dict, out: pathlib.Path, argv: list[str], wal
     text = "\n".join(md) + "\n"
     (out / "THIRD_PARTY.md").write_text(text)
     (out / "third_party.json").write_text(json.dumps(
-        {"argv": argv, "wall_s": wall_s, "compiled_by": {c: COMPILED_BY[c] for c in ran}, "goal": goal,
+        {"argv": argv, "kept_from": kept_from, "wall_s": wall_s, "compiled_by": {c: COMPILED_BY[c] for c in ran},
+         "goal": goal,
          "agreement": checks, "summary": summary, "rows": [r.__dict__ for r in rows]}, indent=1, default=str))
     return text
 
@@ -378,6 +390,8 @@ def main(argv=None):
     meshes = sorted({t.label for t in TARGETS})
     parser.add_argument("--meshes", nargs="+", choices=meshes, default=meshes, help="these mesh shapes only")
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the configurations not rerun (model x mesh x compiler x preset) from OUT/third_party.json")
     args = parser.parse_args(argv)
     names = args.models or (QUICK if args.quick else tuple(CASES))
     targets = [t for t in TARGETS if args.compiler in ("both", t.compiler) and t.label in args.meshes]
@@ -390,10 +404,19 @@ def main(argv=None):
     checks = {}
     args.out.mkdir(parents=True, exist_ok=True)
     argv = list(argv if argv is not None else sys.argv[1:])
+    kept_rows, kept_checks, kept_from = [], {}, None
+    if args.keep and (args.out / "third_party.json").exists():
+        saved = json.loads((args.out / "third_party.json").read_text())
+        kept_rows, kept_checks, kept_from = [Row(**r) for r in saved["rows"]], saved["agreement"], saved["argv"]
     for name in names:
         print(f"{name}:", flush=True)
         checks[name] = run_case(CASES[name](), targets, rows)
-        text = write(rows, checks, args.out, argv, time.perf_counter() - t0)  # after each model: partial runs keep theirs
+        ran = set(map(_key, rows))
+        everything = sorted([r for r in kept_rows if _key(r) not in ran] + rows, key=_order)
+        agreed = {**kept_checks, **{k: v for k, v in checks.items() if v or k not in kept_checks}}
+        # after each model: partial runs keep theirs
+        text = write(everything, {k: agreed[k] for k in CASES if k in agreed}, args.out, argv,
+                     time.perf_counter() - t0, kept_from)
     print(text)
 
 

@@ -44,18 +44,58 @@ class Merge:
     def name(self) -> str:
         return f"{self.major}*{self.minor}"
 
+    def anchor(self, coarse: Strategy, axes: Sequence[str]) -> dict[str, tuple]:
+        """The placements of the real mesh's axes in a coarse strategy: the merged pair both where
+        their merged axis is."""
+        found = placements(coarse, [self.name if a in (self.major, self.minor) else a for a in axes])
+        return {a: found[self.name if a in (self.major, self.minor) else a] for a in axes}
+
+    def pins(self, pins: Sequence[Pin]) -> tuple[Pin, ...]:
+        """The user's pins on the coarse mesh: the merged pair on one dim becomes the merged axis;
+        a dim that names one of the two alone is left open there (the fine search keeps the pin)."""
+        def dim(axes):
+            if axes is None or not {self.major, self.minor} & set(axes):
+                return axes
+            if self.major in axes and self.minor in axes:
+                return tuple(self.name if a == self.major else a for a in axes if a != self.minor)
+            return None
+        return tuple(dataclasses.replace(p, dims=tuple(dim(axes) for axes in p.dims)) for p in pins)
+
+
+@dataclass(frozen=True)
+class Drop:
+    """A mesh axis left out: the coarse plan replicates every tensor over it."""
+
+    axis: str
+
+    @property
+    def name(self) -> str:
+        return self.axis
+
+    def anchor(self, coarse: Strategy, axes: Sequence[str]) -> dict[str, tuple]:
+        """The placements of the real mesh's axes in a coarse strategy: the dropped axis nowhere."""
+        found = placements(coarse, [a for a in axes if a != self.axis])
+        return {a: found.get(a, (None,) * (len(coarse.operands) + len(coarse.results))) for a in axes}
+
+    def pins(self, pins: Sequence[Pin]) -> tuple[Pin, ...]:
+        """The user's pins without the dropped axis (the fine search keeps the pin)."""
+        def dim(axes):
+            return axes if axes is None else tuple(a for a in axes if a != self.axis)
+        return tuple(dataclasses.replace(p, dims=tuple(dim(axes) for axes in p.dims)) for p in pins)
+
+
+def _alike(topo: MeshTopology, i: int) -> bool:
+    """Whether mesh axes i and i + 1 have the same link (bandwidth, and whether they cross hosts)."""
+    crosses = topo.hosts_spanned or (1,) * len(topo.axis_names)
+    return topo.bandwidth[i] == topo.bandwidth[i + 1] and (crosses[i] > 1) == (crosses[i + 1] > 1)
+
 
 def merged(topo: MeshTopology) -> tuple[MeshTopology, Merge]:
     """The mesh with one pair of neighbouring axes made one. The pair is the outermost whose two
     axes have the same link (bandwidth and whether they cross hosts), else the outermost pair:
     axes alike in cost are the ones a plan most often uses together."""
     names = topo.axis_names
-    crosses = topo.hosts_spanned or (1,) * len(names)
-
-    def alike(i: int) -> bool:
-        return topo.bandwidth[i] == topo.bandwidth[i + 1] and (crosses[i] > 1) == (crosses[i + 1] > 1)
-
-    i = next((i for i in range(len(names) - 1) if alike(i)), 0)
+    i = next((i for i in range(len(names) - 1) if _alike(topo, i)), 0)
     merge = Merge(names[i], names[i + 1])
 
     def joined(values: Sequence, how) -> tuple:
@@ -70,6 +110,24 @@ def merged(topo: MeshTopology) -> tuple[MeshTopology, Merge]:
     return coarse, merge
 
 
+def coarser(topo: MeshTopology) -> tuple[MeshTopology, Merge | Drop]:
+    """The mesh one axis smaller that a coarse plan is searched on: two axes alike in link
+    merged (`merged`); on a mesh of two unlike axes (hosts x GPUs), the slower one dropped, as
+    merging them would price every collective over the pair at the slower link and leave the
+    coarse plan replicated."""
+    if len(topo.axis_names) != 2 or _alike(topo, 0):
+        return merged(topo)
+    i = 0 if topo.bandwidth[0] < topo.bandwidth[1] else 1
+    keep = 1 - i
+
+    def one(values: Sequence) -> tuple:
+        return (values[keep],)
+    coarse = dataclasses.replace(
+        topo, axis_names=one(topo.axis_names), axis_sizes=one(topo.axis_sizes), bandwidth=one(topo.bandwidth),
+        latency=one(topo.latency), hosts_spanned=one(topo.hosts_spanned) if topo.hosts_spanned else ())
+    return coarse, Drop(topo.axis_names[i])
+
+
 def placements(s: Strategy, axes: Sequence[str]) -> dict[str, tuple]:
     """Where each mesh axis is in a strategy: per operand and result, the dim it splits, "p"
     where the tensor is a partial sum over it, None where it replicates."""
@@ -79,28 +137,9 @@ def placements(s: Strategy, axes: Sequence[str]) -> dict[str, tuple]:
     return {a: tuple(where(spec, a) for spec in specs) for a in axes}
 
 
-def anchor(coarse: Strategy, merge: Merge, axes: Sequence[str]) -> dict[str, tuple]:
-    """The placements of the real mesh's axes in a coarse strategy: the merged pair both where
-    their merged axis is."""
-    found = placements(coarse, [merge.name if a in (merge.major, merge.minor) else a for a in axes])
-    return {a: found[merge.name if a in (merge.major, merge.minor) else a] for a in axes}
-
-
 def near(strategies: Sequence[Strategy], at: dict[str, tuple], axes: Sequence[str]) -> list[Strategy]:
     """The strategies that place at most `RADIUS` mesh axes elsewhere than `at` (all of them when
     none does: a unit the coarse plan could not anchor keeps its whole space)."""
     kept = [s for s in strategies
             if sum(p != at[a] for a, p in placements(s, axes).items()) <= RADIUS]
     return kept or list(strategies)
-
-
-def coarse_pins(pins: Sequence[Pin], merge: Merge) -> tuple[Pin, ...]:
-    """The user's pins on the coarse mesh: the merged pair on one dim becomes the merged axis; a
-    dim that names one of the two alone is left open there (the fine search keeps the pin)."""
-    def dim(axes):
-        if axes is None or not {merge.major, merge.minor} & set(axes):
-            return axes
-        if merge.major in axes and merge.minor in axes:
-            return tuple(merge.name if a == merge.major else a for a in axes if a != merge.minor)
-        return None
-    return tuple(dataclasses.replace(p, dims=tuple(dim(axes) for axes in p.dims)) for p in pins)

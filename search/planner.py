@@ -214,51 +214,53 @@ def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge] | None", gra
 
 
 def _coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, share: float, deadline: levels.Deadline,
-                 options: dict) -> "tuple[list, coarse_axes.Merge] | None":
-    """Each unit's strategy in the plan of the mesh with two axes merged (`coarse_axes`),
-    searched with `share` of the time left, and the merge; None where no plan of the coarser
-    mesh fits the memory limit or obeys the constraints (then the whole space is searched). Where
-    that search runs out of time, so would the whole space's (`SolverError`)."""
-    coarse, merge = coarse_axes.merged(topo)
-    progress.say("rhino_jax: %d mesh axes: searching first with %s and %s as one axis", len(topo.axis_names),
-                 merge.major, merge.minor)
+                 options: dict) -> "tuple[list, coarse_axes.Merge | coarse_axes.Drop] | None":
+    """Each unit's strategy in the plan of the mesh one axis smaller (`coarse_axes.coarser`: two
+    axes merged, or on hosts x GPUs the slower axis dropped), searched with `share` of the time
+    left, and how the mesh was made smaller; None where no plan of the coarser mesh fits the
+    memory limit or obeys the constraints (then the whole space is searched). Where that search
+    runs out of time, so would the whole space's (`SolverError`)."""
+    coarse, how = coarse_axes.coarser(topo)
+    progress.say("rhino_jax: %d mesh axes: searching first on [%s]", len(topo.axis_names), ", ".join(coarse.axis_names))
     part = levels.Deadline(deadline.seconds, time.perf_counter() + share * deadline.left())
     try:
         with warnings.catch_warnings():  # its time running out is the fine search's to say
             warnings.simplefilter("ignore", SolverTimeLimitWarning)
-            _, chosen = _search(dataclasses.replace(graph, pins=coarse_axes.coarse_pins(graph.pins, merge)), coarse,
-                                cluster, deadline=part, opt_level="O2", with_choice=True, **options)
+            _, chosen = _search(dataclasses.replace(graph, pins=how.pins(graph.pins)), coarse, cluster,
+                                deadline=part, opt_level="O2", with_choice=True, **options)
     except MemoryLimitError:
-        progress.say("rhino_jax: no plan with %s merged fits the memory limit; searching the whole space", merge.name)
+        progress.say("rhino_jax: no plan on [%s] fits the memory limit; searching the whole space",
+                     ", ".join(coarse.axis_names))
         return None
-    except ConstraintError:  # `parts` that the merged axis's size does not meet
-        progress.say("rhino_jax: the constraints leave an op no strategy with %s merged; searching the whole space",
-                     merge.name)
+    except ConstraintError:  # `parts` that the coarse mesh's axis sizes do not meet
+        progress.say("rhino_jax: the constraints leave an op no strategy on [%s]; searching the whole space",
+                     ", ".join(coarse.axis_names))
         return None
-    return chosen, merge
+    return chosen, how
 
 
-def _keep_near(units: list[Unit], chosen: list, merge: "coarse_axes.Merge", axes: tuple[str, ...]) -> None:
+def _keep_near(units: list[Unit], chosen: list, how: "coarse_axes.Merge | coarse_axes.Drop",
+               axes: tuple[str, ...]) -> None:
     """Restrict each unit to the strategies near its coarse plan's (`coarse_axes.near`)."""
     assert len(chosen) == len(units), "the coarse search built other units"
     kept: dict[tuple, tuple[list, list]] = {}  # the layers' identical ops share one strategy list
     for u, s in zip(units, chosen):
         key = (id(u.strategies), s)
         if key not in kept:
-            kept[key] = (u.strategies, coarse_axes.near(u.strategies, coarse_axes.anchor(s, merge, axes), axes))
+            kept[key] = (u.strategies, coarse_axes.near(u.strategies, how.anchor(s, axes), axes))
         u.strategies = kept[key][1]
 
 
-def _coarse_start(units: list[Unit], groups: list, chosen: list, merge: "coarse_axes.Merge",
+def _coarse_start(units: list[Unit], groups: list, chosen: list, how: "coarse_axes.Merge | coarse_axes.Drop",
                   axes: tuple[str, ...]) -> list[int | None]:
     """The coarse plan on the real mesh: each cone's choice whose root places every axis where
-    the coarse plan does (`coarse_axes.anchor`; None where no choice does)."""
+    the coarse plan does (`anchor`; None where no choice does)."""
     assert len(chosen) == sum(u.kind != "hub" for u in units), "the coarse search built other units"
 
     def at(g) -> int | None:
         if units[g.root].kind == "hub":  # a hub is added after the units, in each search its own
             return None
-        want = coarse_axes.anchor(chosen[g.root], merge, axes)
+        want = how.anchor(chosen[g.root], axes)
         return next((j for j, ch in enumerate(g.choice) if coarse_axes.placements(ch[g.root], axes) == want), None)
     return [at(g) for g in groups]
 

@@ -1,5 +1,5 @@
 """O2 on meshes of three or more axes: first the mesh with two axes merged, then the real mesh
-near that plan (`search/coarse_axes.py`)."""
+near that plan; on any mesh the windows' start (`search/coarse_axes.py`)."""
 import dataclasses
 
 import jax
@@ -31,8 +31,23 @@ def test_the_merged_pair_is_the_outermost_pair_on_one_link():
 def test_pins_on_the_coarse_mesh():
     merge = coarse_axes.Merge("a", "b")
     pins = (Pin(0, (("a", "b"), ("c",)), "both"), Pin(1, (("a",), None), "one"), Pin(2, (("c",), ()), "other"))
-    assert [p.dims for p in coarse_axes.coarse_pins(pins, merge)] == [
+    assert [p.dims for p in merge.pins(pins)] == [
         (("a*b",), ("c",)), (None, None), (("c",), ())]
+
+
+def test_on_hosts_by_gpus_the_coarse_mesh_drops_the_slower_axis():
+    """Two unlike axes merged would price every collective at the network's speed, and the
+    coarse plan would stay replicated: the slower axis is left out instead, its tensors
+    replicated over it; two alike axes are merged."""
+    hosts = dataclasses.replace(topology(h=2, g=8), bandwidth=(4.5e10, 3.7e11), hosts_spanned=(2, 1),
+                                host_devices=8)
+    coarse, how = coarse_axes.coarser(hosts)
+    assert how == coarse_axes.Drop("h") and coarse.axis_names == ("g",) and coarse.axis_sizes == (8,)
+    assert coarse.bandwidth == (3.7e11,) and coarse.hosts_spanned == (1,)
+    assert coarse_axes.coarser(topology(a=2, b=4))[1] == coarse_axes.Merge("a", "b")
+    split = Strategy((ShardingSpec((("g",), ())),), (ShardingSpec((("g",), ())),), 0.0)
+    assert how.anchor(split, ("h", "g")) == {"h": (None, None), "g": (0, 0)}
+    assert [p.dims for p in how.pins((Pin(0, (("h", "g"), None), "x"),))] == [(("g",), None)]
 
 
 def test_near_keeps_the_strategies_that_move_at_most_one_axis():
@@ -44,7 +59,7 @@ def test_near_keeps_the_strategies_that_move_at_most_one_axis():
         return Strategy((x, w), (out,), 0.0)
     coarse = Strategy((ShardingSpec((("a*b",), ())), ShardingSpec(((), ("c",)))),
                       (ShardingSpec((("a*b",), ("c",))),), 0.0)
-    at = coarse_axes.anchor(coarse, coarse_axes.Merge("a", "b"), axes)
+    at = coarse_axes.Merge("a", "b").anchor(coarse, axes)
     same = matmul((("a", "b"), ()), ((), ("c",)))
     one_moved = matmul((("a",), ()), ((), ("b", "c")))
     two_moved = matmul(((), ()), (("a", "b"), ("c",)), partial=("a", "b"))
