@@ -329,8 +329,8 @@ def write(rows: list[Row], checks: dict, out: pathlib.Path, argv: list[str], wal
     failed = [f"{r.model} {r.mesh} {r.compiler} {r.preset} {r.method}" for r in rows if r.error]
     ran = [c for c in COMPILERS if any(r.compiler == c for r in rows)]
     goal = "; ".join(_goal(summary, failed, c) for c in ran)
-    kept = (f" The configurations it did not rerun are kept from `python -m benchmarks.third_party "
-            f"{' '.join(kept_from)}`." if kept_from is not None else "")
+    kept = (f" The configurations it did not rerun are kept from "
+            f"`{' '.join(['python -m benchmarks.third_party', *kept_from])}`." if kept_from is not None else "")
     md = ["# Third-party train steps: rhino_jax vs hand plans, priced from compiled HLO", "",
           f"`python -m benchmarks.third_party {' '.join(argv)}` ({wall_s / 60:.1f} min, jax {jax.__version__})."
           f"{kept} Script docstring: what each plan is.", "",
