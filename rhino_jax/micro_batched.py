@@ -204,6 +204,12 @@ class SeveralPrograms:
         return self(*args, **kwargs)
 
 
+# An apply-gradients op's weight in the step's time limit beside a compute op's (`levels.Budget`):
+# its arguments come pinned to the layouts compute-gradients chose, so its search is mostly the
+# build, while an optimizer has more ops than the model (10-15 per parameter).
+APPLY_WEIGHT = 0.1
+
+
 class MicroBatchedLowered(SeveralProgramsLowered):
     """A step lowered for k micro-batches: `plan` sums up both programs; `programs` holds each."""
 
@@ -219,16 +225,16 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         cluster = get_cluster(options.cluster, list(mesh.devices.flat))
         topo = MeshTopology.from_mesh(mesh, cluster)
 
-        budget = Budget(options.solver_time_limit_s, len(compute_graph.nodes) + len(apply_graph.nodes))
+        budget = Budget(options.solver_time_limit_s, len(compute_graph.nodes) + APPLY_WEIGHT * len(apply_graph.nodes))
 
-        def plan(name: str, module, graph: Graph) -> Plan:
+        def plan(name: str, module, graph: Graph, weight: float) -> Plan:
             return program_plan(name, module, graph, mesh, given, lambda: plan_on(
-                graph, topo, cluster, within(options, budget, len(graph.nodes), name), mesh))
+                graph, topo, cluster, within(options, budget, weight * len(graph.nodes), name), mesh))
 
-        compute_plan = plan("compute_gradients", parts.compute, compute_graph)
+        compute_plan = plan("compute_gradients", parts.compute, compute_graph, 1)
         apply_graph = dataclasses.replace(apply_graph, pins=apply_graph.pins + _same_layouts(
             apply_graph, compute_graph, compute_plan))
-        apply_plan = plan("apply_gradients", parts.apply, apply_graph)
+        apply_plan = plan("apply_gradients", parts.apply, apply_graph, APPLY_WEIGHT)
         self.mesh, self.k, self._signature, self.cluster = mesh, k, signature, cluster
         self._step, self._parts, self._graphs = step, parts, (compute_graph, apply_graph)
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)

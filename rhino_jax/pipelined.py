@@ -50,8 +50,8 @@ from .errors import ConstraintError, MemoryLimitError, MeshError, SolverError, S
 from .gpu_topology import refuse_described
 from .mesh_search import plan_on
 from .arguments import Call, call_tree
-from .micro_batched import (SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of, named,
-                            program_plan, split_step)
+from .micro_batched import (APPLY_WEIGHT, SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of,
+                            named, program_plan, split_step)
 from .options import Options, within
 from .plan import Plan, PlanCost, StagePlan, program_name
 from .plan_target import PlanTarget, PlanTargetError
@@ -150,8 +150,8 @@ class PipelinedLowered(SeveralProgramsLowered):
         target = PlanTarget.of(step.whole, mesh, step.donated)
         cg, ag, whole = step.compute_graph, step.apply_graph, step.whole
         # One time limit for the stager and every program's search, shared by their ops.
-        ops = len(cg.nodes) + len(ag.nodes)
-        budget = Budget(options.solver_time_limit_s, (1 + STAGER_SHARE) * ops)
+        ops = len(cg.nodes)
+        budget = Budget(options.solver_time_limit_s, (1 + STAGER_SHARE) * ops + APPLY_WEIGHT * len(ag.nodes))
         if given is None:
             loss = _loss_sum(cg)
             assigned = fixed_stages(options.constraints, cg, stager.forward_ops(cg, loss), p)
@@ -177,7 +177,8 @@ class PipelinedLowered(SeveralProgramsLowered):
             return prog, graph, program_plan(
                 name, prog.module, graph, meshes[prog.stage], given,
                 lambda: _own(graph, plan_on(graph, topology[prog.stage], cluster,
-                                            within(opts, budget, len(graph.nodes), f"program {name}"),
+                                            within(opts, budget, (APPLY_WEIGHT if prog.kind == "A" else 1)
+                                                   * len(graph.nodes), f"program {name}"),
                                             meshes[prog.stage])))
 
         def search_apply(i: int) -> Planned:
