@@ -4,7 +4,8 @@ candidate is a hybrid whose stages are planned by the search).
 
 Candidates: SPMD over the whole mesh (with the user's micro-batches), and p stages for every p
 of 2, 4, 8, ... that splits the mesh's first axis, each with the user's micro-batches or 2p when
-they are fewer than 2 (a pipeline needs several in flight; micro-batching keeps the numbers).
+they are fewer than 2 (a pipeline needs several in flight; micro-batching keeps the numbers); with
+k micro-batches given, p up to k.
 The least predicted step among those that fit the devices' memory wins; the report lists every
 candidate, an infeasible one with why. The candidates share `solver_time_limit_s`, each taking the
 time left over the candidates left (`levels.Budget`): one without time is infeasible, saying so.
@@ -24,13 +25,15 @@ from .options import within
 
 
 def candidates(options, first_axis: int) -> list:
-    """The options of each candidate."""
+    """The options of each candidate. With the user's k >= 2 micro-batches, no more stages than
+    k: a 1F1B stage idles (p - 1) / (k + p - 1) of the step, over half once p > k, and each such
+    candidate would take its share of the time limit from the ones that can win."""
     out = [dataclasses.replace(options, pipeline="off")]
+    given = options.num_micro_batches if options.num_micro_batches >= 2 else None
     p = 2
-    while p <= first_axis:
+    while p <= min(first_axis, given or first_axis):
         if first_axis % p == 0:
-            k = options.num_micro_batches if options.num_micro_batches >= 2 else 2 * p
-            out.append(dataclasses.replace(options, pipeline=p, num_micro_batches=k))
+            out.append(dataclasses.replace(options, pipeline=p, num_micro_batches=given or 2 * p))
         p *= 2
     return out
 

@@ -163,12 +163,23 @@ def test_auto_compares_spmd_and_pipelines_and_runs_the_fastest():
     lowered = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline="auto",
                              num_micro_batches=2).lower(*args)
     table = lowered.plan.search_stats["pipeline_candidates"]
-    assert {c.label.split(",")[0] for c in table} == {"SPMD only", "2 stages", "4 stages", "8 stages"}
+    assert {c.label.split(",")[0] for c in table} == {"SPMD only", "2 stages"}  # no more stages than micro-batches
     best = table[0].step_s
     assert all(c.step_s is None or best <= c.step_s for c in table)
     assert lowered.plan.cost.total_s == best
     assert "pipeline='auto'" in lowered.plan.report()
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
+
+
+def test_auto_tries_no_more_stages_than_micro_batches():
+    """Each stage of a 1F1B pipeline idles (p - 1) / (k + p - 1) of the step: with k micro-batches
+    given, p up to k; without, every p that splits the first axis, each with 2p micro-batches."""
+    def tried(k, first_axis=32):
+        return [(o.pipeline, o.num_micro_batches) for o in controller.candidates(Options(num_micro_batches=k),
+                                                                                  first_axis)]
+    assert tried(8) == [("off", 8), (2, 8), (4, 8), (8, 8)]
+    assert tried(1, 8) == [("off", 1), (2, 4), (4, 8), (8, 16)]
+    assert tried(4, 2) == [("off", 4), (2, 4)]
 
 
 def test_auto_takes_the_fastest_plan_that_fits_the_memory_limit():
