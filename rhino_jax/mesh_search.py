@@ -211,7 +211,12 @@ def _search_pool(todo: list[_Candidate], workers: int, cluster: Cluster, options
     progress.say("rhino_jax: searching %d mesh shapes in %d worker processes: %s", len(todo), workers,
                  ", ".join(f"[{c.label}]" for c in todo))
     # `workers` searches at a time: each takes the time left over the rounds they need
-    each = within(options, budget, len(todo), f"{len(todo)} mesh shapes")
+    try:
+        each = within(options, budget, len(todo), f"{len(todo)} mesh shapes")
+    except RhinoError as e:  # the first search took all the time: these are not searched
+        for c in todo:
+            c.error, c.done = f"{type(e).__name__}: {e}", True
+        return
     each = replace(each, solver_time_limit_s=each.solver_time_limit_s / math.ceil(len(todo) / workers))
     try:
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),

@@ -35,8 +35,8 @@ from .constraints import Named, apply_constraints
 
 
 OVERLAP_ROUNDS = 3  # searches at most, with Cluster.overlap, to price what compute can hide
-# The coarse search's share of the time (`_near_coarse_plan`): its memory-limit trials are most of
-# the work; the fine search starts near a plan that fits, each op with a tenth of its strategies.
+# The coarse search's share of the time on three axes (`_coarse_plan`): its memory-limit trials are
+# most of the work; the fine search starts near a plan that fits, each op with a tenth of its strategies.
 COARSE_SHARE = 0.6
 START_SHARE = 0.3  # the coarse search's share where its plan is only the windows' start (`_starts`)
 
@@ -193,8 +193,8 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     return (plan, next(ch for p, ch in made if p is plan)) if with_choice else plan
 
 
-def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge] | None", graph: Graph, topo: MeshTopology,
-            cluster: Cluster, units: list[Unit], groups: list, deadline: levels.Deadline,
+def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge | coarse_axes.Drop] | None", graph: Graph,
+            topo: MeshTopology, cluster: Cluster, units: list[Unit], groups: list, deadline: levels.Deadline,
             options: dict) -> list[list[int | None]]:
     """The plans the first solve must beat (`levels.Levels._start`): the one-device step run on
     every device, and where windows solve it, the coarse plan too (searched now on two axes;
@@ -203,7 +203,7 @@ def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge] | None", gra
     layer at once; a coarse plan can already be there."""
     starts = [replicated_choice(units, groups)]
     if windowed and len(topo.axis_names) >= 2:
-        if coarse is None:
+        if coarse is None and len(topo.axis_names) == 2:  # on three axes it was searched already
             try:
                 coarse = _coarse_plan(graph, topo, cluster, START_SHARE, deadline, options)
             except SolverError:  # its share ran out in its build: the windows start from the replicated plan
