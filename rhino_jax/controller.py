@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 from rhino_jax.search import interrupt, progress
 from rhino_jax.search.cluster import get_cluster
-from rhino_jax.search.levels import Budget
 
 from .errors import MemoryLimitError, MeshError, RhinoError
-from .options import within
+from .options import budget_of, within
 
 
 def candidates(options, first_axis: int) -> list:
@@ -73,7 +72,7 @@ def _lower_candidates(parallelized, call, key, limit: int) -> tuple[list[tuple[C
     tried: list[tuple[Candidate, object]] = []
     errors: list[RhinoError] = []
     cands = candidates(parallelized.options, parallelized.mesh.devices.shape[0])
-    budget = Budget(parallelized.options.solver_time_limit_s, len(cands))  # the candidates share the limit
+    budget = budget_of(parallelized.options, len(cands))  # the candidates share the limit
     for cand in cands:
         if interrupt.pressed():  # a candidate's search answered Ctrl-C with its plan so far: no more
             break

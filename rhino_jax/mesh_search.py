@@ -41,7 +41,7 @@ from rhino_jax.search.planner import search
 from .arguments import Call
 from .errors import NoFeasibleMeshError, RhinoError
 from .mesh import device_mesh
-from .options import Options, within
+from .options import Options, budget_of, seconds_left, within
 from .plan import MeshCandidate, Plan
 
 
@@ -76,7 +76,7 @@ def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options
     mesh at hand (not in a worker process), its memory counts the GEMM temporaries XLA makes for
     the mesh's devices (`gemm_workspace`)."""
     plan = search(graph, topo, cluster, opt_level=options.opt_level, backend=options.solver,
-                  time_limit_s=options.solver_time_limit_s, memory_limit_bytes=options.memory_limit_bytes,
+                  time_limit_s=seconds_left(options), memory_limit_bytes=options.memory_limit_bytes,
                   strided=options.strided_specs, constraints=options.constraints)
     return plan if mesh is None else with_gemm_workspaces(plan, graph, topo, mesh.devices.flat[0])
 
@@ -217,7 +217,9 @@ def _search_pool(todo: list[_Candidate], workers: int, cluster: Cluster, options
         for c in todo:
             c.error, c.done = f"{type(e).__name__}: {e}", True
         return
-    each = replace(each, solver_time_limit_s=each.solver_time_limit_s / math.ceil(len(todo) / workers))
+    # (a limit per search, not the share's end: a worker's searches run one after another)
+    each = replace(each, solver_time_limit_s=each.solver_time_limit_s / math.ceil(len(todo) / workers),
+                   search_until=None)
     try:
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_ignore_ctrl_c) as pool:
@@ -257,7 +259,7 @@ def search_meshes(call: Call, devices, options: Options) -> tuple[Mesh, LoweredS
     todo = [c for c in cands if not c.done]
     if todo:  # one step, alike on every mesh
         check_matched(options.constraints, todo[0].graph)
-    budget = Budget(options.solver_time_limit_s, len(todo))  # the candidates share the limit
+    budget = budget_of(options, len(todo))  # the candidates share the limit
     with interrupt.session():
         try:
             workers = _pool_size(options, len(todo), None)

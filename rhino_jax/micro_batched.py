@@ -29,13 +29,12 @@ from rhino_jax.runtime.executable import compile_program
 from rhino_jax.search import interrupt
 from rhino_jax.search.cluster import MeshTopology, get_cluster
 from rhino_jax.search.constraints import check_matched
-from rhino_jax.search.levels import Budget
 
 from .arguments import Call, call_tree, donated_leaves
 from .errors import MeshError
 from .gpu_topology import refuse_described
 from .mesh_search import plan_on
-from .options import Options, within
+from .options import Options, budget_of, within
 from .plan import Plan, PlanCost
 from .plan_target import PlanTarget
 
@@ -225,7 +224,7 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         cluster = get_cluster(options.cluster, list(mesh.devices.flat))
         topo = MeshTopology.from_mesh(mesh, cluster)
 
-        budget = Budget(options.solver_time_limit_s, len(compute_graph.nodes) + APPLY_WEIGHT * len(apply_graph.nodes))
+        budget = budget_of(options, len(compute_graph.nodes) + APPLY_WEIGHT * len(apply_graph.nodes))
 
         def plan(name: str, module, graph: Graph, weight: float) -> Plan:
             return program_plan(name, module, graph, mesh, given, lambda: plan_on(

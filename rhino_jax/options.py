@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from rhino_jax.search.cluster import Cluster, get_cluster
 from rhino_jax.search.constraints import Named
@@ -36,6 +37,9 @@ class Options:
     progress: bool = True
     # The user's constraints on the search space (`rj.op_trans`, `rj.op_assign`, `rj.op_order`), in order.
     constraints: tuple[Named | OpOrder, ...] = ()
+    # Set by `within`, not by users: the `time.perf_counter()` time this share of a step's time
+    # limit ends, so a budget made from it (`budget_of`) counts from the share's start.
+    search_until: float | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if self.opt_level not in ("O2", "O3"):
@@ -92,4 +96,21 @@ class Options:
 def within(options: Options, budget: Budget, weight: float, what: str) -> Options:
     """`options` with the share of the step's time limit (`budget`) that the search of `what`
     takes (`weight`: its ops, or 1 per candidate)."""
-    return dataclasses.replace(options, solver_time_limit_s=budget.take(weight, f"it searched {what}"))
+    share = budget.take(weight, f"it searched {what}")
+    return dataclasses.replace(options, solver_time_limit_s=share,
+                               search_until=min(time.perf_counter() + share, budget.at))
+
+
+def seconds_left(options: Options) -> float:
+    """The time limit of the search about to start: `solver_time_limit_s`, less, for a share of
+    a step's limit (`within`), the set-up since the share was taken (at least a millisecond:
+    the search then says it ran out of time)."""
+    if options.search_until is None:
+        return options.solver_time_limit_s
+    return max(1e-3, options.search_until - time.perf_counter())
+
+
+def budget_of(options: Options, weight: float) -> Budget:
+    """The time limit of `options` shared by searches of total `weight`; ending where the share
+    `options` is ends (`within`), not `solver_time_limit_s` after the set-up before them."""
+    return Budget(options.solver_time_limit_s, weight, until=options.search_until)

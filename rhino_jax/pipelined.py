@@ -41,7 +41,6 @@ from rhino_jax.runtime import resharding, schedules, task_graph, transfer
 from rhino_jax.search import interrupt, progress, stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
 from rhino_jax.search.constraints import OpAssign, fixed_stages
-from rhino_jax.search.levels import Budget
 from rhino_jax.search.memory import local_bytes
 from rhino_jax.search.specs import ShardingSpec
 
@@ -52,7 +51,7 @@ from .mesh_search import plan_on
 from .arguments import Call, call_tree
 from .micro_batched import (APPLY_WEIGHT, SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of,
                             named, program_plan, split_step)
-from .options import Options, within
+from .options import Options, budget_of, seconds_left, within
 from .plan import Plan, PlanCost, StagePlan, program_name
 from .plan_target import PlanTarget, PlanTargetError
 
@@ -103,7 +102,7 @@ def _staging(coarse: stager.StageGraph, p: int, fixed: dict[int, int], options: 
     the user's `op_assign`s (`fixed`: stage-graph node → stage), as much more imbalance as they
     need, up to none kept but that no stage is empty."""
     def division(epsilon: float):
-        return stager.stage(coarse, p, epsilon, backend=options.solver, time_limit_s=options.solver_time_limit_s,
+        return stager.stage(coarse, p, epsilon, backend=options.solver, time_limit_s=seconds_left(options),
                             advice=f"use fewer stages than pipeline={p}, or pipeline='auto'", fixed=fixed), epsilon
 
     tolerances = [EPSILON] + (sorted({e for e in (0.5, 1.0, p - 1.0) if e > EPSILON}) if fixed else [])
@@ -151,7 +150,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         cg, ag, whole = step.compute_graph, step.apply_graph, step.whole
         # One time limit for the stager and every program's search, shared by their ops.
         ops = len(cg.nodes)
-        budget = Budget(options.solver_time_limit_s, (1 + STAGER_SHARE) * ops + APPLY_WEIGHT * len(ag.nodes))
+        budget = budget_of(options, (1 + STAGER_SHARE) * ops + APPLY_WEIGHT * len(ag.nodes))
         if given is None:
             loss = _loss_sum(cg)
             assigned = fixed_stages(options.constraints, cg, stager.forward_ops(cg, loss), p)

@@ -59,10 +59,12 @@ class Budget:
     programs, a micro-batched step's two programs, `pipeline="auto"`'s candidates, `mesh=None`'s
     mesh shapes): each search takes the time left in proportion to its weight (its ops) among
     the weight still to run, so the step's searches end within the limit (each within 1.2 times
-    its share, `Deadline.check`). Time a search leaves unused goes to the ones after it."""
+    its share, `Deadline.check`). Time a search leaves unused goes to the ones after it.
+    `until` (a `time.perf_counter()` time): where the budget is itself a share of an outer one,
+    the outer share's end, so the time spent between taking it and starting this one counts."""
 
-    def __init__(self, seconds: float, weight: float):
-        self.seconds, self.at = seconds, time.perf_counter() + seconds
+    def __init__(self, seconds: float, weight: float, until: float | None = None):
+        self.seconds, self.at = seconds, time.perf_counter() + seconds if until is None else until
         self.weight_left = float(weight)
 
     def take(self, weight: float, what: str) -> float:

@@ -307,8 +307,18 @@ def _search_limits(monkeypatch) -> list[tuple[float, float]]:
 def test_the_searches_of_one_step_share_its_time_limit(monkeypatch, how):
     """A pipeline's stager and programs, a micro-batched step's two programs, pipeline='auto''s
     candidates, mesh=None's mesh shapes: each search takes a share of the time left, so each
-    ends by the step's limit."""
+    ends by the step's limit, however long the set-up between them takes (here, 2 s to split a
+    step once the first search has run: a slow machine's tracing)."""
+    from rhino_jax import micro_batched, pipelined
     limits = _search_limits(monkeypatch)
+    split = micro_batched.split_step
+
+    def slow_split(*args, **kwargs):
+        if limits:
+            time.sleep(2)
+        return split(*args, **kwargs)
+    for module in (micro_batched, pipelined):
+        monkeypatch.setattr(module, "split_step", slow_split)
     step, args = _case("gpt")
     how = {"mesh": rj.device_mesh((8,), ("data",)), **how}
     rj.parallelize(step, solver_time_limit_s=40, **how).lower(*args)
