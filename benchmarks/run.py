@@ -636,8 +636,8 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
               "meshes 8 and 2x4 on one host of 8, 2x8 on two hosts of 8 (the outer axis across the hosts); planned "
               "for `8x-h100` (2x8: `8x-h100-2hosts`), rhino_jax with `memory_limit_bytes` 80 GiB; predicted "
               "collectives combined as XLA's GPU combiners merge them; every program priced from its compiled HLO "
-              "by `compiled_cost.price_compiled` (priced ms: compute from XLA's generic cost analysis of the GPU "
-              "HLO, α-β time of each compiled collective, no overlap); mem HLO is the GPU compiler's buffer "
+              "by `compiled_cost.price_compiled` (priced ms: compute from XLA's generic cost analysis of each kernel "
+              "of the GPU HLO at its own roofline, α-β time of each compiled collective, no overlap); mem HLO is the GPU compiler's buffer "
               "assignment (it rematerializes towards 80 GiB). Nothing runs on described devices. The CPU rows' "
               "H100 column is then empty: the GPU rows' search is the H100 prediction.", ""]
     goal_lines, verdict = goals(rows)

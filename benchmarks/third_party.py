@@ -338,10 +338,11 @@ def write(rows: list[Row], checks: dict, out: pathlib.Path, argv: list[str], wal
     md += [f"- **{c}**: {COMPILED_BY[c]}." for c in ran]
     md += ["",
            "Every program (hand plans compiled by `jax.jit` with in/out shardings, and rhino_jax's) is priced "
-           "by `hlo_passes/compiled_cost.price_compiled` with the cluster it was made for: compute = max(flops / "
-           "F(dtype), bytes accessed / memory bandwidth) from XLA's per-device cost analysis (for described GPUs "
-           "XLA's generic analysis of the compiled HLO; while-loop bodies per trip; the collectives' own operands "
-           "and results, which it counts, left out: they are communication); communication = α-β ring time of "
+           "by `hlo_passes/compiled_cost.price_compiled` with the cluster it was made for: compute = the sum "
+           "over the per-device program's kernels (fusions, library calls, copies) of max(flops / F(dtype), bytes "
+           "accessed / memory bandwidth), each from XLA's generic cost analysis of that kernel alone "
+           "(`hlo_passes/kernels.py`; while-loop bodies' kernels per trip; collectives are not kernels: they are "
+           "communication); communication = α-β ring time of "
            "each compiled collective (`search/collectives.Collective.time`). No overlap. Fusion and bf16 handling "
            "are each compiler's own (on CPU bf16 dots run in f32; linen_bf16 is priced at the bf16 rate all the "
            "same). Memory = arguments + outputs + temporaries − donated, from the compiled program's buffer "

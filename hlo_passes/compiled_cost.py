@@ -4,15 +4,13 @@ The cost model predicts a plan's time from shardings; this module prices the com
 program (rhino_jax's or a hand plan compiled by plain `jax.jit`) the same way, so that plans
 compare on what XLA really built:
 
-- compute: one roofline over the whole per-device program, max(flops / F(dtype),
-  bytes accessed / memory bandwidth), from XLA's cost analysis: a CPU program's own
-  (`cost_analysis()`), a GPU program's (real or described, `rj.gpu_topology`) XLA's generic
-  analysis of its HLO text plus its cuDNN convolutions' FLOPs, which that analysis leaves out.
-  XLA prices a while loop's body once; bodies with a known trip count are priced again on their
-  own and scaled up here (`program_cost`, run counts from `hlo_stats.computation_runs`), so a
-  `scan` over layers costs all of its layers. Both analyses count every collective's operands
-  and results as bytes accessed; they are taken out (`collective_traffic`), as communication
-  prices them already.
+- compute: every kernel of the per-device program (a fusion, a library call, a copy) at its own
+  roofline, max(flops / F(dtype), bytes accessed / memory bandwidth), summed
+  (`kernels.program_kernels`: XLA's generic cost analysis of each kernel on its own, cuDNN
+  convolutions' FLOPs added, each kernel counted as often as its computation runs per step, so a
+  `scan` over layers costs all of its layers). Collectives are not kernels: communication prices
+  them. (One roofline over the program's totals would let memory-bound kernels hide under
+  compute-bound ones: a ZeRO plan's sharded optimizer update would save nothing.)
 - communication: every compiled collective (`hlo_stats.collective_stats`, once per execution:
   loop trips counted) at the α-β ring cost of `search.collectives.Collective.time`, on a one-axis
   topology of its group size and link. For a GPU cluster, an all-reduce whose result is only read
@@ -38,16 +36,15 @@ from .hlo_stats import (
     COLLECTIVE_KINDS,
     CollectiveStats,
     CompiledMemory,
-    ComputationRuns,
     collective_stats,
     compiled_memory,
-    computation_runs,
     library_conv_flops,
 )
-from .jax_internals import UnsupportedJaxError, hlo_cost_analysis
+from .jax_internals import hlo_cost_analysis
+from .kernels import parseable, program_kernels
 
-__all__ = ["CompiledCost", "price_compiled", "price_collectives", "program_cost", "program_device",
-           "collective_traffic", "dot_dtype", "xla_cost_analysis"]
+__all__ = ["CompiledCost", "price_compiled", "price_collectives", "program_device", "dot_dtype",
+           "xla_cost_analysis"]
 
 
 @dataclass(frozen=True)
@@ -59,13 +56,12 @@ class CompiledCost:
     total_s: float
     dtype: str  # the FLOP rate's dtype (`price_compiled` says how it is chosen)
     flops: float  # per device, loop bodies counted per trip
-    bytes_accessed: float
+    bytes_accessed: float  # by the kernels (collectives' buffers are communication)
     collectives: dict[str, tuple[int, int]]  # kind -> (count, bytes per device), as hlo_stats counts
     comm_by_kind: dict[str, float]  # kind -> seconds
     memory: CompiledMemory
     unknown_trip_loops: int = 0  # while loops XLA gave no trip count: their bodies are priced once
-    # the collectives' own buffers, which XLA's analysis counted and bytes_accessed leaves out
-    collective_bytes: float = 0.0
+    kernels: int = 0  # distinct kernel instructions priced
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -90,13 +86,6 @@ def _cost_dict(analysis: Any) -> dict[str, float]:
     return analysis  # a program that only moves data (a reshard) has bytes but no 'flops'
 
 
-def _module_header(text: str) -> str:
-    """An `HloModule` line keeping the device counts, without the entry's layout (it changes)."""
-    counts = " ".join(f", {k}={v}" for k, v in re.findall(r"\b(num_partitions|replica_count)=(\d+)",
-                                                             text.split("\n", 1)[0]))
-    return f"HloModule loop_body{counts}"
-
-
 def program_device(compiled: Any) -> jax.Device:
     """A device the program was compiled for: one of its arguments' (their shardings name them),
     not the default backend's, so that a program compiled for CPU devices is read as a CPU program
@@ -109,26 +98,11 @@ def program_device(compiled: Any) -> jax.Device:
     return jax.devices()[0]
 
 
-# An async collective's start as GPU XLA prints it (jax 0.12: `all-reduce-start(...), ...,
-# output_to_operand_aliasing={{1}: (0, {})}`): its parser admits that attribute on custom calls
-# and fusions only.
-_ASYNC_START_RE = re.compile(r"^.*\b(?:%s)-start\(.*$" % "|".join(COLLECTIVE_KINDS), re.MULTILINE)
-_ALIASING_RE = re.compile(r",\s*output_to_operand_aliasing=\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}")
-
-
-def _without_frames(text: str) -> str:
-    """HLO text XLA's parser takes back: the stack frames it prints refer to a table it does not,
-    and the aliasing it prints on async collectives' starts it refuses there (an in-place
-    buffer: nothing the cost analysis counts)."""
-    text = re.sub(r",?\s*stack_frame_id=\d+", "", text)
-    return _ASYNC_START_RE.sub(lambda m: _ALIASING_RE.sub("", m.group(0)), text)
-
-
 def _generic_cost(text: str) -> dict[str, float]:
     """XLA's generic HloCostAnalysis of an HLO module's text, by the CPU's client (GEMMs are Triton
     fusions in a described GPU's program, whose dots it counts; cuDNN convolutions are library
     calls it does not count: `hlo_stats.library_conv_flops`)."""
-    return _cost_dict(hlo_cost_analysis(_without_frames(text), jax.devices("cpu")[0]))
+    return _cost_dict(hlo_cost_analysis(parseable(text), jax.devices("cpu")[0]))
 
 
 def xla_cost_analysis(compiled: Any) -> dict[str, float]:
@@ -143,73 +117,6 @@ def xla_cost_analysis(compiled: Any) -> dict[str, float]:
     cost = dict(_generic_cost(text))
     cost["flops"] = cost.get("flops", 0.0) + sum(library_conv_flops(text).values())
     return cost
-
-
-def _body_cost(module: ComputationRuns, body: str, header: str, device: jax.Device) -> dict[str, float]:
-    """XLA's cost analysis of one loop body run once: the module re-parsed with it as ENTRY (by a
-    CPU program's own client; a GPU program's by the CPU's, `_generic_cost`)."""
-    parts = [header]
-    for name, block in module.texts.items():
-        if name != module.entry:
-            parts.append("ENTRY " + block if name == body else block)
-    text = "\n\n".join(parts)
-    try:
-        if device.platform == "cpu":
-            return _cost_dict(hlo_cost_analysis(_without_frames(text), device))
-        return _generic_cost(text)
-    except UnsupportedJaxError:
-        raise
-    except Exception as e:  # XLA may reject the re-parsed body: say which and why
-        raise RuntimeError(f"cannot price while-loop body {body!r} on its own with this jaxlib "
-                           f"({type(e).__name__}: {e})") from e
-
-
-def program_cost(compiled: Any) -> tuple[float, float, int]:
-    """(flops, bytes accessed, loops without a trip count) of one step, per device.
-
-    XLA prices each while body once; with M(c) the runs of computation c per step,
-    true = cost(entry) + Σ_loops (M(body) - M(caller)) · cost(body), where cost(x) counts the
-    loops nested in x once each (checked on nested loops in the tests). Every branch of a
-    conditional counts as taken: an upper bound for loops in branches (XLA's cost analysis takes
-    the costliest branch, once).
-
-    A GPU program, real or described, is priced by XLA's generic analysis throughout (a real
-    GPU's client runs no analysis of HLO text: "PJRT C API does not support GetHloCostAnalysis",
-    seen on an H100 with jax 0.11.2), so both price alike; its cuDNN convolutions, which that
-    analysis leaves out, are added at M(c) runs each."""
-    text = compiled.as_text()
-    device = program_device(compiled)
-    generic = device.platform != "cpu"
-    whole = _generic_cost(text) if generic else xla_cost_analysis(compiled)
-    flops, nbytes = float(whole.get("flops", 0.0)), float(whole.get("bytes accessed", 0.0))
-    module = computation_runs(text, every_branch=True)
-    if not module.entry:
-        raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text()")
-    header = _module_header(text)
-    for lp in module.loops:
-        extra = module.runs.get(lp.body, 0) - module.runs[lp.parent]
-        if extra > 0:
-            body = _body_cost(module, lp.body, header, device)
-            flops += extra * float(body.get("flops", 0.0))
-            nbytes += extra * float(body.get("bytes accessed", 0.0))
-    if generic:
-        flops += sum(module.runs.get(comp, 0) * f for comp, f in library_conv_flops(text).items())
-    return flops, nbytes, sum(lp.trip_count is None for lp in module.loops)
-
-
-
-
-def collective_traffic(stats: CollectiveStats) -> int:
-    """Bytes per step the collectives read and write, as XLA's analysis charges them: each
-    execution's operands and results. In hlo_stats' terms an all-gather's result and a
-    reduce-scatter's operand are its group's size times the other end; the other kinds read
-    and write one buffer each. A collective's time is its communication (`price_collectives`):
-    charged as memory traffic too, it would be paid twice."""
-    total = 0
-    for c in stats.collectives:
-        scaled = c.kind in ("all-gather", "reduce-scatter") and c.group_size > 0
-        total += c.executions * (c.bytes + (c.bytes // c.group_size if scaled else c.bytes))
-    return total
 
 
 _DOT_RE = re.compile(r"%([\w.\-]+)\s*=\s*([a-z][a-z0-9]*)\[([^\]]*)\][^=]*?\s(dot|convolution)\((.*?)\)")
@@ -294,23 +201,20 @@ def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int
 
 
 def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype: str | None = None) -> CompiledCost:
-    """Price a `jax.stages.Compiled` (anything with `as_text`, `cost_analysis`,
-    `memory_analysis`) on `cluster` (a `Cluster` or preset name; None: m8-v100).
+    """Price a `jax.stages.Compiled` (anything with `as_text` and `memory_analysis`) on `cluster` (a `Cluster` or preset name; None: m8-v100).
 
     `dtype` picks the FLOP rate (`cluster.flops(dtype)`); None reads it from the program: the
     operand type of its largest dot (`dot_dtype`)."""
     cluster = get_cluster(cluster)
     text = compiled.as_text()
-    flops, nbytes, unknown = program_cost(compiled)
     dtype = dtype or dot_dtype(text)
+    kernels, module = program_kernels(text)
+    compute = sum(k.seconds(cluster.flops(dtype), cluster.memory_bandwidth) for k in kernels)
     stats = collective_stats(text)
-    charged = collective_traffic(stats)  # XLA's analysis (the CPU's, the generic one) charges them
-    nbytes = max(0.0, nbytes - charged)
-    compute = max(flops / cluster.flops(dtype), nbytes / cluster.memory_bandwidth)
     comm = price_collectives(stats, cluster, _num_partitions(text))
     comm_s = sum(comm.values())
     return CompiledCost(compute_s=compute, comm_s=comm_s, total_s=compute + comm_s, dtype=dtype,
-                        flops=flops, bytes_accessed=nbytes, collectives=stats.by_kind(),
-                        comm_by_kind=comm, memory=compiled_memory(compiled), unknown_trip_loops=unknown,
-                        collective_bytes=charged)
-
+                        flops=sum(k.runs * k.flops for k in kernels),
+                        bytes_accessed=sum(k.runs * k.bytes_accessed for k in kernels),
+                        collectives=stats.by_kind(), comm_by_kind=comm, memory=compiled_memory(compiled),
+                        unknown_trip_loops=sum(lp.trip_count is None for lp in module.loops), kernels=len(kernels))

@@ -10,10 +10,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rhino_jax.hlo_passes.compiled_cost import (collective_traffic, dot_dtype, price_compiled, program_cost,
-                                               program_device)
+from rhino_jax.hlo_passes.compiled_cost import dot_dtype, price_compiled, program_device
 from rhino_jax.hlo_passes.hlo_stats import collective_stats
-from rhino_jax.hlo_passes.jax_internals import hlo_cost_analysis
+from rhino_jax.hlo_passes.kernels import program_kernels
 from rhino_jax.search.cluster import H100_8X, M8_V100
 
 M, K, N = 64, 32, 16
@@ -121,14 +120,30 @@ def test_loop_bodies_count_once_per_trip_nested_too():
         return jax.lax.fori_loop(0, 3, lambda j, y: jnp.tanh(y @ w), y)
 
     one = jax.jit(lambda x: jnp.tanh(x @ w)).lower(jnp.ones((M, K))).compile()
-    single = program_cost(one)[0]
+    single = price_compiled(one).flops
     assert single >= 2 * M * K * K
     looped = jax.jit(lambda x: jax.lax.fori_loop(0, 5, lambda i, x: inner(x), x)).lower(jnp.ones((M, K))).compile()
     assert jax.tree.leaves(looped.cost_analysis())  # XLA itself counts each body once
-    flops, _, unknown = program_cost(looped)
-    assert unknown == 0
+    cost = price_compiled(looped)
+    assert cost.unknown_trip_loops == 0
     # 15 matmuls + tanh; the loop counters add a few integer ops per trip.
-    assert 15 * single <= flops <= 15 * single + 64
+    assert 15 * single <= cost.flops <= 15 * single + 64
+
+
+def test_each_kernel_is_priced_at_its_own_roofline():
+    """A compute-bound matmul beside a memory-bound update of another array: the step pays the
+    matmul's FLOPs and then the update's bytes (the kernels run one after the other), not one
+    roofline over the program's totals, under which the update would be free."""
+    n, big = 512, 1 << 24
+    compiled = jax.jit(lambda a, b, v: (a @ b, v * 2.0 + 1.0)).lower(
+        jax.ShapeDtypeStruct((n, n), jnp.float32), jax.ShapeDtypeStruct((n, n), jnp.float32),
+        jax.ShapeDtypeStruct((big,), jnp.float32)).compile()
+    cost = price_compiled(compiled, M8_V100)
+    rate, bandwidth = M8_V100.flops("float32"), M8_V100.memory_bandwidth
+    matmul, update = 2 * n ** 3 / rate, 2 * big * 4 / bandwidth
+    assert matmul > 3 * n * n * 4 / bandwidth and update > 2 * big / rate  # one bound by each
+    assert cost.compute_s == pytest.approx(matmul + update, rel=0.02)
+    assert cost.compute_s > 1.05 * max(cost.flops / rate, cost.bytes_accessed / bandwidth)
 
 
 def test_dtype_picks_the_flop_rate():
@@ -190,24 +205,9 @@ def test_a_gathers_buffers_are_priced_as_communication_not_as_memory_traffic():
     ring prices them already, so the program of one all-gather reads and writes nothing else."""
     mesh = _mesh((8,), ("d",))
     compiled = _compile(lambda x: x, mesh, (P("d"),), P(), (M, K))
-    gathered = M * K * 4
-    assert program_cost(compiled)[1] == gathered + gathered // 8  # what XLA charges
     cost = price_compiled(compiled, M8_V100)
-    assert cost.collective_bytes == gathered + gathered // 8
-    assert cost.bytes_accessed == 0.0
-
-
-class _Text:
-    """An HLO module as `program_cost` reads a compiled program: its text, XLA's analysis of it."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def as_text(self) -> str:
-        return self.text
-
-    def cost_analysis(self):
-        return hlo_cost_analysis(self.text, jax.devices()[0])
+    assert cost.collectives["all-gather"][0] == 1 and cost.comm_s > 0
+    assert cost.bytes_accessed == 0.0 and cost.compute_s == 0.0
 
 
 _ADD = ("%add (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n  %b = f32[] parameter(1)\n"
@@ -224,14 +224,14 @@ _ONE_COLLECTIVE = {  # kind -> (operand, result, op)
 
 
 @pytest.mark.parametrize("kind", sorted(_ONE_COLLECTIVE))
-def test_xla_charges_each_collective_kind_its_operand_and_result(kind):
+def test_no_collective_kind_is_priced_as_a_kernel(kind):
+    """Communication prices the collectives; as kernels their buffers would be paid twice."""
     operand, result, op = _ONE_COLLECTIVE[kind]
     text = (f"HloModule m, num_partitions=8\n\n{_ADD}ENTRY %e (p: {operand}) -> {result} {{\n"
             f"  %p = {operand}{{1,0}} parameter(0)\n  ROOT %c = {result}{{1,0}} {op}\n}}\n")
     (c,) = collective_stats(text).collectives
     assert c.kind == kind
-    assert program_cost(_Text(text))[1] == collective_traffic(collective_stats(text)) == 4 * (64 + 8) * 32 * (
-        1 if kind in ("all-gather", "reduce-scatter") else 16 / 9)
+    assert program_kernels(text)[0] == ()
 
 
 def _loop(op: str) -> str:
@@ -265,10 +265,11 @@ ENTRY %e (x0: f32[64,32]) -> f32[64,32] {{
 """
 
 
-def test_a_collective_in_a_loop_body_is_charged_per_trip_and_taken_out_per_trip():
-    """In a body, XLA charges an all-reduce what it charges a negate of its buffer, once per trip
-    once the body is priced per trip; `collective_traffic` counts the same executions."""
-    reduced = _loop(f"all-reduce(%x), {_GROUP}, to_apply=%add")
-    negated = _loop("negate(%x)")
-    assert program_cost(_Text(reduced))[1] == program_cost(_Text(negated))[1]
-    assert collective_traffic(collective_stats(reduced)) == 4 * 2 * 64 * 32 * 4
+def test_a_loop_bodys_kernels_run_once_per_trip_and_its_collectives_are_none_of_them():
+    """The negate in a 4-trip body is a kernel run 4 times, reading and writing its buffer each
+    time; an all-reduce in its place is no kernel; the counter's add runs in both."""
+    negated = {k.opcode: k for k in program_kernels(_loop("negate(%x)"))[0]}
+    reduced = {k.opcode: k for k in program_kernels(_loop(f"all-reduce(%x), {_GROUP}, to_apply=%add"))[0]}
+    assert negated["negate"].runs == 4 and negated["negate"].bytes_accessed == 2 * 64 * 32 * 4
+    assert set(negated) - set(reduced) == {"negate"}
+    assert reduced["add"].runs == 4 and reduced["compare"].runs == 5  # the condition runs once more
