@@ -42,3 +42,10 @@ def check_gpu(parser: argparse.ArgumentParser, compilers) -> None:
         _described(1)
     except RuntimeError as e:
         parser.error(f"{e}; or run the CPU compiler's rows only: --compiler cpu")
+
+
+def rerun_over(saved: list, rows: list, key) -> list:
+    """A partial rerun's results (`--keep`): the saved rows of every configuration (`key(row)`)
+    not run again, then the new ones."""
+    ran = set(map(key, rows))
+    return [r for r in saved if key(r) not in ran] + rows

@@ -123,6 +123,19 @@ TARGETS = (Target("cpu", (8,), _1D, M8), Target("cpu", (2, 4), _2D, M8),
            Target("gpu", (2, 8), _2D, get_cluster("8x-h100-2hosts"), hosts=2, o3=False))
 
 
+def _configuration(r: dict) -> tuple:
+    """What a partial rerun replaces as a whole: one model preset on one compiler's mesh."""
+    return r.get("model"), r.get("preset"), _compiler(r), r.get("mesh")
+
+
+def _order(r: dict) -> tuple:
+    """Rows in the order a full run makes them: model, preset (tiny first), target, method."""
+    target = next((i for i, t in enumerate(TARGETS) if (t.compiler, t.label) == (_compiler(r), r.get("mesh"))), 99)
+    methods = [*RHINO, LIMITED, *B.BASELINES]
+    return (list(MODELS).index(r["model"]) if r.get("model") in MODELS else 99, r.get("kind") != "tiny", target,
+            methods.index(r["method"]) if r.get("method") in methods else 99)
+
+
 def _is_rhino(method: str) -> bool:
     """A rhino_jax search (RHINO or LIMITED), not a pinned baseline."""
     return method.startswith("rhino_jax")
@@ -603,13 +616,15 @@ def _fidelity_lines(rows) -> list[str]:
 
 
 def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: float, minutes=None,
-           argv=None) -> str:
+           argv=None, kept_from=None) -> str:
     minutes = (time.perf_counter() - started) / 60 if minutes is None else minutes
     command = " ".join(["python -m benchmarks.run", *(argv if argv is not None else ["--quick"] * quick)])
+    kept = (f" What it did not rerun is kept from `{' '.join(['python -m benchmarks.run', *kept_from])}`."
+            if kept_from is not None else "")
     L = ["# rhino_jax vs expert baselines (issue 4)", "",
          f"Written by `{command}` on {datetime.date.today()}; "
          f"jax {jax.__version__}, {platform.platform()}, {os.cpu_count()} CPU cores, 8 emulated CPU devices "
-         f"(XLA host platform); whole run {minutes:.1f} min.", "",
+         f"(XLA host platform); whole run {minutes:.1f} min.{kept}", "",
          "Everything is planned by `rj.parallelize` and compiled by XLA's SPMD partitioner. Times are the cost "
          "model's predictions (per step, no compute/communication overlap) under the `m8-v100` preset (Rhino's "
          "M8: 8 V100-32GB, NVLink) and, from a separate search, under `8x-h100`; the CPU never runs the "
@@ -924,6 +939,8 @@ def main():
                         help="which XLA compiler's targets to run (default both; the GPU's for paper sizes only)")
     meshes = list(dict.fromkeys(t.label for t in TARGETS))
     parser.add_argument("--meshes", nargs="+", choices=meshes, default=meshes, help="these mesh shapes only")
+    parser.add_argument("--keep", action="store_true", help="keep what is not rerun (model x preset x compiler x "
+                        "mesh rows, the strong-scaling and search-time sections) from OUT/results.json")
     argv = sys.argv[1:]
     opts = parser.parse_args(argv)
     targets = [t for t in TARGETS if opts.compiler in ("both", t.compiler) and t.label in opts.meshes]
@@ -942,15 +959,24 @@ def main():
     if opts.render_only:
         data = json.loads((opts.out / "results.json").read_text())
         text = render(data["rows"], data["scaling"], data["layers"], opts.out, opts.quick, started,
-                      data.get("minutes"), data.get("argv"))
+                      data.get("minutes"), data.get("argv"), data.get("kept_from"))
         (opts.out / "RESULTS.md").write_text(text)
         plot(data["rows"], data["layers"], opts.out)
         print(text)
         return
     rows, scaling, layer_rows = [], [], []
+    kept = dict(rows=[], scaling=[], layers=[], argv=None)
+    if opts.keep and (opts.out / "results.json").exists():
+        kept = json.loads((opts.out / "results.json").read_text())
+
+    def merged() -> dict:
+        """This run's results, over what `--keep` keeps."""
+        return dict(rows=sorted(compilers.rerun_over(kept["rows"], rows, _configuration), key=_order),
+                    scaling=scaling or kept["scaling"], layers=layer_rows or kept["layers"],
+                    kept_from=kept["argv"] if opts.keep else None)
 
     def save():
-        data = dict(rows=rows, scaling=scaling, layers=layer_rows, jax=jax.__version__, date=str(datetime.date.today()),
+        data = dict(merged(), jax=jax.__version__, date=str(datetime.date.today()),
                     minutes=(time.perf_counter() - started) / 60, argv=argv)
         (opts.out / "results.json").write_text(json.dumps(data, indent=1, default=str))
 
@@ -973,9 +999,11 @@ def main():
         print("== search time vs layers", flush=True)
         layer_rows = search_vs_layers([1, 2] if opts.quick else [2, 6, 12, 24], opts.o3_limit, _log)
         save()
-    text = render(rows, scaling, layer_rows, opts.out, opts.quick, started, argv=argv)
+    done = merged()
+    text = render(done["rows"], done["scaling"], done["layers"], opts.out, opts.quick, started, argv=argv,
+                  kept_from=done["kept_from"])
     (opts.out / "RESULTS.md").write_text(text)
-    plot(rows, layer_rows, opts.out)
+    plot(done["rows"], done["layers"], opts.out)
     print(text)
 
 

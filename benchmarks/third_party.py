@@ -412,8 +412,7 @@ def main(argv=None):
     for name in names:
         print(f"{name}:", flush=True)
         checks[name] = run_case(CASES[name](), targets, rows)
-        ran = set(map(_key, rows))
-        everything = sorted([r for r in kept_rows if _key(r) not in ran] + rows, key=_order)
+        everything = sorted(compilers.rerun_over(kept_rows, rows, _key), key=_order)
         agreed = {**kept_checks, **{k: v for k, v in checks.items() if v or k not in kept_checks}}
         # after each model: partial runs keep theirs
         text = write(everything, {k: agreed[k] for k in CASES if k in agreed}, args.out, argv,
