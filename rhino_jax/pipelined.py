@@ -44,6 +44,7 @@ from rhino_jax.search.constraints import OpAssign, fixed_stages
 from rhino_jax.search.memory import local_bytes
 from rhino_jax.search.specs import ShardingSpec
 
+from . import alike_programs
 from .constraints import OpOrder
 from .errors import ConstraintError, MemoryLimitError, MeshError, SolverError, StagingError
 from .gpu_topology import refuse_described
@@ -171,14 +172,26 @@ class PipelinedLowered(SeveralProgramsLowered):
         self._step, self._place = step, place
         self.schedule = _schedule(options, p, k, given)
 
+        searched: dict[tuple, Planned] = {}  # (what makes programs alike, their memory limit) → one of them
+
         def search(prog: stage_programs.Program, graph: Graph, opts: Options) -> Planned:
+            """The program's plan: the saved plan's, an alike program's (`alike_programs`), renamed,
+            or a search's."""
             name = program_name(prog.kind, prog.stage, prog.wave)
-            return prog, graph, program_plan(
+            weight = (APPLY_WEIGHT if prog.kind == "A" else 1) * len(graph.nodes)
+            key = alike_programs.alike_key(prog, graph, axes[prog.stage], opts.constraints), opts.memory_limit_bytes
+            if given is None and key in searched:
+                budget.skip(weight)
+                first, searched_graph, plan = searched[key]
+                plan = alike_programs.renamed(plan, searched_graph, graph,
+                                              program_name(first.kind, first.stage, first.wave))
+                return prog, graph, dataclasses.replace(plan, target=PlanTarget.of_program(prog.module, graph,
+                                                                                            meshes[prog.stage]))
+            searched[key] = prog, graph, program_plan(
                 name, prog.module, graph, meshes[prog.stage], given,
                 lambda: _own(graph, plan_on(graph, topology[prog.stage], cluster,
-                                            within(opts, budget, (APPLY_WEIGHT if prog.kind == "A" else 1)
-                                                   * len(graph.nodes), f"program {name}"),
-                                            meshes[prog.stage])))
+                                            within(opts, budget, weight, f"program {name}"), meshes[prog.stage])))
+            return searched[key]
 
         def search_apply(i: int) -> Planned:
             """apply-gradients' program i, its arguments pinned to the stage's layouts of them, and

@@ -121,6 +121,12 @@ class StagePlan:
         return max(peak + self.beside_bytes, self.apply_bytes)
 
 
+def _alike(st: StagePlan) -> str:
+    """A stage whose programs took alike ones' plans (`alike_programs`) says whose."""
+    of = [p.search_stats["plan_of"] for p in (st.forward, st.backward) if "plan_of" in p.search_stats]
+    return f"; the plans of {' and '.join(of)}, alike programs searched once" if of else ""
+
+
 @dataclass(frozen=True)
 class Plan:
     mesh_axes: dict[str, int]
@@ -336,7 +342,7 @@ class Plan:
                           f"{st.forward_s * 1e3:.3f} + backward {st.backward_s * 1e3:.3f} ms per micro-batch, "
                           f"apply {st.apply_s * 1e3:.3f} ms, "
                           f"{st.in_flight} in flight, {st.memory_bytes / 2**20:.1f} MiB/device; "
-                          f"{', '.join(st.layers) or 'no named layers'}" for st in self.stages]
+                          f"{', '.join(st.layers) or 'no named layers'}" + _alike(st) for st in self.stages]
             elif s.get("micro_batches"):
                 cg = s["compute_gradients"]
                 lines.append(f"micro-batching  {s['micro_batches']} micro-batches of compute-gradients (ILP over "

@@ -74,8 +74,12 @@ class Budget:
             raise SolverError(f"the step's searches reached their solver_time_limit_s={self.seconds:g} "
                               f"before {what}: raise solver_time_limit_s")
         share = left * min(1.0, weight / max(self.weight_left, 1e-12))
-        self.weight_left = max(0.0, self.weight_left - weight)
+        self.skip(weight)
         return share
+
+    def skip(self, weight: float) -> None:
+        """A search of `weight` that will not run (its plan is another's): its share goes to the rest."""
+        self.weight_left = max(0.0, self.weight_left - weight)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,53 @@ def test_two_stages_keep_the_numbers_of_one_device(model, shape, names):
     assert graph.to_dot().startswith('digraph "1f1b"')
 
 
+def _searched_programs(monkeypatch) -> list[int]:
+    """The ops of each program the pipeline's next lowering searches (not given another's plan)."""
+    from rhino_jax import pipelined
+    searched, real = [], pipelined.plan_on
+
+    def recording(graph, *args, **kwargs):
+        searched.append(len(graph.nodes))
+        return real(graph, *args, **kwargs)
+    monkeypatch.setattr(pipelined, "plan_on", recording)
+    return searched
+
+
+def test_alike_stages_are_searched_once(monkeypatch):
+    """8 layers on 4 stages: the two middle stages run the same programs on alike sub-meshes, so
+    each is searched once and the other takes its plan (renamed); the numbers stay one device's."""
+    searched = _searched_programs(monkeypatch)
+    cfg = dataclasses.replace(gpt.GPT_TINY, n_layers=8)
+    step, args = gpt.make_gpt_train_step(cfg), gpt.gpt_example(cfg)
+    lowered = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=4,
+                             num_micro_batches=4).lower(*args)
+    programs = 2 * 4 + len(lowered.plan.programs)  # forward and backward per stage, then apply-gradients'
+    assert len(searched) < programs
+    reused = {name: plan for name, plan in lowered.plan.program_plans().items() if "plan_of" in plan.search_stats}
+    assert len(reused) == programs - len(searched)
+    for name, plan in reused.items():
+        original = lowered.plan.program_plans()[plan.search_stats["plan_of"]]
+        assert plan.value_specs == original.value_specs and plan.arg_paths != original.arg_paths
+    assert "alike programs searched once" in lowered.plan.report()
+    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
+
+
+def test_a_constraint_naming_one_stages_layer_makes_it_searched_on_its_own(monkeypatch):
+    """`op_trans` on layer 3's parameters, which one middle stage reads: that stage's programs are
+    not alike the other's any more, and each is searched."""
+    cfg = dataclasses.replace(gpt.GPT_TINY, n_layers=8)
+    step, args = gpt.make_gpt_train_step(cfg), gpt.gpt_example(cfg)
+
+    def reused(constraints) -> set[str]:
+        lowered = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=4, num_micro_batches=4,
+                                 constraints=constraints).lower(*args)
+        return {n for n, plan in lowered.plan.program_plans().items() if "plan_of" in plan.search_stats}
+    free = reused([])
+    constrained = reused([rj.op_trans("*['layers'][3]*", replicate=True)])
+    assert {n for n in free if n.startswith(("forward", "backward"))} \
+        - {n for n in constrained if n.startswith(("forward", "backward"))}
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "eager-1f1b"])
 def test_four_stages_of_two_devices_under_every_schedule(schedule):
     step, args = _case("gpt")
