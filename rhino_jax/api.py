@@ -329,7 +329,9 @@ class Parallelized:
         plan = dataclasses.replace(plan, input_shardings=call_tree(tree, named(plan.arg_specs)),
                                    output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)),
                                    target=PlanTarget.of(step, mesh, donated_leaves(call)),
-                                   search_inputs=SearchInputs(graph, mesh, options))
+                                   # explain searches again later, under the limit, not in this step's share
+                                   search_inputs=SearchInputs(graph, mesh, dataclasses.replace(options,
+                                                                                               search_until=None)))
         return Lowered(plan, graph, mesh, step, key)
 
     def __call__(self, *args, **kwargs):

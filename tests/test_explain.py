@@ -64,6 +64,17 @@ def test_explain_says_the_layout_its_collectives_and_what_alternatives_cost(lowe
     assert alt.plan.cost == next(a.plan.cost for a in by_path.alternatives if a.layout == alt.layout)
 
 
+def test_a_plan_chosen_by_pipeline_auto_explains_after_its_search_ended():
+    """The SPMD candidate of pipeline='auto' searched within a share of the step's time limit;
+    explain, run after that share ended, searches its alternatives under the limit all the same."""
+    case = linen_gpt()
+    lowered = rj.parallelize(case.step, mesh=rj.device_mesh((8,), ("data",)), pipeline="auto",
+                             progress=False).lower(*case.args)
+    assert not lowered.plan.stages  # one micro-batch: SPMD only
+    (alt,) = lowered.plan.explain(KERNEL, alternatives=1).alternatives
+    assert alt.plan is not None and not alt.why
+
+
 def test_explain_of_an_unknown_name_lists_the_names_there_are(lowered):
     with pytest.raises(UnknownTensorError) as e:
         lowered.plan.explain("[0]['block0']['fc1']['kernal']")
