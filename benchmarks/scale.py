@@ -86,6 +86,7 @@ CASES = [
     Case("7b-4l-4x8x8", "7b", (4, 8, 8), layers=4),
     Case("7b-32x8", "7b", (32, 8)),
     Case("70b-32x8", "70b", (32, 8)),
+    Case("70b-4l-32x8", "70b", (32, 8), layers=4),  # the 70B width at 4 layers: a GPU compile in minutes
     Case("70b-4x8x8", "70b", (4, 8, 8)),
     Case("70b-8x4x8", "70b", (8, 4, 8)),
     Case("7b-128x8", "7b", (128, 8)),
@@ -211,6 +212,18 @@ def hand_state_spec(method: str, path, leaf, axes: tuple[str, ...], sizes: dict[
     return split({tp: (inner,), 1 - tp: outer})
 
 
+def _hand_state_gib(case: dict, method: str) -> float:
+    """Per device, the f32 parameters and AdamW moments (12 bytes a parameter) of a hand plan:
+    FSDP in hosts splits them over one host's devices (the last axis), the others over every
+    device (the Llama dims divide them: `hand_state_spec`)."""
+    base = LLAMA[case["model"]]
+    shape = Shape(base.d, case["layers"] or base.layers, base.heads, base.kv_heads, base.ffn, base.vocab)
+    devices = 1
+    for n in case["mesh"]:
+        devices *= n
+    return 12 * shape.parameters() / (case["mesh"][-1] if method == HAND[1] else devices) / GIB
+
+
 def compile_and_price(step, args, mesh, lowered) -> dict:
     """The plan and each hand plan compiled for the described GPUs, priced from their GPU HLO:
     {name: (seconds, GiB per device as XLA's buffer assignment counts it)} or the error."""
@@ -334,15 +347,18 @@ def table(rows: list[dict]) -> str:
     compiled = [r for r in rows if r["result"].get("compiled")]
     if compiled:
         out += ["", "Priced from the GPU compile (8x-h100, bf16 matmuls; seconds per step, GiB per device as XLA's "
-                "buffer assignment counts it):", "",
+                "buffer assignment counts it; a hand plan whose parameters and AdamW moments alone exceed 80 GiB "
+                "per device cannot run and is not the best hand plan):", "",
                 "| case | rhino_jax | " + " | ".join(HAND) + " | rhino_jax / best hand |",
                 "|---|---|" + "---|" * len(HAND) + "---|"]
         for r in compiled:
             got = r["result"]["compiled"]
+            state = {k: _hand_state_gib(r["case"], k) for k in HAND}
             cells = [f"{got[k][0]:.3f} s, {got[k][1]:.1f} GiB" if isinstance(got[k], list) else f"failed: {got[k][:80]}"
                      for k in ("rhino_jax", *HAND)]
             cells[0] += f" (predicted {r['result']['step_s']:.3f} s, {r['result']['gib_per_device']:.1f} GiB)"
-            hands = [got[k][0] for k in HAND if isinstance(got[k], list)]
+            cells[1:] = [c + (f" (state {state[k]:.1f} GiB > 80)" if state[k] > 80 else "") for c, k in zip(cells[1:], HAND)]
+            hands = [got[k][0] for k in HAND if isinstance(got[k], list) and state[k] <= 80]
             ratio = (f"{got['rhino_jax'][0] / min(hands):.2f}" if hands and isinstance(got["rhino_jax"], list)
                      else "-")
             out.append(f"| {r['case']['name']} | " + " | ".join(cells) + f" | {ratio} |")
