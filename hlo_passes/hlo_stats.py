@@ -851,7 +851,7 @@ def _with_scatter(c: CompiledCollective, instr: _Instr, users: dict[str, list[_I
 @dataclass(frozen=True)
 class ComputationRuns:
     """How often each computation of a module runs per step: the weights of anything measured
-    per computation (collectives here, XLA's cost of a while body in compiled_cost)."""
+    per computation (collectives here, kernels in `kernels.program_kernels`)."""
 
     runs: dict[str, int]  # computation -> runs per step (see the module docstring)
     loops: tuple[CompiledLoop, ...]  # every while loop, outermost first
