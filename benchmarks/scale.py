@@ -28,7 +28,7 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 HERE = pathlib.Path(__file__).parent
 SEQ, PER_DEVICE = 2048, 8
@@ -59,6 +59,11 @@ class Shape:
 
 
 LLAMA = {"7b": Shape(4096, 32, 32, 32, 11008), "70b": Shape(8192, 80, 64, 8, 28672)}
+
+
+def model_shape(model: str, layers: int | None) -> Shape:
+    """The Llama-2 shape of `model` ("7b", "70b"), at `layers` layers where given."""
+    return replace(LLAMA[model], layers=layers or LLAMA[model].layers)
 
 
 @dataclass(frozen=True)
@@ -216,8 +221,7 @@ def _hand_state_gib(case: dict, method: str) -> float:
     """Per device, the f32 parameters and AdamW moments (12 bytes a parameter) of a hand plan:
     FSDP in hosts splits them over one host's devices (the last axis), the others over every
     device (the Llama dims divide them: `hand_state_spec`)."""
-    base = LLAMA[case["model"]]
-    shape = Shape(base.d, case["layers"] or base.layers, base.heads, base.kv_heads, base.ffn, base.vocab)
+    shape = model_shape(case["model"], case["layers"])
     devices = 1
     for n in case["mesh"]:
         devices *= n
@@ -266,8 +270,7 @@ def run_case(case: Case, limit_s: float, compile_plans: bool = False) -> dict:
 
     import rhino_jax as rj
 
-    base = LLAMA[case.model]
-    shape = Shape(base.d, case.layers or base.layers, base.heads, base.kv_heads, base.ffn, base.vocab)
+    shape = model_shape(case.model, case.layers)
     devices = rj.gpu_topology("h100", hosts=case.devices // 8, devices_per_host=8)
     mesh = Mesh(np.array(devices).reshape(case.mesh), AXES[len(case.mesh)])
     step, shapes = llama_step(shape)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import jax
 
 from .hlo_stats import (
+    COLLECTIVE_KINDS,
     _CALLEE_RE,
     _INSTR_HEAD_RE,
     _REF_RE,
@@ -81,8 +82,7 @@ def parseable(text: str) -> str:
 # An async collective's start as GPU XLA prints it (jax 0.12: `all-reduce-start(...), ...,
 # output_to_operand_aliasing={{1}: (0, {})}`): its parser admits that attribute on custom calls
 # and fusions only.
-_ASYNC_START_RE = re.compile(r"^.*\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-                             r"-start\(.*$", re.MULTILINE)
+_ASYNC_START_RE = re.compile(r"^.*\b(?:%s)-start\(.*$" % "|".join(COLLECTIVE_KINDS), re.MULTILINE)
 _ALIASING_RE = re.compile(r",\s*output_to_operand_aliasing=\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}")
 
 

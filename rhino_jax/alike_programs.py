@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rhino_jax.hlo_passes import stages as stage_programs
 from rhino_jax.hlo_passes.graph import Graph
-from rhino_jax.hlo_passes.module import fingerprint
 from rhino_jax.search.constraints import OpTrans, arg_names
 
 from .plan import Plan
@@ -27,12 +25,13 @@ from .plan import Plan
 __all__ = ["alike_key", "renamed"]
 
 
-def alike_key(prog: stage_programs.Program, graph: Graph, axes: dict[str, int], constraints) -> tuple:
-    """Equal for two programs exactly when one plan serves both (see the module docstring)."""
+def alike_key(kind: str, program: str, graph: Graph, axes: dict[str, int], constraints) -> tuple:
+    """Equal for two programs exactly when one plan serves both (see the module docstring):
+    `kind` "F", "B" or "A", `program` its StableHLO's fingerprint (`PlanTarget.program`)."""
     named = tuple((tuple(i for i, n in enumerate(graph.nodes) if n.name and c.matches((n.name,))),
                    tuple(i for i, a in enumerate(graph.args) if c.matches(arg_names(a.path))))
                   for c in constraints if isinstance(c, OpTrans))
-    return (prog.kind, fingerprint(prog.module), tuple(axes.items()),
+    return (kind, program, tuple(axes.items()),
             tuple((p.value, p.dims) for p in graph.pins),
             tuple((a.role, a.held_beside, a.donated_to) for a in graph.args), named)
 

@@ -227,7 +227,7 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         budget = budget_of(options, len(compute_graph.nodes) + APPLY_WEIGHT * len(apply_graph.nodes))
 
         def plan(name: str, module, graph: Graph, weight: float) -> Plan:
-            return program_plan(name, module, graph, mesh, given, lambda: plan_on(
+            return program_plan(name, PlanTarget.of_program(module, graph, mesh), given, lambda: plan_on(
                 graph, topo, cluster, within(options, budget, weight * len(graph.nodes), name), mesh))
 
         compute_plan = plan("compute_gradients", parts.compute, compute_graph, 1)
@@ -248,11 +248,10 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         return self._compiled
 
 
-def program_plan(name: str, module, graph: Graph, mesh: Mesh, given: Plan | None, search: Callable[[], Plan]) -> Plan:
-    """The plan of one program of the step (`name` as in `compiled.programs`): the saved plan's
-    (`given`), once it is shown to be made for this program, else `search()`'s, recording the
-    program it was made for."""
-    target = PlanTarget.of_program(module, graph, mesh)
+def program_plan(name: str, target: PlanTarget, given: Plan | None, search: Callable[[], Plan]) -> Plan:
+    """The plan of one program of the step (`name` as in `compiled.programs`) cut now as
+    `target` (`PlanTarget.of_program`): the saved plan's (`given`), once it is shown to be made
+    for this program, else `search()`'s, recording the program it was made for."""
     if given is not None:
         return given.program(name, target)
     return dataclasses.replace(search(), target=target)

@@ -179,16 +179,16 @@ class PipelinedLowered(SeveralProgramsLowered):
             or a search's."""
             name = program_name(prog.kind, prog.stage, prog.wave)
             weight = (APPLY_WEIGHT if prog.kind == "A" else 1) * len(graph.nodes)
-            key = alike_programs.alike_key(prog, graph, axes[prog.stage], opts.constraints), opts.memory_limit_bytes
-            if given is None and key in searched:
+            target = PlanTarget.of_program(prog.module, graph, meshes[prog.stage])
+            key = (alike_programs.alike_key(prog.kind, target.program, graph, axes[prog.stage], opts.constraints),
+                   opts.memory_limit_bytes)
+            if given is None and key in searched:  # an alike program's plan, renamed; its time to the rest
                 budget.skip(weight)
                 first, searched_graph, plan = searched[key]
-                plan = alike_programs.renamed(plan, searched_graph, graph,
-                                              program_name(first.kind, first.stage, first.wave))
-                return prog, graph, dataclasses.replace(plan, target=PlanTarget.of_program(prog.module, graph,
-                                                                                            meshes[prog.stage]))
+                return prog, graph, program_plan(name, target, given, lambda: alike_programs.renamed(
+                    plan, searched_graph, graph, program_name(first.kind, first.stage, first.wave)))
             searched[key] = prog, graph, program_plan(
-                name, prog.module, graph, meshes[prog.stage], given,
+                name, target, given,
                 lambda: _own(graph, plan_on(graph, topology[prog.stage], cluster,
                                             within(opts, budget, weight, f"program {name}"), meshes[prog.stage])))
             return searched[key]
