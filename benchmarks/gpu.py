@@ -8,6 +8,9 @@ python -m benchmarks.gpu [--out DIR] [--budget-s 420] [--calibrate-models gpt be
 python -m benchmarks.gpu --dry-run --out /tmp/gpu
     the same code on the CPU (the CPU standing for the real device), a short budget: the check
     that the one GPU run will go through.
+python -m benchmarks.gpu --merge A/gpu.json B/gpu.json ... --out DIR [--note TEXT]
+    one report of runs split over several calls (a lease's calls are short): each part from
+    the runs that have it, a later run's row of a model in place of an earlier one's.
 
 Parts, each within what is left of the budget, each recording its error and going on:
 1. the device as XLA sees it: the `GpuTargetConfigProto` the GPU compiler dumps for a real
@@ -15,14 +18,18 @@ Parts, each within what is left of the budget, each recording its error and goin
 2. one-device train steps (`benchmarks.third_party_models.CASES`) compiled for the real GPU and
    for the described one (our description, and the device's own dump): memory, FLOPs, bytes,
    kernels (fusions and library calls) and the priced step, side by side;
-3. the same steps timed on the GPU (jit, state donated, median of repetitions) beside the price of
-   their compiled HLO (`compiled_cost.price_compiled`) and the plan's prediction on a one-device
-   mesh; rhino_jax's step run there against jax.jit (largest difference of every output);
-4. a plan made for a described GPU (on a one-device mesh: one GPU is what is here), saved, loaded
+3. kernel launches: chains of n tiny dependent kernels (an optimization barrier between each
+   two keeps XLA from fusing them) timed for several n; the slope is what each kernel costs
+   beyond its roofline inside one step, the intercept what one dispatch of a step costs;
+4. the same steps timed on the GPU (jit, state donated, median of repetitions) beside the price of
+   their compiled HLO (`compiled_cost.price_compiled`), its kernels run per step, and the plan's
+   prediction on a one-device mesh; rhino_jax's step run there against jax.jit (largest
+   difference of every output);
+5. a plan made for a described GPU (on a one-device mesh: one GPU is what is here), saved, loaded
    on the real device, compiled and run: the flow of a described cluster's plan on a real one;
-5. plans for 8 described GPUs compiled with our description and with the device's dumped one:
+6. plans for 8 described GPUs compiled with our description and with the device's dumped one:
    whether the description changes the compiled collectives or memory;
-6. `benchmarks.calibrate measure` on the zoo models given, in the time left (its rows are written
+7. `benchmarks.calibrate measure` on the zoo models given, in the time left (its rows are written
    as each step finishes, so a cut-off run keeps them).
 """
 from __future__ import annotations
@@ -59,7 +66,8 @@ from rhino_jax.hlo_passes.compiled_cost import price_compiled, xla_cost_analysis
 
 HERE = pathlib.Path(__file__).parent
 PRESET = {"h100": "8x-h100", "h200": "8x-h200", "a100": "8x-a100"}
-PARTS = ["device", "compiles", "steps", "plan round trip", "described plans", "calibrate"]
+PARTS = ["device", "compiles", "launch", "steps", "plan round trip", "described plans", "calibrate"]
+LAUNCH_CHAINS = (1, 16, 64, 256)  # kernels per chain (part 3)
 
 
 class Budget:
@@ -175,8 +183,39 @@ def _largest_difference(a, b) -> float:
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of the line through (xs, ys) by least squares."""
+    slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    return float(slope), float(intercept)
+
+
+def kernel_launches(result: dict, budget: Budget) -> None:
+    """Part 3. Seconds per kernel of chains of tiny dependent kernels; the fit's slope is the
+    cost of one kernel in a step (launch, or a command buffer's node), its intercept one dispatch."""
+    device = jax.devices()[0]
+    rows = []
+    for n in LAUNCH_CHAINS:
+        if budget.left() < 5:
+            break
+
+        def chain(x, n=n):
+            for _ in range(n):  # the barrier ends each fusion: one kernel per link
+                x = jax.lax.optimization_barrier(jnp.sin(x) * 0.5)
+            return x
+
+        x = jax.device_put(jnp.ones((1024,), jnp.float32), device)
+        compiled = jax.jit(chain).lower(x).compile()
+        runs = price_compiled(compiled, PRESET[result["device"]["kind"]]).kernel_runs
+        rows.append(dict(chain=n, kernel_runs=runs, seconds=timed(lambda: compiled(x), min_total_s=0.2)))
+    fit = None
+    if len(rows) >= 2:
+        slope, intercept = _least_squares([r["kernel_runs"] for r in rows], [r["seconds"] for r in rows])
+        fit = dict(per_kernel_s=slope, dispatch_s=intercept)
+    result["launch"] = dict(rows=rows, fit=fit)
+
+
 def time_steps(result: dict, cases: dict, budget: Budget) -> None:
-    """Part 3. Steps timed on the device beside their compiled price and the plan's prediction;
+    """Part 4. Steps timed on the device beside their compiled price and the plan's prediction;
     rhino_jax's step against jax.jit's."""
     device = jax.devices()[0]
     preset = PRESET[result["device"]["kind"]]
@@ -186,8 +225,8 @@ def time_steps(result: dict, cases: dict, budget: Budget) -> None:
         if budget.left() < 15:
             return
         n_state = len(case.args) - 1  # the state arguments, then the batch; the step returns the state, then the loss
-        step = jax.jit(case.step, donate_argnums=tuple(range(n_state)))
         args = list(jax.device_put(jax.tree.map(np.asarray, case.args), device))  # copies: donated below
+        step = jax.jit(case.step, donate_argnums=tuple(range(n_state))).lower(*args).compile()
 
         def run():
             out = step(*args)
@@ -195,17 +234,23 @@ def time_steps(result: dict, cases: dict, budget: Budget) -> None:
             return out[-1]
 
         seconds = timed(run, min_total_s=0.3)
-        priced = price_compiled(_one_device_compile(case, device), preset, dtype=case.dtype)
+        priced = price_compiled(step, preset, dtype=case.dtype)
         lowered = rj.parallelize(case.step, mesh=mesh, cluster=preset).lower(*case.args)
         fresh = jax.device_put(case.args, device)
-        difference = _largest_difference(jax.jit(case.step)(*fresh), lowered.compile()(*fresh))
+        reference = jax.jit(case.step).lower(*fresh).compile()(*fresh)
+        ours = lowered.compile()(*fresh)
+        # The floor: jax.jit's step compiled once more (GEMM autotuning may pick other kernels,
+        # another summation order) differs from the first by this much.
+        again = jax.jit(case.step).lower(*fresh).compile()(*fresh)
         rows.append(dict(model=name, measured_s=seconds, priced_s=priced.total_s,
-                         priced_compute_s=priced.compute_s, predicted_s=lowered.plan.cost.total_s,
-                         largest_difference=difference))
+                         priced_compute_s=priced.compute_s, kernel_runs=priced.kernel_runs,
+                         predicted_s=lowered.plan.cost.total_s, largest_difference=_largest_difference(reference, ours),
+                         loss_difference=_largest_difference(reference[-1], ours[-1]),
+                         recompiled_difference=_largest_difference(reference, again)))
 
 
 def plan_roundtrip(result: dict, cases: dict, budget: Budget) -> None:
-    """Part 4. A plan made for one described GPU runs on the real one."""
+    """Part 5. A plan made for one described GPU runs on the real one."""
     if jax.devices()[0].platform != "gpu":
         result["plan_roundtrip"] = "no GPU here: a plan made for a described GPU does not run on this CPU"
         return
@@ -223,7 +268,7 @@ def plan_roundtrip(result: dict, cases: dict, budget: Budget) -> None:
 
 
 def described_plans(result: dict, cases: dict, device_config: str | None, budget: Budget) -> None:
-    """Part 5. 8-GPU plans compiled for our description and for the device's own."""
+    """Part 6. 8-GPU plans compiled for our description and for the device's own."""
     if device_config is None:
         result["described_plans"] = "no target configuration was dumped (not a GPU): nothing to compare"
         return
@@ -246,7 +291,7 @@ def described_plans(result: dict, cases: dict, device_config: str | None, budget
 
 
 def calibrate(out: pathlib.Path, models: list[str], budget: Budget) -> None:
-    """Part 6. benchmarks.calibrate's measurements, one model after another while time is left."""
+    """Part 7. benchmarks.calibrate's measurements, one model after another while time is left."""
     from benchmarks import calibrate as cal  # noqa: PLC0415 (the zoo is imported on use)
 
     for model in models:
@@ -281,22 +326,33 @@ def markdown(result: dict) -> str:
              f"on {result.get('date')}. Command: `{result.get('command')}`.", ""]
     if result.get("notes"):
         lines += [result["notes"], ""]
+    launch = (result.get("launch") or {}).get("fit") or {}
+    per_kernel = launch.get("per_kernel_s")
     if d.get("fields"):
         differ = {k: v for k, v in d["fields"].items() if v[0] != v[1]}
         lines += ["## 1. The description beside the device's own (GpuTargetConfigProto fields)", "",
                   f"{len(d['fields']) - len(differ)} fields agree; those that differ (ours | the device's dump):", "",
                   "| field | ours | device |", "|---|---|---|"]
         lines += [f"| {k} | {a} | {b} |" for k, (a, b) in differ.items()]
+    if launch:
+        lines += ["", "## 3. Kernel launches: chains of n tiny dependent kernels", "",
+                  f"Fit: {launch['per_kernel_s'] * 1e6:.2f} µs per kernel, {launch['dispatch_s'] * 1e6:.1f} µs "
+                  "per dispatch of a step.", ""]
+        lines += _table([dict(r, us=r["seconds"] * 1e6) for r in result["launch"]["rows"]],
+                        [("chain", "chain", "d"), ("kernels run", "kernel_runs", "d"), ("µs per call", "us", ".1f")])
     for title, key, columns in (
         ("2. One-device steps compiled for the real and the described GPU", "compiles",
          [("model", "model", ""), ("target", "target", ""), ("temp MiB", "temp_mib", ".2f"),
           ("args MiB", "argument_mib", ".2f"), ("GFLOP", "gflop", ".3f"), ("MB accessed", "mb", ".1f"),
           ("fusions", "fusions", "d"), ("triton gemms", "triton gemms", "d"), ("library calls", "library calls", "d"),
           ("priced ms", "priced_ms", ".4f"), ("compile s", "compile_s", ".1f")]),
-        ("3. Steps on the GPU: measured, priced from the compiled HLO, predicted by the plan", "steps",
+        ("4. Steps on the GPU: measured, priced from the compiled HLO, predicted by the plan", "steps",
          [("model", "model", ""), ("measured ms", "measured_ms", ".4f"), ("priced ms", "priced_ms", ".4f"),
-          ("priced/measured", "priced_ratio", ".2f"), ("predicted ms", "predicted_ms", ".4f"),
-          ("predicted/measured", "predicted_ratio", ".2f"), ("rhino vs jit max |Δ|", "largest_difference", ".2e")]),
+          ("priced/measured", "priced_ratio", ".2f"), ("kernels run", "kernel_runs", "d"),
+          ("priced + launches ms", "launched_ms", ".4f"), ("ratio", "launched_ratio", ".2f"),
+          ("predicted ms", "predicted_ms", ".4f"), ("predicted/measured", "predicted_ratio", ".2f"),
+          ("rhino vs jit max |Δ|", "largest_difference", ".2e"), ("loss |Δ|", "loss_difference", ".2e"),
+          ("jit vs jit recompiled max |Δ|", "recompiled_difference", ".2e")]),
     ):
         rows = result.get(key)
         if isinstance(rows, list) and rows:
@@ -307,15 +363,26 @@ def markdown(result: dict) -> str:
                           priced_ratio=r.get("priced_s", 0) / r["measured_s"] if r.get("measured_s") else None,
                           predicted_ratio=r.get("predicted_s", 0) / r["measured_s"] if r.get("measured_s") else None)
                      for r in rows]
+            for r in shown:  # the step's price with each kernel's launch (part 3's slope) added
+                if per_kernel is not None and r.get("kernel_runs") is not None and r.get("measured_s"):
+                    r["launched_ms"] = r["priced_ms"] + per_kernel * r["kernel_runs"] * 1e3
+                    r["launched_ratio"] = r["launched_ms"] / r["measured_ms"]
             lines += ["", f"## {title}", ""] + _table(shown, columns)
+    steps = [r for r in result.get("steps") or [] if r.get("kernel_runs")]
+    if len(steps) >= 2:  # what a kernel costs beyond its roofline, as the whole steps say it
+        per_step = float(np.linalg.lstsq(np.array([[r["kernel_runs"]] for r in steps], float),
+                                         np.array([r["measured_s"] - r["priced_s"] for r in steps]), rcond=None)[0][0])
+        lines += ["", f"Measured minus priced, fitted as c × kernels run over the {len(steps)} steps: "
+                  f"c = {per_step * 1e6:.2f} µs per kernel"
+                  + (f" (the chains of part 3: {per_kernel * 1e6:.2f} µs)." if per_kernel is not None else ".")]
     if "plan_roundtrip" in result:
         r = result["plan_roundtrip"]
-        lines += ["", "## 4. A plan made for a described GPU, run on the real one", "",
+        lines += ["", "## 5. A plan made for a described GPU, run on the real one", "",
                   r if isinstance(r, str) else
                   f"{r['model']}: ran, largest difference to jax.jit {r['largest_difference']:.2e}."]
     plans = result.get("described_plans")
     if plans:
-        lines += ["", "## 5. 8-GPU plans compiled for our description and the device's", ""]
+        lines += ["", "## 6. 8-GPU plans compiled for our description and the device's", ""]
         if isinstance(plans, str):
             lines.append(plans)
         else:
@@ -327,6 +394,25 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merged(results: list[dict], note: str | None) -> dict:
+    """One result of several runs on the same device (`--merge`)."""
+    out = {"date": results[-1]["date"], "device": results[0]["device"], "errors": [],
+           "command": "; then ".join(r["command"] for r in results),
+           "wall_s": sum(r.get("wall_s", 0.0) for r in results), "notes": note}
+    for r in results:
+        out["errors"] += r.get("errors", [])
+        for key, value in r.items():
+            if key in ("date", "device", "errors", "command", "wall_s", "notes"):
+                continue
+            if key in ("compiles", "steps", "described_plans") and isinstance(value, list):
+                rows = {(row["model"], row.get("target"), str(row.get("mesh")), row.get("description")): row
+                        for row in out.get(key, []) + value}  # a later run's row takes an earlier one's place
+                out[key] = list(rows.values())
+            else:
+                out[key] = value
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
@@ -336,7 +422,16 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS, help="the parts to run (default all)")
     parser.add_argument("--dry-run", action="store_true", help="on the CPU: two cases and no calibration (pass a "
                         "short --budget-s)")
+    parser.add_argument("--merge", nargs="+", type=pathlib.Path, help="gpu.json files of runs to report as one")
+    parser.add_argument("--note", help="with --merge: a paragraph for the report")
     args = parser.parse_args(argv)
+    if args.merge:
+        result = merged([json.loads(p.read_text()) for p in args.merge], args.note)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu.json").write_text(json.dumps(result, indent=1, default=str))
+        (args.out / "gpu.md").write_text(markdown(result))
+        print(markdown(result))
+        return
     start = time.perf_counter()
     budget = Budget(args.budget_s)
     names = args.models or (["linen_gpt", "eqx_mlp"] if args.dry_run else list(CASES))
@@ -351,13 +446,16 @@ def main(argv=None) -> None:
             result["errors"].append(f"case {name}: {type(e).__name__}: {str(e)[:300]}")
     device_config = None
     # Each part's share of the budget, among the parts run; the calibration gets what the others leave.
-    weights = {"compiles": 1.2, "steps": 1.6, "plan round trip": 0.4, "described plans": 1.0, "calibrate": 2.8}
+    weights = {"compiles": 1.2, "launch": 0.3, "steps": 1.6, "plan round trip": 0.4, "described plans": 1.0,
+               "calibrate": 2.8}
     unit = budget.left() / sum(w for p, w in weights.items() if p in args.parts)
     parts = [("device", lambda: device_facts(result)),
-             ("compiles", lambda: compare_compiles(result, cases, device_config, budget.part(1.2 * unit))),
-             ("steps", lambda: time_steps(result, cases, budget.part(1.6 * unit))),
-             ("plan round trip", lambda: plan_roundtrip(result, cases, budget.part(0.4 * unit))),
-             ("described plans", lambda: described_plans(result, cases, device_config, budget.part(unit))),
+             ("compiles", lambda: compare_compiles(result, cases, device_config, budget.part(weights["compiles"] * unit))),
+             ("launch", lambda: kernel_launches(result, budget.part(weights["launch"] * unit))),
+             ("steps", lambda: time_steps(result, cases, budget.part(weights["steps"] * unit))),
+             ("plan round trip", lambda: plan_roundtrip(result, cases, budget.part(weights["plan round trip"] * unit))),
+             ("described plans", lambda: described_plans(result, cases, device_config,
+                                                         budget.part(weights["described plans"] * unit))),
              ("calibrate", lambda: calibrate(args.out, [] if args.dry_run else args.calibrate_models, budget))]
     for label, part in parts:
         if label not in args.parts and label != "device":  # the device's facts name the run

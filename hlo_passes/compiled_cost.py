@@ -38,7 +38,7 @@ from .hlo_stats import (
     CompiledMemory,
     collective_stats,
     compiled_memory,
-    library_conv_flops,
+    library_flops,
 )
 from .jax_internals import hlo_cost_analysis
 from .kernels import parseable, program_kernels
@@ -62,6 +62,7 @@ class CompiledCost:
     memory: CompiledMemory
     unknown_trip_loops: int = 0  # while loops XLA gave no trip count: their bodies are priced once
     kernels: int = 0  # distinct kernel instructions priced
+    kernel_runs: int = 0  # kernels run per step (loop bodies' per trip): launches no roofline sees
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -99,23 +100,23 @@ def program_device(compiled: Any) -> jax.Device:
 
 
 def _generic_cost(text: str) -> dict[str, float]:
-    """XLA's generic HloCostAnalysis of an HLO module's text, by the CPU's client (GEMMs are Triton
-    fusions in a described GPU's program, whose dots it counts; cuDNN convolutions are library
-    calls it does not count: `hlo_stats.library_conv_flops`)."""
+    """XLA's generic HloCostAnalysis of an HLO module's text, by the CPU's client (it counts the
+    dots of Triton GEMM fusions, not library calls: cuDNN convolutions and cuBLAS GEMMs,
+    `hlo_stats.library_flops`)."""
     return _cost_dict(hlo_cost_analysis(parseable(text), jax.devices("cpu")[0]))
 
 
 def xla_cost_analysis(compiled: Any) -> dict[str, float]:
     """XLA's cost analysis of a compiled program ('flops', 'bytes accessed', ...): jax's
     `cost_analysis()`, or for a program compiled for described GPUs, for which jax gives None,
-    XLA's generic analysis of its optimized HLO, parsed back from its text, with its cuDNN
-    convolutions' FLOPs (each once, as XLA counts a loop's body once; the collectives' buffers
+    XLA's generic analysis of its optimized HLO, parsed back from its text, with its library
+    calls' FLOPs (each once, as XLA counts a loop's body once; the collectives' buffers
     it charges as bytes accessed, as the CPU's does)."""
     if not is_described(program_device(compiled)):
         return _cost_dict(compiled.cost_analysis())
     text = compiled.as_text()
     cost = dict(_generic_cost(text))
-    cost["flops"] = cost.get("flops", 0.0) + sum(library_conv_flops(text).values())
+    cost["flops"] = cost.get("flops", 0.0) + sum(library_flops(text).values())
     return cost
 
 
@@ -217,4 +218,5 @@ def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype:
                         flops=sum(k.runs * k.flops for k in kernels),
                         bytes_accessed=sum(k.runs * k.bytes_accessed for k in kernels),
                         collectives=stats.by_kind(), comm_by_kind=comm, memory=compiled_memory(compiled),
-                        unknown_trip_loops=sum(lp.trip_count is None for lp in module.loops), kernels=len(kernels))
+                        unknown_trip_loops=sum(lp.trip_count is None for lp in module.loops), kernels=len(kernels),
+                        kernel_runs=sum(k.runs for k in kernels))

@@ -46,7 +46,7 @@ __all__ = [
     "computation_runs",
     "CompiledMemory",
     "compiled_memory",
-    "library_conv_flops",
+    "library_flops",
 ]
 
 COLLECTIVE_KINDS: tuple[str, ...] = (
@@ -904,7 +904,7 @@ def collective_stats(hlo_text: str) -> CollectiveStats:
 
 
 # ----------------------------------------------------------------------------------------------
-# Library convolutions
+# Library calls' FLOPs
 # ----------------------------------------------------------------------------------------------
 
 # Which of a cuDNN convolution's operands and result are the forward convolution's input, kernel
@@ -913,28 +913,55 @@ _CONV_ROLES = {"convForward": ("input", "kernel", "output"), "convBiasActivation
                "convBackwardInput": ("output", "kernel", "input"), "convBackwardFilter": ("input", "output", "kernel")}
 _CUDNN_RE = re.compile(r'custom_call_target="__cudnn\$(\w+)"')
 _DIM_LABELS_RE = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+_CUBLAS_RE = re.compile(r'custom_call_target="__cublas\$[\w$]*(?:gemm|matmul)[\w$]*"')
+_LHS_CONTRACTING_RE = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
 
-def library_conv_flops(hlo_text: str) -> dict[str, float]:
-    """FLOPs of the cuDNN convolutions in each computation (each instruction once): GPU XLA
-    compiles a convolution to a library call, whose FLOPs XLA's generic cost analysis (what a
-    described GPU's program is priced by) does not count. A forward convolution does 2 x its
-    output's elements x the kernel's elements / its output features; a backward one the same as
-    its forward twin, whose shapes its operands and result are (`_CONV_ROLES`)."""
+def _dims(leaf: str) -> list[int]:
+    return [int(d) for d in _LEAF_RE.match(leaf).group(2).split(",") if d.strip()]
+
+
+def _conv_flops(instr: _Instr, operands: list) -> float | None:
+    """A cuDNN convolution: 2 x its forward output's elements x the kernel's elements / its
+    output features; a backward one as its forward twin, whose shapes its operands and result are."""
+    target, labels = _CUDNN_RE.search(instr.attrs), _DIM_LABELS_RE.search(instr.attrs)
+    if target is None or labels is None or target.group(1) not in _CONV_ROLES:
+        return None
+    tensors = dict(zip(_CONV_ROLES[target.group(1)], operands[:2] + [_leaves(instr.shape)[0]]))
+    if any(not isinstance(t, str) for t in tensors.values()):
+        return None  # an operand whose shape the text does not give: not counted
+    kernel_dims = _dims(tensors["kernel"])
+    return 2.0 * _elements(tensors["output"]) * math.prod(kernel_dims) / max(kernel_dims[labels.group(2).index("o")], 1)
+
+
+def _gemm_flops(instr: _Instr, operands: list) -> float | None:
+    """A cuBLAS GEMM: 2 x its output's elements (the result's first leaf; a workspace follows) x
+    the left operand's contracted elements (the backend config's dot dimension numbers)."""
+    contracting = _LHS_CONTRACTING_RE.search(instr.attrs)
+    if _CUBLAS_RE.search(instr.attrs) is None or contracting is None or not isinstance(operands[0], str):
+        return None
+    lhs = _dims(operands[0])
+    contracted = math.prod(lhs[int(d.strip().strip('"'))] for d in contracting.group(1).split(",") if d.strip())
+    return 2.0 * _elements(_leaves(instr.shape)[0]) * contracted
+
+
+def library_flops(hlo_text: str) -> dict[str, float]:
+    """FLOPs of the library calls in each computation (each instruction once): GPU XLA compiles
+    a convolution to a cuDNN call and may compile a dot to a cuBLAS one (the real device's
+    compiler does, for some shapes), whose FLOPs XLA's generic cost analysis (what a GPU's
+    program is priced by) does not count."""
     comps, _, _ = _computations(hlo_text)
     shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
     out: dict[str, float] = {}
     for comp, instrs in comps.items():
         for i in instrs:
-            target, labels = _CUDNN_RE.search(i.attrs), _DIM_LABELS_RE.search(i.attrs)
-            if i.opcode != "custom-call" or target is None or labels is None or target.group(1) not in _CONV_ROLES:
+            if i.opcode != "custom-call":
                 continue
             operands = [shapes.get(name) for name in _REF_RE.findall(i.operands)]
-            tensors = dict(zip(_CONV_ROLES[target.group(1)], operands[:2] + [_leaves(i.shape)[0]]))
-            if any(not isinstance(t, str) for t in tensors.values()):
-                continue  # an operand whose shape the text does not give: not counted
-            kernel_dims = [int(d) for d in _LEAF_RE.match(tensors["kernel"]).group(2).split(",") if d.strip()]
-            features = kernel_dims[labels.group(2).index("o")]
-            flops = 2.0 * _elements(tensors["output"]) * math.prod(kernel_dims) / max(features, 1)
-            out[comp] = out.get(comp, 0.0) + flops
+            if not operands:
+                continue
+            flops = _conv_flops(i, operands)
+            flops = _gemm_flops(i, operands) if flops is None else flops
+            if flops is not None:
+                out[comp] = out.get(comp, 0.0) + flops
     return out

@@ -35,7 +35,7 @@ from .hlo_stats import (
     _leaves,
     _parse_shape,
     computation_runs,
-    library_conv_flops,
+    library_flops,
 )
 from .jax_internals import UnsupportedJaxError, hlo_cost_analysis
 
@@ -151,8 +151,8 @@ def _own_bytes(instr: _Instr, shapes: dict[str, str]) -> float:
 
 
 def program_kernels(text: str) -> tuple[tuple[Kernel, ...], ComputationRuns]:
-    """Every kernel of the compiled program `text` with its FLOPs and bytes per run (cuDNN
-    convolutions' FLOPs, which XLA's analysis leaves out, from `hlo_stats.library_conv_flops`),
+    """Every kernel of the compiled program `text` with its FLOPs and bytes per run (library
+    calls' FLOPs, which XLA's analysis leaves out, from `hlo_stats.library_flops`),
     and how often each computation runs."""
     comps, texts, entry = _computations(text)
     if not entry:
@@ -180,6 +180,6 @@ def program_kernels(text: str) -> tuple[tuple[Kernel, ...], ComputationRuns]:
             nbytes = float(cost.get("bytes accessed", 0.0))
             kernels.append(Kernel(
                 instr.name, instr.opcode, comp, module.runs.get(comp, 0),
-                float(cost.get("flops", 0.0)) + sum(library_conv_flops(kernel).values()),
+                float(cost.get("flops", 0.0)) + sum(library_flops(kernel).values()),
                 nbytes if nbytes >= 0 else _own_bytes(instr, shapes)))
     return tuple(kernels), module

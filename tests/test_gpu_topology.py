@@ -189,6 +189,22 @@ def test_an_abstract_mesh_must_fill_the_clusters_hosts():
         rj.parallelize(step, mesh=AbstractMesh((3, 4), ("data", "model")), cluster="8x-h100")
 
 
+def test_a_programs_cublas_gemms_are_counted():
+    """A real H200's compiler sent some GEMMs of a Llama step to cuBLAS (benchmarks/h200/gpu.md), whose
+    FLOPs XLA's generic analysis does not count; 2 x output x contracted elements are added."""
+    def loss(a, b):
+        return jnp.sum(jnp.tanh(jnp.einsum("bij,bjk->bik", a, b)))
+
+    mesh = Mesh(np.array(rj.gpu_topology("h100", devices_per_host=1)), ("d",), axis_types=(AxisType.Auto,))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1)), in_shardings=NamedSharding(mesh, P())).lower(
+        jax.ShapeDtypeStruct((4, 256, 512), jnp.float32), jax.ShapeDtypeStruct((4, 512, 128), jnp.float32)
+    ).compile(compiler_options={"xla_gpu_enable_triton_gemm": False})  # every GEMM a library call
+    assert compiled.as_text().count('custom_call_target="__cublas') == 3
+    gemms = 3 * 2 * 4 * 256 * 512 * 128  # forward and two gradients, each 2 x out x contracted
+    assert gemms <= xla_cost_analysis(compiled)["flops"] <= 1.01 * gemms
+    assert gemms <= price_compiled(compiled, "8x-h100").flops <= 1.01 * gemms
+
+
 def test_a_described_programs_cudnn_convolutions_are_counted():
     """GPU XLA compiles convolutions to cuDNN calls, which XLA's generic analysis does not count:
     their FLOPs (forward, backward input as a forward convolution, backward filter) are added."""
