@@ -62,7 +62,7 @@ class CompiledCost:
     memory: CompiledMemory
     unknown_trip_loops: int = 0  # while loops XLA gave no trip count: their bodies are priced once
     kernels: int = 0  # distinct kernel instructions priced
-    kernel_runs: int = 0  # kernels run per step (loop bodies' per trip): launches no roofline sees
+    kernel_runs: int = 0  # kernels run per step (loop bodies' per trip), each charged the cluster's kernel_launch_s
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -204,13 +204,16 @@ def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int
 def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype: str | None = None) -> CompiledCost:
     """Price a `jax.stages.Compiled` (anything with `as_text` and `memory_analysis`) on `cluster` (a `Cluster` or preset name; None: m8-v100).
 
-    `dtype` picks the FLOP rate (`cluster.flops(dtype)`); None reads it from the program: the
-    operand type of its largest dot (`dot_dtype`)."""
+    Compute is each kernel at its own roofline (`kernels.Kernel.seconds`) plus the cluster's
+    `kernel_launch_s` per kernel run. `dtype` picks the FLOP rate (`cluster.flops(dtype)`); None
+    reads it from the program: the operand type of its largest dot (`dot_dtype`)."""
     cluster = get_cluster(cluster)
     text = compiled.as_text()
     dtype = dtype or dot_dtype(text)
     kernels, module = program_kernels(text)
-    compute = sum(k.seconds(cluster.flops(dtype), cluster.memory_bandwidth) for k in kernels)
+    runs = sum(k.runs for k in kernels)
+    compute = sum(k.seconds(cluster.flops(dtype), cluster.memory_bandwidth) for k in kernels) \
+        + runs * cluster.kernel_launch_s
     stats = collective_stats(text)
     comm = price_collectives(stats, cluster, _num_partitions(text))
     comm_s = sum(comm.values())
@@ -219,4 +222,4 @@ def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype:
                         bytes_accessed=sum(k.runs * k.bytes_accessed for k in kernels),
                         collectives=stats.by_kind(), comm_by_kind=comm, memory=compiled_memory(compiled),
                         unknown_trip_loops=sum(lp.trip_count is None for lp in module.loops), kernels=len(kernels),
-                        kernel_runs=sum(k.runs for k in kernels))
+                        kernel_runs=runs)

@@ -89,10 +89,10 @@ device_description_str: "{self.name}"
 # description, dumped by XLA on an H100, agrees with this one on every other field written here).
 H100_SXM = GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 85_017_493_504, 2 * 2_619_000_000 * 640,
                    50 << 20, 228 << 10, 227 << 10)
-# H200 SXM 141 GB: the H100's SMs and clocks, HBM3e at 4.8 TB/s; 143,771 MiB as nvidia-smi and a
-# 60 MB L2 as PyTorch reported an H200 here (not read through XLA: the H100's smi figure was
-# 479 MiB above what CUDA gives XLA).
-H200_SXM = GpuSpec("NVIDIA H200", (9, 0), 132, 128, 1.98, 143_771 << 20, 4_800_000_000_000, 60 << 20,
+# H200 SXM 141 GB: the H100's SMs and clocks, HBM3e at 3201 MHz (4.8 TB/s on the datasheet), a
+# 60 MB L2; memory size and bandwidth as XLA read them on an H200 (benchmarks/h200/gpu.md: the
+# device's own description, which agrees with this one on every other field written here).
+H200_SXM = GpuSpec("NVIDIA H200", (9, 0), 132, 128, 1.98, 150_109_880_320, 4_814_304_000_000, 60 << 20,
                    228 << 10, 227 << 10)
 # A100 SXM4 80 GB: 108 SMs of 64 FP32 cores, 1.41 GHz boost, HBM2e at 1593 MHz on 5120 bits
 # (2.04 TB/s), 40 MB L2, 164 KB shared memory per SM (163 KB for one block); 81,251 MiB reported.

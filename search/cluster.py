@@ -104,6 +104,10 @@ class Cluster:
     # Fixed cost of one collective whatever its size (kernel launch, group synchronisation):
     # it is what makes one all-reduce cheaper than a reduce-scatter plus an all-gather.
     collective_launch_s: float = 10e-6
+    # Fixed cost of one compute kernel beyond its roofline (launch, or a command buffer's node):
+    # what the referee (`compiled_cost.price_compiled`) charges per kernel a compiled step runs.
+    # 0 where not measured; the search's cost model does not charge it.
+    kernel_launch_s: float = 0.0
     flops_per_s: dict[str, float] = field(default_factory=dict)  # achievable, by dtype
     memory_bandwidth: float = 1e12  # bytes/s, bounds memory-bound ops
     memory_per_device: int = 32 << 30
@@ -128,7 +132,7 @@ class Cluster:
             raise ValueError(f"Cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
         positive = ("intra_host_bandwidth", "inter_host_bandwidth", "memory_bandwidth", "host_to_device_bandwidth",
                     "memory_per_device")
-        for name in positive + ("intra_host_latency", "inter_host_latency", "collective_launch_s"):
+        for name in positive + ("intra_host_latency", "inter_host_latency", "collective_launch_s", "kernel_launch_s"):
             value = getattr(self, name)
             number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
             if not number or value < 0 or (value == 0 and name in positive):
@@ -165,11 +169,12 @@ M8_V100 = Cluster(
 
 # One DGX/HGX H100 host: NVLink4 (450 GB/s per direction per GPU, ~370 GB/s achieved in rings),
 # 8×400 Gb/s InfiniBand, one NIC per GPU (50 GB/s each, ~45 GB/s achieved: 360 GB/s per host) to
-# other hosts. TF32 for float32 matmuls.
+# other hosts. TF32 for float32 matmuls. A kernel costs 1.85 µs beyond its roofline, as chains of
+# tiny kernels took on an H200 (the same chip; benchmarks/h200/gpu.md, part 3).
 H100_8X = Cluster(
     name="8x-h100", devices_per_host=8,
     intra_host_bandwidth=370e9, intra_host_latency=0.7e-6,
-    inter_host_bandwidth=8 * 45e9, inter_host_latency=10e-6, collective_launch_s=6e-6,
+    inter_host_bandwidth=8 * 45e9, inter_host_latency=10e-6, collective_launch_s=6e-6, kernel_launch_s=1.85e-6,
     flops_per_s={"float32": 400e12, "bfloat16": 750e12, "float16": 750e12},
     memory_bandwidth=3.0e12, memory_per_device=80 << 30, host_to_device_bandwidth=50e9,  # PCIe 5 x16
     gpu="h100",

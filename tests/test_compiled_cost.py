@@ -146,6 +146,22 @@ def test_each_kernel_is_priced_at_its_own_roofline():
     assert cost.compute_s > 1.05 * max(cost.flops / rate, cost.bytes_accessed / bandwidth)
 
 
+def test_each_kernel_run_pays_the_clusters_launch_time():
+    """Chains of n tiny kernels (a barrier ends each fusion), as benchmarks.gpu times them: each
+    kernel run costs the cluster's kernel_launch_s on top of its roofline, loop trips counted."""
+    def chain(x):
+        for _ in range(5):
+            x = jax.lax.optimization_barrier(jnp.sin(x) * 0.5)
+        return jax.lax.fori_loop(0, 3, lambda i, c: jax.lax.optimization_barrier(jnp.cos(c) * 0.5), x)
+
+    compiled = jax.jit(chain).lower(jax.ShapeDtypeStruct((64,), jnp.float32)).compile()
+    free = price_compiled(compiled, M8_V100)
+    launched = price_compiled(compiled, dataclasses.replace(M8_V100, kernel_launch_s=1e-3))
+    assert free.kernel_runs == launched.kernel_runs >= 5 + 3
+    assert launched.compute_s - free.compute_s == pytest.approx(launched.kernel_runs * 1e-3)
+    assert launched.comm_s == free.comm_s
+
+
 def test_dtype_picks_the_flop_rate():
     f = lambda a, b: a @ b  # noqa: E731
     compiled = jax.jit(f).lower(jnp.ones((256, 256)), jnp.ones((256, 256))).compile()
