@@ -101,9 +101,11 @@ CASES = [
 ]
 
 
-def llama_step(shape: Shape):
+def llama_step(shape: Shape, scan: bool = False):
     """(train_step, init_shapes) for a Llama-2 decoder: RMSNorm, rotary positions, grouped-query
-    attention, SwiGLU, untied head; AdamW on f32 parameters, bf16 compute."""
+    attention, SwiGLU, untied head; AdamW on f32 parameters, bf16 compute. `scan`: the layers'
+    parameters stacked on a leading axis and run by `jax.lax.scan` (as MaxText writes them)
+    rather than a Python loop of layers."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -142,8 +144,11 @@ def llama_step(shape: Shape):
 
     def loss_fn(params, tokens):
         x = params["embed"].astype(bf)[tokens[:, :-1]]
-        for p in params["layers"]:
-            x = jax.checkpoint(layer)(p, x)
+        if scan:
+            x, _ = jax.lax.scan(lambda h, p: (jax.checkpoint(layer)(p, h), None), x, params["layers"])
+        else:
+            for p in params["layers"]:
+                x = jax.checkpoint(layer)(p, x)
         logits = (rms(x, params["final_norm"]) @ params["head"].astype(bf)).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
@@ -165,7 +170,9 @@ def llama_step(shape: Shape):
                     "w_gate": jax.ShapeDtypeStruct((d, shape.ffn), f32),
                     "w_up": jax.ShapeDtypeStruct((d, shape.ffn), f32),
                     "w_down": jax.ShapeDtypeStruct((shape.ffn, d), f32)}
-        return {"embed": jax.ShapeDtypeStruct((shape.vocab, d), f32), "layers": [one() for _ in range(shape.layers)],
+        layers = ([one() for _ in range(shape.layers)] if not scan else
+                  jax.tree.map(lambda x: jax.ShapeDtypeStruct((shape.layers, *x.shape), x.dtype), one()))
+        return {"embed": jax.ShapeDtypeStruct((shape.vocab, d), f32), "layers": layers,
                 "final_norm": jax.ShapeDtypeStruct((d,), f32), "head": jax.ShapeDtypeStruct((d, shape.vocab), f32)}
 
     def shapes(batch: int):

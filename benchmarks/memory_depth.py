@@ -1,0 +1,116 @@
+"""Compiled memory against depth (issue 31): what XLA's GPU compiler gives a 70B-wide step per layer.
+
+python -m benchmarks.memory_depth [--layers 4 8 16] [--out benchmarks/]
+    the Llama-2-70B width (`benchmarks.scale`: per-layer `jax.checkpoint`, seq 2048, 8 sequences
+    per device) at a few depths on 32 x 8 described H100s, compiled by XLA's GPU compiler: the
+    hand FSDP plan with the layers as a Python loop and as `jax.lax.scan`, each with XLA's
+    latency-hiding scheduler (its default) and without it, and rhino_jax's plan of the loop form.
+    Writes memory_depth.json and memory_depth.md: temporaries per device at each depth, and what
+    each layer adds. Under `jax.checkpoint` a layer should add its saved input alone (its
+    [8, 2048, 8192] bf16 activations: 0.25 GiB).
+
+A hand plan compiles in about 20 s; rhino_jax's plan adds its search (a few minutes at 16 layers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+HERE = pathlib.Path(__file__).parent
+GIB = 1 << 30
+MESH, AXES = (32, 8), ("data", "model")
+# (label, plan, scan, XLA compiler options)
+VARIANTS = [
+    ("FSDP, loop of layers", "FSDP", False, {}),
+    ("FSDP, loop, no latency-hiding scheduler", "FSDP", False, {"xla_gpu_enable_latency_hiding_scheduler": False}),
+    ("FSDP, scan over layers", "FSDP", True, {}),
+    ("FSDP, scan, no latency-hiding scheduler", "FSDP", True, {"xla_gpu_enable_latency_hiding_scheduler": False}),
+    ("rhino_jax, loop of layers", "rhino_jax", False, {}),
+]
+
+
+def compiled_temp(plan: str, layers: int, scan: bool, options: dict, limit_s: float) -> dict:
+    """One compile for the described 32 x 8 H100s: XLA's memory analysis, in GiB per device."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import rhino_jax as rj
+    from benchmarks.scale import hand_state_spec, llama_step, model_shape
+
+    devices = rj.gpu_topology("h100", hosts=MESH[0], devices_per_host=MESH[1])
+    mesh = rj.device_mesh(MESH, AXES, devices=devices)
+    step, shapes = llama_step(model_shape("70b", layers), scan=scan)
+    args = shapes(8 * MESH[0] * MESH[1])
+    start = time.perf_counter()
+    out = {}
+    if plan == "rhino_jax":
+        lowered = rj.parallelize(step, mesh=mesh, cluster="8x-h100", memory_limit_bytes=80 * GIB,
+                                 solver_time_limit_s=limit_s).lower(*args)
+        out["predicted_gib"] = lowered.plan.cost.memory_bytes / GIB
+        if options:
+            raise ValueError("rhino_jax's Lowered.compile takes no XLA compiler options")
+        compiled = lowered.compile()._executable
+    else:
+        sizes = dict(zip(AXES, MESH))
+        state = jax.tree_util.tree_map_with_path(
+            lambda p, x: NamedSharding(mesh, hand_state_spec(plan, p, x, AXES, sizes)), args[:2])
+        shardings = (*state, NamedSharding(mesh, P(AXES)))
+        compiled = jax.jit(step, in_shardings=shardings, out_shardings=(*state, NamedSharding(mesh, P()))).lower(
+            *args).compile(compiler_options=options)
+    memory = compiled.memory_analysis()
+    return dict(out, temp_gib=memory.temp_size_in_bytes / GIB, argument_gib=memory.argument_size_in_bytes / GIB,
+                seconds=time.perf_counter() - start)
+
+
+def table(rows: list[dict], depths: list[int]) -> str:
+    lines = ["| plan | " + " | ".join(f"{n} layers: temp GiB" for n in depths) + " | GiB per layer added |",
+             "|---|" + "---|" * len(depths) + "---|"]
+    for label, *_ in VARIANTS:
+        got = {r["layers"]: r for r in rows if r["label"] == label}
+        cells = []
+        for n in depths:
+            r = got.get(n)
+            if r is None or "error" in r:
+                cells.append(f"failed: {r['error'][:60]}" if r else "")
+            else:
+                total = r["temp_gib"] + r["argument_gib"]
+                cells.append(f"{r['temp_gib']:.1f}" + (f" (with arguments {total:.1f}; predicted {r['predicted_gib']:.1f})"
+                                                        if "predicted_gib" in r else ""))
+        ok = sorted(n for n in depths if n in got and "error" not in got[n])
+        growth = (f"{(got[ok[-1]]['temp_gib'] - got[ok[0]]['temp_gib']) / (ok[-1] - ok[0]):.2f}" if len(ok) > 1
+                  else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {growth} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", nargs="+", type=int, default=[4, 8, 16])
+    parser.add_argument("--limit-s", type=float, default=100.0, help="rhino_jax's solver_time_limit_s")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE)
+    parser.add_argument("--render-only", action="store_true", help="rewrite memory_depth.md from its json")
+    args = parser.parse_args(argv)
+    rows = json.loads((args.out / "memory_depth.json").read_text()) if args.render_only else []
+    for label, plan, scan, options in [] if args.render_only else VARIANTS:
+        for layers in args.layers:
+            try:
+                got = compiled_temp(plan, layers, scan, options, args.limit_s)
+            except Exception as e:  # noqa: BLE001 (recorded; the other variants go on)
+                got = {"error": f"{type(e).__name__}: {e}"[:300]}
+            rows.append(dict(label=label, layers=layers, **got))
+            print(f"{label}, {layers} layers: " + json.dumps(got), flush=True)
+    text = table(rows, args.layers)
+    print(text)
+    (args.out / "memory_depth.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "memory_depth.md").write_text(
+        "# Compiled memory against depth (benchmarks/memory_depth.py)\n\n"
+        f"Llama-2-70B width on {MESH[0]} x {MESH[1]} described H100s, compiled by XLA's GPU compiler (temporaries "
+        "per device, XLA's memory analysis; rhino_jax's prediction counts the arguments too). Command: "
+        f"`python -m benchmarks.memory_depth --layers {' '.join(map(str, args.layers))}`.\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
