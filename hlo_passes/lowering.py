@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import module as mod
 from .graph import Leaf, feeds
 from .jax_internals import top_k_lowered_as_sort
+from .sinking import sink_constants
 
 _OPT_KEYS = ("opt", "optimizer", "adam", "mu", "nu", "momentum", "velocity", "count", "step")
 _BATCH_KEYS = ("batch", "inputs", "input", "labels", "targets", "tokens", "images", "x", "y")
@@ -25,7 +26,8 @@ _BATCH_KEYS = ("batch", "inputs", "input", "labels", "targets", "tokens", "image
 @dataclass
 class LoweredStep:
     lowered: jax.stages.Lowered
-    module: ir.Module  # a private inlined copy: import and rewrite work on it
+    # a private inlined copy, the constants a loop was handed sunk into it (`sinking`): import and rewrite work on it
+    module: ir.Module
     arg_paths: list[str]
     arg_roles: list[str]
     output_paths: list[str]
@@ -132,7 +134,7 @@ def lower_on_mesh(fn, args: Sequence, mesh: Mesh, donate_argnums: tuple[int, ...
                      keep_unused=True)
     with jax.set_mesh(mesh), top_k_lowered_as_sort():
         lowered = jitted.lower(*abstract[0], **abstract[1])
-    module = mod.inline_calls(mod.copy_module(lowered.compiler_ir("stablehlo")))
+    module = sink_constants(mod.inline_calls(mod.copy_module(lowered.compiler_ir("stablehlo"))))
     flat = flat_arguments(args, kwargs, positions)
     n_out = lowered.out_tree.num_leaves
     out_leaves = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(lowered.out_tree, range(n_out)))[0]

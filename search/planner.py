@@ -5,8 +5,9 @@ tensor join the cone of their reader (`cones`), whose root decides them by DP; t
 one strategy per cone, with every read between cones an exact edge (`assembly`: a value that
 several cones read, they read through its hub, so it is moved once per layout). Values that
 depend on no argument (constants, iotas and their broadcasts) are left to XLA, which builds them
-locally. Under a memory limit, `memory_limit`; the chosen strategies become a plan in
-`plan_making`.
+locally (those a scan hoists out of its loop are first sunk back into its body,
+`hlo_passes.sinking`: carried, they would be buffers of the loop's). Under a memory limit,
+`memory_limit`; the chosen strategies become a plan in `plan_making`.
 """
 from __future__ import annotations
 

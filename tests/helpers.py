@@ -37,3 +37,31 @@ def topology(**sizes):
 def code_blocks(text: str) -> list[tuple[str, str, int]]:
     """A Markdown text's fenced code blocks: (language, code, offset in the text)."""
     return [(m.group(1), m.group(2), m.start()) for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S)]
+
+
+def scanned_attention_step(batch: int, heads: int, seq: int, head_dim: int):
+    """step(w, x) -> (w', loss) of causal self-attention layers run by `jax.lax.scan` over a
+    stacked [layers, d, d] weight, masked as Llama's are (`jnp.where(causal, scores, -1e9)`),
+    rematerialised, plain SGD. jax's scan hoists what the body computes from constants alone, the
+    mask and the -1e9 broadcast to the scores' [batch, heads, seq, seq], out of the loop and passes
+    them in as values the body hands back unchanged."""
+    import jax.numpy as jnp
+
+    d = heads * head_dim
+
+    def layer(h, w):
+        q = (h @ w).reshape(batch, seq, heads, head_dim)
+        scores = jnp.einsum("bqhe,bkhe->bhqk", q, q)
+        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        return h + jnp.einsum("bhqk,bkhe->bqhe", probs, q).reshape(batch, seq, d), None
+
+    def loss(w, x):
+        h, _ = jax.lax.scan(jax.checkpoint(layer), x, w)
+        return jnp.mean(h ** 2)
+
+    def step(w, x):
+        value, grad = jax.value_and_grad(loss)(w, x)
+        return w - 0.1 * grad, value
+
+    return step

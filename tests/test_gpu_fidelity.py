@@ -7,6 +7,7 @@ Mixtral-style MoE, in f32 and bf16, on (8,), (2, 4) and 2 hosts x 8.
 """
 import functools
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -139,3 +140,24 @@ def test_a_cumsum_for_gpus_keeps_its_rows_split():
     assert not moved, moved  # the sum's scalar only
     _, _, moe, _ = _planned("linen_moe", "8")
     assert moe.plan.fallback_ops == ()
+
+
+@pytest.mark.parametrize("mesh", ["8", "2x4"])
+def test_a_scanned_attentions_hoisted_mask_is_not_carried_at_the_global_batch(mesh):
+    """jax's scan passes the causal mask and the -1e9 of a masked softmax, broadcast to the
+    scores' [batch, heads, seq, seq], into the loop as values its body hands back unchanged. The
+    loop carried them as buffers the search gave no cost, laid out replicated: the GPU compile
+    held the global-batch tensors on every device and sliced them each trip (2.5 TiB per device
+    for a scanned Llama-70B step planned at 20 GiB). Built in the body instead, each is made in
+    its reader's layout, inside its fusion, and the predicted memory is the compiled one's."""
+    from helpers import scanned_attention_step
+
+    batch, heads, seq, head_dim = 32, 8, 128, 32
+    args = (jax.ShapeDtypeStruct((2, heads * head_dim, heads * head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, seq, heads * head_dim), jnp.float32))
+    lowered = rj.parallelize(scanned_attention_step(batch, heads, seq, head_dim), mesh=_mesh(mesh)).lower(*args)
+    assert lowered.plan.arg_specs[1].dims[0], "the batch is split"
+    compiled = lowered.compile()
+    assert f"[{batch},{heads},{seq},{seq}]" not in compiled.as_text()
+    ratio = compiled.memory.total / lowered.plan.cost.memory_bytes
+    assert 0.85 <= ratio <= 1.15, f"compiled / predicted memory {ratio:.2f}"

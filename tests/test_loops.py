@@ -161,3 +161,26 @@ def test_flax_scan_remat_adamw_matches_one_device_and_its_unrolled_twin(shape, n
     if shape == (8,):  # data parallel inside the loop: one combined gradient all-reduce per trip, and the loss's
         assert scan_sum == {"all-reduce": compiled.by_kind()["all-reduce"]} and scan_sum["all-reduce"][0] == L + 1
 
+
+def test_constants_a_scan_hoists_are_built_in_the_body_in_its_layout():
+    """jax's scan passes the mask and the -1e9 that a masked softmax broadcasts to the scores'
+    global shape into the loop, which hands them back unchanged: carried, each was a buffer of the
+    loop's whose layout nothing priced, left replicated on every device and sliced each trip (a
+    scanned Llama step on described GPUs, `test_gpu_fidelity`). They are built in the body, as the
+    unrolled layers build them: in each reader's layout, no loop carries them, and the numbers
+    are one device's."""
+    from helpers import scanned_attention_step
+
+    batch, heads, seq, head_dim = 32, 8, 128, 32
+    step = scanned_attention_step(batch, heads, seq, head_dim)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    args = (jax.random.normal(k1, (L, heads * head_dim, heads * head_dim)) * 0.1,
+            jax.random.normal(k2, (batch, seq, heads * head_dim)))
+    parallel = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), cluster=CPU)
+    lowered = parallel.lower(*args)
+    g, scores = lowered.graph, (batch, heads, seq, seq)
+    entries = [n for n in g.nodes if n.op == "stablehlo.while" and "loop_trips" in n.attrs]
+    assert entries and not [o for n in entries for o in n.operands if g.values[o].shape == scores]
+    assert lowered.plan.arg_specs[1].dims[0] == ("data",)
+    assert f"[{batch},{heads},{seq},{seq}]" not in lowered.compile().as_text()
+    assert_same_numbers(jax.jit(step)(*args), parallel(*args))
