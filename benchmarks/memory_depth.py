@@ -4,18 +4,23 @@ python -m benchmarks.memory_depth [--layers 4 8 16] [--out benchmarks/]
     the Llama-2-70B width (`benchmarks.scale`: per-layer `jax.checkpoint`, seq 2048, 8 sequences
     per device) at a few depths on 32 x 8 described H100s, compiled by XLA's GPU compiler: the
     hand FSDP plan with the layers as a Python loop and as `jax.lax.scan`, each with XLA's
-    latency-hiding scheduler (its default) and without it, and rhino_jax's plan of the loop form.
+    latency-hiding scheduler (its default) and without it, and rhino_jax's plan of each form.
     Writes memory_depth.json and memory_depth.md: temporaries per device at each depth, and what
     each layer adds. Under `jax.checkpoint` a layer should add its saved input alone (its
     [8, 2048, 8192] bf16 activations: 0.25 GiB).
 
-A hand plan compiles in about 20 s; rhino_jax's plan adds its search (a few minutes at 16 layers).
+python -m benchmarks.memory_depth --layers 4 8 16 80 --variants scan
+    the plans whose label has "scan" at 80 layers too (the loop of 80 layers takes 46 min a
+    compile: `benchmarks.scale --compile`), the other rows kept from memory_depth.json.
+
+A hand plan compiles in about 20 s; rhino_jax's plan adds its search (under a minute here).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+import sys
 import time
 
 HERE = pathlib.Path(__file__).parent
@@ -28,6 +33,7 @@ VARIANTS = [
     ("FSDP, scan over layers", "FSDP", True, {}),
     ("FSDP, scan, no latency-hiding scheduler", "FSDP", True, {"xla_gpu_enable_latency_hiding_scheduler": False}),
     ("rhino_jax, loop of layers", "rhino_jax", False, {}),
+    ("rhino_jax, scan over layers", "rhino_jax", True, {}),
 ]
 
 
@@ -92,24 +98,30 @@ def main(argv=None) -> None:
     parser.add_argument("--limit-s", type=float, default=100.0, help="rhino_jax's solver_time_limit_s")
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
     parser.add_argument("--render-only", action="store_true", help="rewrite memory_depth.md from its json")
+    parser.add_argument("--variants", nargs="+", help="rerun the plans whose label contains one of these (the "
+                        "others kept from memory_depth.json)")
     args = parser.parse_args(argv)
-    rows = json.loads((args.out / "memory_depth.json").read_text()) if args.render_only else []
-    for label, plan, scan, options in [] if args.render_only else VARIANTS:
+    saved = args.out / "memory_depth.json"
+    chosen = [v for v in VARIANTS if not args.variants or any(w in v[0] for w in args.variants)]
+    rows = [r for r in (json.loads(saved.read_text()) if saved.exists() and (args.render_only or args.variants) else [])
+            if args.render_only or r["label"] not in [v[0] for v in chosen]]
+    for label, plan, scan, options in [] if args.render_only else chosen:
         for layers in args.layers:
             try:
                 got = compiled_temp(plan, layers, scan, options, args.limit_s)
             except Exception as e:  # noqa: BLE001 (recorded; the other variants go on)
                 got = {"error": f"{type(e).__name__}: {e}"[:300]}
-            rows.append(dict(label=label, layers=layers, **got))
+            rows.append(dict(label=label, layers=layers, command=" ".join(sys.argv[1:]), **got))
             print(f"{label}, {layers} layers: " + json.dumps(got), flush=True)
-    text = table(rows, args.layers)
+    text = table(rows, sorted({r["layers"] for r in rows}))
     print(text)
     (args.out / "memory_depth.json").write_text(json.dumps(rows, indent=1))
     (args.out / "memory_depth.md").write_text(
         "# Compiled memory against depth (benchmarks/memory_depth.py)\n\n"
         f"Llama-2-70B width on {MESH[0]} x {MESH[1]} described H100s, compiled by XLA's GPU compiler (temporaries "
-        "per device, XLA's memory analysis; rhino_jax's prediction counts the arguments too). Command: "
-        f"`python -m benchmarks.memory_depth --layers {' '.join(map(str, args.layers))}`.\n\n{text}\n")
+        "per device, XLA's memory analysis; rhino_jax's prediction counts the arguments too). Commands: "
+        + ", then ".join(f"`python -m benchmarks.memory_depth {c}`" for c in dict.fromkeys(r["command"] for r in rows))
+        + f".\n\n{text}\n")
 
 
 if __name__ == "__main__":

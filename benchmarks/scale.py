@@ -77,6 +77,7 @@ class Case:
     # solver_time_limit_s when it is not --limit-s: the searches of a pipeline (its stager and
     # programs; pipeline="auto": its candidates) share one limit
     limit_s: float | None = None
+    scan: bool = False  # the layers as `jax.lax.scan` over stacked parameters (`llama_step`)
 
     @property
     def devices(self) -> int:
@@ -98,6 +99,7 @@ CASES = [
     Case("70b-128x8", "70b", (128, 8)),
     Case("70b-32x8-pp4", "70b", (32, 8), pipeline=4, micro_batches=8, limit_s=300.0),
     Case("70b-32x8-auto", "70b", (32, 8), pipeline="auto", micro_batches=8, limit_s=540.0),
+    Case("70b-32x8-scan", "70b", (32, 8), scan=True),  # compiled in minutes: the loop is compiled once
 ]
 
 
@@ -218,10 +220,11 @@ def hand_state_spec(method: str, path, leaf, axes: tuple[str, ...], sizes: dict[
     if method == "FSDP in hosts x data parallel":
         return split({largest: (inner,)})
     key = next((k.key for k in reversed(path) if hasattr(k, "key") and k.key in TP_DIM), None)
-    if key is None or leaf.ndim != 2:
+    if key is None or leaf.ndim not in (2, 3):
         return split({largest: axes})
+    lead = leaf.ndim - 2  # a scanned model's layer axis comes first
     tp = TP_DIM[key]
-    return split({tp: (inner,), 1 - tp: outer})
+    return split({lead + tp: (inner,), lead + 1 - tp: outer})
 
 
 def _hand_state_gib(case: dict, method: str) -> float:
@@ -280,7 +283,7 @@ def run_case(case: Case, limit_s: float, compile_plans: bool = False) -> dict:
     shape = model_shape(case.model, case.layers)
     devices = rj.gpu_topology("h100", hosts=case.devices // 8, devices_per_host=8)
     mesh = Mesh(np.array(devices).reshape(case.mesh), AXES[len(case.mesh)])
-    step, shapes = llama_step(shape)
+    step, shapes = llama_step(shape, scan=case.scan)
     args = shapes(PER_DEVICE * case.devices)
     parallel = rj.parallelize(step, mesh=mesh, cluster="8x-h100", opt_level="O2", memory_limit_bytes=80 * GIB,
                               solver_time_limit_s=limit_s, pipeline=case.pipeline,
