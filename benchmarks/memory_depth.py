@@ -5,9 +5,10 @@ python -m benchmarks.memory_depth [--layers 4 8 16] [--out benchmarks/]
     per device) at a few depths on 32 x 8 described H100s, compiled by XLA's GPU compiler: the
     hand FSDP plan with the layers as a Python loop and as `jax.lax.scan`, each with XLA's
     latency-hiding scheduler (its default) and without it, and rhino_jax's plan of each form.
-    Writes memory_depth.json and memory_depth.md: temporaries per device at each depth, and what
-    each layer adds. Under `jax.checkpoint` a layer should add its saved input alone (its
-    [8, 2048, 8192] bf16 activations: 0.25 GiB).
+    Writes memory_depth.json and memory_depth.md: temporaries per device at each depth (and all
+    of it: arguments, outputs, temporaries, less the outputs that reuse donated arguments; the
+    state is donated, as in training), and what each layer adds. Under `jax.checkpoint` a layer
+    should add its saved input alone (its [8, 2048, 8192] bf16 activations: 0.25 GiB).
 
 python -m benchmarks.memory_depth --layers 4 8 16 80 --variants scan
     the plans whose label has "scan" at 80 layers too (the loop of 80 layers takes 46 min a
@@ -54,7 +55,7 @@ def compiled_temp(plan: str, layers: int, scan: bool, options: dict, limit_s: fl
     out = {}
     if plan == "rhino_jax":
         lowered = rj.parallelize(step, mesh=mesh, cluster="8x-h100", memory_limit_bytes=80 * GIB,
-                                 solver_time_limit_s=limit_s).lower(*args)
+                                 solver_time_limit_s=limit_s, donate_argnums=(0, 1)).lower(*args)
         out["predicted_gib"] = lowered.plan.cost.memory_bytes / GIB
         if options:
             raise ValueError("rhino_jax's Lowered.compile takes no XLA compiler options")
@@ -64,15 +65,17 @@ def compiled_temp(plan: str, layers: int, scan: bool, options: dict, limit_s: fl
         state = jax.tree_util.tree_map_with_path(
             lambda p, x: NamedSharding(mesh, hand_state_spec(plan, p, x, AXES, sizes)), args[:2])
         shardings = (*state, NamedSharding(mesh, P(AXES)))
-        compiled = jax.jit(step, in_shardings=shardings, out_shardings=(*state, NamedSharding(mesh, P()))).lower(
-            *args).compile(compiler_options=options)
+        compiled = jax.jit(step, in_shardings=shardings, out_shardings=(*state, NamedSharding(mesh, P())),
+                           donate_argnums=(0, 1)).lower(*args).compile(compiler_options=options)
     memory = compiled.memory_analysis()
+    total = (memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+             - memory.alias_size_in_bytes)
     return dict(out, temp_gib=memory.temp_size_in_bytes / GIB, argument_gib=memory.argument_size_in_bytes / GIB,
-                seconds=time.perf_counter() - start)
+                total_gib=total / GIB, seconds=time.perf_counter() - start)
 
 
 def table(rows: list[dict], depths: list[int]) -> str:
-    lines = ["| plan | " + " | ".join(f"{n} layers: temp GiB" for n in depths) + " | GiB per layer added |",
+    lines = ["| plan | " + " | ".join(f"{n} layers: temp (all) GiB" for n in depths) + " | temp GiB per layer added |",
              "|---|" + "---|" * len(depths) + "---|"]
     for label, *_ in VARIANTS:
         got = {r["layers"]: r for r in rows if r["label"] == label}
@@ -82,9 +85,9 @@ def table(rows: list[dict], depths: list[int]) -> str:
             if r is None or "error" in r:
                 cells.append(f"failed: {r['error'][:60]}" if r else "")
             else:
-                total = r["temp_gib"] + r["argument_gib"]
-                cells.append(f"{r['temp_gib']:.1f}" + (f" (with arguments {total:.1f}; predicted {r['predicted_gib']:.1f})"
-                                                        if "predicted_gib" in r else ""))
+                total = f"{r['total_gib']:.1f}" if "total_gib" in r else "?"
+                cells.append(f"{r['temp_gib']:.1f} ({total}" + (f"; predicted {r['predicted_gib']:.1f})"
+                                                                if "predicted_gib" in r else ")"))
         ok = sorted(n for n in depths if n in got and "error" not in got[n])
         growth = (f"{(got[ok[-1]]['temp_gib'] - got[ok[0]]['temp_gib']) / (ok[-1] - ok[0]):.2f}" if len(ok) > 1
                   else "")
@@ -113,9 +116,9 @@ def main(argv=None) -> None:
                 got = {"error": f"{type(e).__name__}: {e}"[:300]}
             rows.append(dict(label=label, layers=layers, command=" ".join(sys.argv[1:]), **got))
             print(f"{label}, {layers} layers: " + json.dumps(got), flush=True)
+    (args.out / "memory_depth.json").write_text(json.dumps(rows, indent=1))
     text = table(rows, sorted({r["layers"] for r in rows}))
     print(text)
-    (args.out / "memory_depth.json").write_text(json.dumps(rows, indent=1))
     (args.out / "memory_depth.md").write_text(
         "# Compiled memory against depth (benchmarks/memory_depth.py)\n\n"
         f"Llama-2-70B width on {MESH[0]} x {MESH[1]} described H100s, compiled by XLA's GPU compiler (temporaries "
