@@ -40,12 +40,9 @@ VARIANTS = [
 
 def compiled_temp(plan: str, layers: int, scan: bool, options: dict, limit_s: float) -> dict:
     """One compile for the described 32 x 8 H100s: XLA's memory analysis, in GiB per device."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     import rhino_jax as rj
-    from benchmarks.scale import hand_state_spec, llama_step, model_shape
+    from benchmarks.scale import compile_hand, llama_step, model_shape
+    from rhino_jax.hlo_passes.hlo_stats import compiled_memory
 
     devices = rj.gpu_topology("h100", hosts=MESH[0], devices_per_host=MESH[1])
     mesh = rj.device_mesh(MESH, AXES, devices=devices)
@@ -61,17 +58,10 @@ def compiled_temp(plan: str, layers: int, scan: bool, options: dict, limit_s: fl
             raise ValueError("rhino_jax's Lowered.compile takes no XLA compiler options")
         compiled = lowered.compile()._executable
     else:
-        sizes = dict(zip(AXES, MESH))
-        state = jax.tree_util.tree_map_with_path(
-            lambda p, x: NamedSharding(mesh, hand_state_spec(plan, p, x, AXES, sizes)), args[:2])
-        shardings = (*state, NamedSharding(mesh, P(AXES)))
-        compiled = jax.jit(step, in_shardings=shardings, out_shardings=(*state, NamedSharding(mesh, P())),
-                           donate_argnums=(0, 1)).lower(*args).compile(compiler_options=options)
-    memory = compiled.memory_analysis()
-    total = (memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
-             - memory.alias_size_in_bytes)
-    return dict(out, temp_gib=memory.temp_size_in_bytes / GIB, argument_gib=memory.argument_size_in_bytes / GIB,
-                total_gib=total / GIB, seconds=time.perf_counter() - start)
+        compiled = compile_hand(step, args, mesh, plan, donate=True, options=options)
+    memory = compiled_memory(compiled)
+    return dict(out, temp_gib=memory.temp_bytes / GIB, argument_gib=memory.argument_bytes / GIB,
+                total_gib=memory.total / GIB, seconds=time.perf_counter() - start)
 
 
 def table(rows: list[dict], depths: list[int]) -> str:

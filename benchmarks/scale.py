@@ -238,15 +238,27 @@ def _hand_state_gib(case: dict, method: str) -> float:
     return 12 * shape.parameters() / (case["mesh"][-1] if method == HAND[1] else devices) / GIB
 
 
-def compile_and_price(step, args, mesh, lowered) -> dict:
-    """The plan and each hand plan compiled for the described GPUs, priced from their GPU HLO:
-    {name: (seconds, GiB per device as XLA's buffer assignment counts it)} or the error."""
+def compile_hand(step, args, mesh, method: str, donate: bool = False, options: dict | None = None):
+    """The step as plain `jax.jit` compiles it under the hand plan `method` (`HAND`) on `mesh`:
+    the state's specs per leaf (`hand_state_spec`), the batch over every axis (over the outer
+    ones under tensor parallelism), the loss replicated; `donate`: the state donated; `options`:
+    XLA's compiler options."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from rhino_jax.hlo_passes.compiled_cost import price_compiled
     axes, sizes = tuple(mesh.axis_names), dict(zip(mesh.axis_names, mesh.devices.shape))
+    state = jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, hand_state_spec(method, p, x, axes, sizes)), args[:2])
+    batch = NamedSharding(mesh, P(axes[:-1] if method == "FSDP x tensor parallel" else axes))
+    return jax.jit(step, in_shardings=(*state, batch), out_shardings=(*state, NamedSharding(mesh, P())),
+                   donate_argnums=(0, 1) if donate else ()).lower(*args).compile(compiler_options=options)
+
+
+def compile_and_price(step, args, mesh, lowered) -> dict:
+    """The plan and each hand plan compiled for the described GPUs, priced from their GPU HLO:
+    {name: (seconds, GiB per device as XLA's buffer assignment counts it)} or the error."""
+    from rhino_jax.hlo_passes.compiled_cost import price_compiled
     out = {}
 
     def priced(compiled) -> tuple[float, float]:
@@ -259,12 +271,7 @@ def compile_and_price(step, args, mesh, lowered) -> dict:
         out["rhino_jax"] = f"{type(e).__name__}: {e}"[:300]
     for method in HAND:
         try:
-            state = jax.tree_util.tree_map_with_path(
-                lambda p, x: NamedSharding(mesh, hand_state_spec(method, p, x, axes, sizes)), args[:2])
-            batch = NamedSharding(mesh, P(axes[:-1] if method == "FSDP x tensor parallel" else axes))
-            loss = NamedSharding(mesh, P())
-            compiled = jax.jit(step, in_shardings=(*state, batch), out_shardings=(*state, loss)).lower(*args).compile()
-            out[method] = priced(compiled)
+            out[method] = priced(compile_hand(step, args, mesh, method))
         except Exception as e:  # noqa: BLE001
             out[method] = f"{type(e).__name__}: {e}"[:300]
     return out
