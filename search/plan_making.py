@@ -72,6 +72,18 @@ def _shared_path(reached: dict[ShardingSpec, tuple[ShardingSpec, ...]], dst: Sha
     return way[:-1], path
 
 
+def _seen_as_constant(graph: Graph, u: Unit, pos: int) -> bool:
+    """A constant operand XLA must see as the constant it is, not pinned: a prefix scan's inits.
+    XLA's GPU compiler rewrites a `chlo.scan` whose inits are the reduction's identity into a
+    tree of reduce-windows; a pinned init reaches it as a copy, and the scan is run as a loop of
+    one element per trip instead (an MoE router's cumsum over 256 tokens: 256 trips of 5 kernels
+    each, where jax.jit's program has a few fusions). The scan's rows decide its inits' layout."""
+    if u.kind != "node":
+        return False
+    node = graph.nodes[u.ref]
+    return node.op == "chlo.scan" and pos >= len(node.operands) // 2
+
+
 def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, stats,
               prices: Prices) -> Plan:
     chosen: dict[int, Strategy] = {}
@@ -106,7 +118,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
         for pos, v in enumerate(u.operands):
             needs |= after.get(v, 0) | layout_after.get((v, s.operands[pos]), 0)
             if graph.values[v].constant and graph.values[v].shape and not s.operands[pos].partial \
-                    and u.kind in ("node", "slot"):
+                    and u.kind in ("node", "slot") and not _seen_as_constant(graph, u, pos):
                 # built locally, but split like its reader: left unpinned, XLA's partitioner may
                 # split it over an axis the plan leaves idle and add collectives to undo that (on
                 # (2, 8), an embedding gradient's zeros split over hosts cost an all-reduce and a
