@@ -17,6 +17,10 @@ programs in its schedule, `compiled_step_s`); the Megatron row beside op_trans i
   puts it whole on stage 1.
 - op_order: pipeline=2 with 4 micro-batches, GPipe written as ordering constraints (forwards
   then backwards, each in micro-batch order), against the default 1F1B.
+- coshard: another step, `third_party_models.remat_lm` (seq 512, batch 16, width 64, 4 heads,
+  2 blocks under `nn.remat`, clip + AdamW), on mesh (8,) ("data"): the attention without chunks,
+  in 2 and 4 chunks, and chunks="auto" under a memory limit of 20 MiB per device; its column of
+  compiled temporaries is what co-shard cuts.
 Needs jax's CUDA plugin (Python 3.12: `pip install -e '.[test]'`).
 """
 from __future__ import annotations
@@ -37,7 +41,7 @@ import rhino_jax as rj  # noqa: E402
 from rhino_jax.hlo_passes.compiled_cost import price_compiled  # noqa: E402
 
 from .compilers import devices  # noqa: E402
-from .third_party_models import linen_gpt  # noqa: E402
+from .third_party_models import linen_gpt, remat_lm  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 CLUSTER, MESH, NAMES = "8x-h100", (2, 4), ("data", "model")
@@ -45,6 +49,7 @@ MEGATRON = [rj.op_trans(f"*block?/attn/{w}/kernel", dims=-2, parts=4) for w in (
     rj.op_trans("*block?/attn/out/kernel", dims=-3, parts=4), rj.op_trans("*block?/fc1/kernel", dims=-1, parts=4),
     rj.op_trans("*block?/fc2/kernel", dims=-2, parts=4), rj.op_trans("*/head/kernel", dims=-1, parts=4)]
 PIPELINE = dict(pipeline=2, num_micro_batches=4)
+ATTENTION = "*MultiHeadDotProductAttention_0/*"
 
 
 def gpipe(p: int, m: int):
@@ -56,29 +61,32 @@ def gpipe(p: int, m: int):
         yield rj.Task("F", s, m - 1), rj.Task("B", s, 0)
 
 
-def _mesh():
-    return rj.device_mesh(MESH, NAMES, devices=devices("gpu", 8))
+def _mesh(shape=MESH, names=NAMES):
+    return rj.device_mesh(shape, names, devices=devices("gpu", 8))
 
 
-def _row(primitive: str, label: str, lowered, compiled_s: float, compiled_gib: float | None, search_s: float) -> dict:
+def _row(primitive: str, label: str, lowered, compiled_s: float, compiled_gib: float | None, search_s: float,
+         temp_mib: float | None = None) -> dict:
     plan = lowered.plan if lowered is not None else None
     return dict(primitive=primitive, plan=label, search_s=search_s,
                 predicted_ms=plan.cost.total_s * 1e3 if plan else None,
                 predicted_gib=plan.cost.memory_bytes / 2**30 if plan else None,
-                compiled_ms=compiled_s * 1e3, compiled_gib=compiled_gib,
+                compiled_ms=compiled_s * 1e3, compiled_gib=compiled_gib, compiled_temp_mib=temp_mib,
                 stages=[list(st.layers) for st in plan.stages] if plan else [],
                 in_flight=[st.in_flight for st in plan.stages] if plan else [])
 
 
-def _plan(case, primitive: str, label: str, **options) -> dict:
+def _plan(case, primitive: str, label: str, mesh=None, **options) -> dict:
     t0 = time.perf_counter()
-    lowered = rj.parallelize(case.step, mesh=_mesh(), cluster=CLUSTER, progress=False, **options).lower(*case.args)
+    lowered = rj.parallelize(case.step, mesh=mesh or _mesh(), cluster=CLUSTER, progress=False,
+                             **options).lower(*case.args)
     search_s = time.perf_counter() - t0
     compiled = lowered.compile()
     if options.get("pipeline"):
         return _row(primitive, label, lowered, compiled.compiled_step_s(), None, search_s)
     cost = price_compiled(compiled._executable, CLUSTER, case.dtype)
-    return _row(primitive, label, lowered, cost.total_s, cost.memory.total / 2**30, search_s)
+    return _row(primitive, label, lowered, cost.total_s, cost.memory.total / 2**30, search_s,
+                cost.memory.temp_bytes / 2**20)
 
 
 def _megatron_by_hand(case) -> dict:
@@ -110,19 +118,33 @@ def measure() -> list[dict]:
             _plan(case, "op_assign", "op_assign('*block2/*', stage=1)",
                   constraints=[rj.op_assign("*block2/*", stage=1)], **PIPELINE),
             _plan(case, "op_order", "1F1B (schedule=)", **PIPELINE),
-            _plan(case, "op_order", "GPipe as op_order", constraints=[rj.op_order(gpipe)], **PIPELINE)]
+            _plan(case, "op_order", "GPipe as op_order", constraints=[rj.op_order(gpipe)], **PIPELINE),
+            *_coshard_rows()]
+
+
+def _coshard_rows() -> list[dict]:
+    case, mesh = remat_lm(), _mesh((8,), ("data",))
+    rows = [_plan(case, "coshard", "remat_lm, no chunks", mesh)]
+    for chunks in (2, 4):
+        rows.append(_plan(case, "coshard", f"coshard(attention, chunks={chunks})", mesh,
+                          constraints=[rj.coshard(ATTENTION, chunks=chunks)]))
+    auto = _plan(case, "coshard", "coshard(attention, chunks='auto'), memory limit 20 MiB", mesh,
+                 constraints=[rj.coshard(ATTENTION)], memory_limit_bytes=20 << 20)
+    return rows + [auto]
 
 
 def table(rows: list[dict]) -> str:
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
     lines = ["| primitive | plan | search s | predicted ms | predicted GiB/dev | GPU-compiled ms | compiled GiB/dev "
-             "| stages (layers; micro-batches in flight) |", "|---|---|---|---|---|---|---|---|"]
+             "| compiled temporaries MiB/dev | stages (layers; micro-batches in flight) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         stages = "; ".join(f"{', '.join(layers)} ({n})" for layers, n in zip(r["stages"], r["in_flight"])) or "-"
         lines.append(f"| {r['primitive']} | {r['plan']} | {num(r['search_s'] or None, '.1f')} | "
                      f"{num(r['predicted_ms'], '.3f')} | {num(r['predicted_gib'], '.3f')} | "
-                     f"{num(r['compiled_ms'], '.3f')} | {num(r['compiled_gib'], '.3f')} | {stages} |")
+                     f"{num(r['compiled_ms'], '.3f')} | {num(r['compiled_gib'], '.3f')} | "
+                     f"{num(r.get('compiled_temp_mib'), '.1f')} | {stages} |")
     return "\n".join(lines)
 
 
@@ -137,7 +159,8 @@ def main() -> None:
         "blocks, seq 128, batch 16), 8 described H100s, mesh (2, 4), preset 8x-h100, O2. Predicted: the "
         "plan's cost model; GPU-compiled: the programs XLA's GPU compiler makes for the plan, priced from "
         "their HLO (a pipeline: its programs in its schedule). A pipeline's compiled memory is not summed "
-        "here (its programs run beside each other).\n\n" + text + "\n")
+        "here (its programs run beside each other). The coshard rows are another step and mesh: `remat_lm` "
+        "(seq 512, 2 blocks under nn.remat) on (8,).\n\n" + text + "\n")
 
 
 if __name__ == "__main__":

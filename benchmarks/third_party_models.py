@@ -158,6 +158,47 @@ def linen_bf16() -> Case:
     return _linen_lm("linen_bf16", GPT(dtype=jnp.bfloat16), optax.adamw(1e-3, weight_decay=0.1), "bfloat16")
 
 
+class SizedBlock(nn.Module):
+    """A pre-LN block of any width and heads (`remat_lm`); the attention has no biases."""
+
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, use_bias=False, deterministic=True)(
+            nn.LayerNorm()(x), mask=mask)
+        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))))
+
+
+class RematLM(nn.Module):
+    """A decoder LM whose blocks are recomputed in the backward pass (`nn.remat`)."""
+
+    vocab: int
+    width: int
+    heads: int
+    layers: int
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        for _ in range(self.layers):
+            x = nn.remat(SizedBlock)(self.heads)(x)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def remat_lm(batch: int = 16, seq: int = 512, vocab: int = 256, width: int = 64, heads: int = 4,
+             layers: int = 2) -> Case:
+    """Co-shard's case (issue 32): long sequences, few heads, blocks under remat, so that the
+    attention's [batch, heads, seq, seq] tensors are most of the step's temporaries; clip + AdamW."""
+    model = RematLM(vocab, width, heads, layers)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    batch_ = {"tokens": jax.random.randint(k1, (batch, seq), 0, vocab, jnp.int32),
+              "targets": jax.random.randint(k2, (batch, seq), 0, vocab, jnp.int32)}
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    return _linen_case("remat_lm", model, tx, batch_, "tokens", _cross_entropy(model, "tokens", "targets"), ())
+
+
 # ------------------------------------------------------------------------------ Flax NNX
 
 

@@ -3,7 +3,7 @@ from rhino_jax.runtime.schedules import Task
 from rhino_jax.search.cluster import A100_8X, H100_8X, H200_8X, M8_V100, Cluster
 
 from .annotate import annotate
-from .constraints import op_assign, op_order, op_trans
+from .constraints import coshard, op_assign, op_order, op_trans
 from .api import Compiled, Lowered, Parallelized, parallelize
 from .errors import (ConstraintError, MemoryLimitError, MeshError, NoFeasibleMeshError, RhinoError, ShardingPinError,
                      SolverError, SolverTimeLimitWarning, TracedCallWarning)
@@ -16,7 +16,7 @@ __all__ = [
     "parallelize", "annotate", "device_mesh", "gpu_topology", "Plan", "PlanCost", "Lowered", "Compiled",
     "Parallelized", "Cluster", "M8_V100", "H100_8X", "H200_8X", "A100_8X", "RhinoError", "ShardingPinError",
     "SolverError", "MeshError", "SolverTimeLimitWarning", "NoFeasibleMeshError", "MemoryLimitError",
-    "DescribedDeviceError", "MeshCandidate", "TracedCallWarning", "diff", "op_trans", "op_assign", "op_order", "Task",
+    "DescribedDeviceError", "MeshCandidate", "TracedCallWarning", "diff", "op_trans", "op_assign", "op_order", "coshard", "Task",
     "ConstraintError",
 ]
 __version__ = "0.1.0"

@@ -28,8 +28,8 @@ from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import compile_module
 from rhino_jax.search import progress as search_progress
-from rhino_jax.search.cluster import BACKENDS, MeshTopology, get_cluster
-from rhino_jax.search.constraints import OpAssign, check_matched
+from rhino_jax.search.cluster import BACKENDS, get_cluster
+from rhino_jax.search.constraints import CoShard, OpAssign, check_matched
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
 from .constraints import OpOrder
@@ -37,7 +37,8 @@ from .errors import ConstraintError, MeshError, SolverInterruptedWarning, Traced
 from .explain import SearchInputs
 from .gpu_topology import described_mesh, refuse_described
 from .mesh import auto_axes, context_mesh
-from .mesh_search import plan_on, search_meshes
+from . import coshard_search
+from .mesh_search import search_meshes
 from .controller import choose
 from .micro_batched import MicroBatchedLowered
 from .multiprocess import agree
@@ -303,6 +304,11 @@ class Parallelized:
             least = max([2] + [c.stage + 1 for c in staged if isinstance(c, OpAssign)])
             raise ConstraintError(f"{staged[0]} is about pipeline stages, and this plan has none: pass "
                                   f"pipeline={least} (or 'auto') with num_micro_batches")
+        coshards = [c for c in options.constraints if isinstance(c, CoShard)]
+        if coshards and (options.num_micro_batches > 1 or pipelined or self.mesh is None):
+            raise ConstraintError(f"{coshards[0]} runs on one SPMD program over a given mesh: with pipelines, "
+                                  "micro-batches or mesh=None it is not built yet; pass mesh= and leave pipeline and "
+                                  "num_micro_batches at their defaults")
         if options.num_micro_batches > 1 or pipelined:
             if self.mesh is None:
                 raise MeshError("num_micro_batches > 1 and pipeline need a mesh: pass mesh=rj.device_mesh(...)")
@@ -316,12 +322,13 @@ class Parallelized:
                                  call.positions)
             graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
             if self.given_plan is not None:  # a saved plan: no search, once it is shown to fit
+                step, graph = coshard_search.replay(step, graph, self.given_plan, options.constraints)
                 self.given_plan.check_matches(PlanTarget.of(step, mesh, donated_leaves(call)))
                 plan = self.given_plan
             else:
                 check_matched(options.constraints, graph)
                 cluster = get_cluster(options.cluster, list(mesh.devices.flat))
-                plan = plan_on(graph, MeshTopology.from_mesh(mesh, cluster), cluster, options, mesh)
+                step, graph, plan = coshard_search.plan_with_coshards(step, graph, mesh, cluster, options)
         tree = jax.tree.structure((call.args, call.kwargs))
         out_tree = step.lowered.out_tree
         named_on = self.user_mesh if mesh is self.mesh and self.user_mesh is not None else mesh
@@ -401,9 +408,10 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh | None 
     (elapsed, what it does, the best predicted step so far); False or RHINO_JAX_PROGRESS=0: none.
     `constraints`: nnScaler's primitives, a list of `rj.op_trans(...)` (what the named ops and
     arguments may be split along, into how many parts, or not at all), `rj.op_assign(...)` (the
-    pipeline stage of the named forward ops) and `rj.op_order(...)` (the pipeline's schedule as
-    ordering pairs of tasks); one that names nothing, leaves an op no strategy, or asks for
-    stages of an SPMD plan is a `ConstraintError`.
+    pipeline stage of the named forward ops), `rj.op_order(...)` (the pipeline's schedule as
+    ordering pairs of tasks) and `rj.coshard(...)` (the named ops run in chunks one after
+    another, for memory); one that names nothing, leaves an op no strategy, asks for stages of
+    an SPMD plan or chunks no dim of the named ops divides is a `ConstraintError`.
 
     `plan`: a saved plan (`Plan.load(path)`, or the path) to run without a search; it must have
     been made for this step and mesh (`Plan.check_matches`: PlanTargetError otherwise), and is

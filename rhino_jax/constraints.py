@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from rhino_jax.runtime.schedules import Task
-from rhino_jax.search.constraints import OpAssign, OpTrans
+from rhino_jax.search.constraints import CoShard, OpAssign, OpTrans
 
 from .errors import ConstraintError
 
@@ -53,6 +53,23 @@ def op_assign(where: str, stage: int) -> OpAssign:
     if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
         raise ConstraintError(f"op_assign({where!r}): stage must be an int >= 0 (0 the first stage), got {stage!r}")
     return OpAssign(where, stage)
+
+
+def coshard(where: str, chunks: int | str = "auto") -> CoShard:
+    """Co-shard (nnScaler, seeds/002 §4.2): the ops `where` names (a glob, as for `op_trans`) run
+    as `chunks` chunks one after another on the same devices, each on a 1/chunks slice of a dim
+    they all share (an attention's heads or batch), so that the values they make and drop take
+    about 1/chunks of the memory while they run; the results and the plan's communication stay
+    as they were. It goes with recomputation (`nn.remat`, `jax.checkpoint`): what the chunks
+    keep for the backward pass is not cut. The ops between two named ones join them; the named
+    ops form groups (a block's forward, its recomputed forward, its backward), each cut on the
+    dim that the plan without chunks splits least over the mesh. `chunks="auto"`: the search
+    tries 1 (no chunks), 2, 4, ... and keeps the fastest plan within `memory_limit_bytes`.
+    Not with pipelines or micro-batches yet."""
+    _check_where("coshard", where)
+    if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2):
+        raise ConstraintError(f"coshard({where!r}): chunks must be an int >= 2 or 'auto', got {chunks!r}")
+    return CoShard(where, chunks)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ class Options:
     strided_specs: bool = True
     # A one-line progress display on stderr for searches longer than a few seconds (`search.progress`).
     progress: bool = True
-    # The user's constraints on the search space (`rj.op_trans`, `rj.op_assign`, `rj.op_order`), in order.
+    # The user's constraints on the search space (`rj.op_trans`, `rj.op_assign`, `rj.op_order`, `rj.coshard`),
+    # in order.
     constraints: tuple[Named | OpOrder, ...] = ()
     # Set by `within`, not by users: the `time.perf_counter()` time this share of a step's time
     # limit ends, so a budget made from it (`budget_of`) counts from the share's start.
@@ -68,8 +69,8 @@ class Options:
             raise ValueError(f"strided_specs must be True or False, got {self.strided_specs!r}")
         constraints = (self.constraints,) if isinstance(self.constraints, (Named, OpOrder)) else self.constraints
         if not isinstance(constraints, (list, tuple)) or not all(isinstance(c, (Named, OpOrder)) for c in constraints):
-            raise ConstraintError(f"constraints must be a list of rj.op_trans(...), rj.op_assign(...) and "
-                                  f"rj.op_order(...), e.g. [rj.op_trans('*Attention*', replicate=True)]; "
+            raise ConstraintError(f"constraints must be a list of rj.op_trans(...), rj.op_assign(...), "
+                                  f"rj.op_order(...) and rj.coshard(...), e.g. [rj.op_trans('*Attention*', replicate=True)]; "
                                   f"got {self.constraints!r}")
         if self.schedule != "1f1b" and any(isinstance(c, OpOrder) for c in constraints):
             raise ConstraintError(f"schedule={self.schedule!r} and rj.op_order both give the pipeline's schedule; "

@@ -351,6 +351,15 @@ class Plan:
             if self.constrained():
                 lines.append("constraints     " + "; ".join(f"{c} on {n} ops and arguments"
                                                             for c, n in self.constrained().items()))
+            if s.get("coshard_candidates"):
+                cut = s.get("coshard", [])
+                groups = {}
+                for c in cut:
+                    groups[c["constraint"]] = groups.get(c["constraint"], 0) + 1
+                lines.append("co-shard        " + ("; ".join(f"{c}: {n} groups in {cut[0]['chunks']} chunks"
+                                                          for c, n in groups.items()) if cut else "no chunks")
+                             + " (tried: " + "; ".join(f"{n} chunk{'s' * (n > 1)} {t * 1e3:.4g} ms, {m / 2**20:.1f} MiB"
+                                                      for n, t, m in s["coshard_candidates"]) + ")")
             if s.get("strided_values"):
                 lines.append(f"strided specs   {s['strided_values']} values held at a non-maximum stride "
                              "(split dims in the compiled program), e.g. " + ", ".join(s["strided_examples"]))

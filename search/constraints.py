@@ -78,6 +78,17 @@ class OpAssign(Named):
         return f"op_assign({self.where!r}, stage={self.stage})"
 
 
+@dataclass(frozen=True)
+class CoShard(Named):
+    """`rj.coshard`: the ops `where` names run as `chunks` chunks one after another on the same
+    devices (`hlo_passes.coshard`); "auto": the search picks the number."""
+
+    chunks: int | str = "auto"
+
+    def __str__(self) -> str:
+        return f"coshard({self.where!r}, chunks={self.chunks!r})"
+
+
 def _glob(where: str) -> re.Pattern:
     """`*` any run of characters, `?` one; everything else literal (argument paths hold brackets,
     which fnmatch would read as character classes)."""

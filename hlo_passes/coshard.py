@@ -1,0 +1,432 @@
+"""Co-shard (nnScaler, seeds/002 §4.2): named ops run as C chunks, one after another, on the
+same devices, so that what they make and drop inside takes about 1/C of the memory.
+
+A group is a connected set of the ops a `rj.coshard` glob names (ops of @main's top level with a
+sharding rule, `search.rules`), closed under paths: no value leaves it and comes back. Chunking
+a group splits one loop of each op into C contiguous blocks, the same way sharding splits it
+over a mesh axis of size C, except over time: every value the group makes is cut on the dim
+that loop indexes (through reshapes as `strides.map_reshape` maps a layout), the values it
+reads from outside are sliced there or read whole, and a value that leaves the group is put
+back together: concatenated, or, where the loop is a sum the op reduces over (a weight's
+gradient over the batch, an attention output's projection over the heads), added up. Chunk k+1
+starts after chunk k has ended: its inputs pass through one `optimization_barrier` with chunk
+k's results, so XLA cannot interleave the chunks and hold them all.
+
+The rewritten module is what the search then plans (`rhino_jax.coshard_search`): it prices the
+chunks' ops, their slices and sums, and its memory model (liveness in program order) sees one
+chunk's temporaries live at a time.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import dataclasses
+from dataclasses import dataclass
+
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+
+from ..search.rules import ELEMENTWISE, loop_space
+from ..search.specs import ShardingSpec
+from ..search.strides import map_reshape
+from . import module as mod
+from .graph import Graph, Node
+
+# Ops a chunk may hold: a loop space whose attributes name no size of a split dim (a slice's
+# limits are rewritten). Loops, conditionals, gathers and scatters stay outside.
+_CHUNKABLE = ELEMENTWISE | {f"stablehlo.{k}" for k in (
+    "broadcast_in_dim", "transpose", "reshape", "dot_general", "reduce", "slice", "concatenate", "pad")} | {
+    "sdy.sharding_constraint"}
+SUM = -1  # the dim of a value that leaves a group as a sum over its chunks
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """One group cut into `chunks`: `dims[value]` the dim of each value the group makes that is
+    cut (`SUM`: added up over the chunks), `reads[node, operand]` the dim each operand
+    made outside the group is sliced on (None: read whole)."""
+
+    nodes: tuple[int, ...]
+    chunks: int
+    dims: dict[int, int]
+    reads: dict[tuple[int, int], int | None]
+    seed: int  # the group's largest value (the first made of equal ones): its cut names the cut
+    name: str  # the group's first op, for the report
+    copies: tuple[int, ...] = ()  # ops of earlier groups each chunk computes again (`recomputed`)
+
+    def describe(self, graph: Graph) -> str:
+        shape: list = list(graph.values[self.seed].shape)
+        shape[self.dims[self.seed]] = f"{shape[self.dims[self.seed]]}/{self.chunks}"
+        return f"{len(self.nodes)} ops from {self.name}: {self.chunks} chunks, largest value [{', '.join(map(str, shape))}]"
+
+
+def groups(graph: Graph, named: Callable[[str], bool]) -> list[tuple[int, ...]]:
+    """The groups of ops `named` names (and of the unnamed ops between two of them): connected
+    through the values they pass each other, cut where a path leaves the group and comes back
+    (a remat's recomputed forward and the backward after the layers between). Ops in program
+    order; groups by their first op."""
+    eligible = {n.id for n in graph.nodes if _chunkable(n) and named(n.name)
+                and not all(graph.values[r].constant for r in n.results)}
+    producer = {r: n.id for n in graph.nodes for r in n.results}
+    consumers = graph.consumers()
+    # An unnamed op between named ones joins them (Flax's masking `select_n` has no name scope).
+    eligible |= {n.id for n in graph.nodes if n.id not in eligible and _chunkable(n)
+                 and any(producer.get(o) in eligible for o in n.operands)
+                 and any(c in eligible for r in n.results for c in consumers[r])}
+    parent = {n: n for n in eligible}
+
+    def find(n: int) -> int:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in sorted(eligible):
+        for o in graph.nodes[n].operands:
+            p = producer.get(o)
+            if p in eligible:
+                parent[find(n)] = find(p)
+    members: dict[int, list[int]] = {}
+    for n in sorted(eligible):
+        members.setdefault(find(n), []).append(n)
+    out = []
+    for nodes in members.values():
+        out += _convex_parts(graph, nodes)
+    return sorted(out)
+
+
+def _chunkable(n: Node) -> bool:
+    return n.op in _CHUNKABLE and n.trips == 1 and "branch" not in n.attrs
+
+
+def _convex_parts(graph: Graph, nodes: list[int]) -> list[tuple[int, ...]]:
+    """`nodes` cut into parts that no path leaves and re-enters: in program order, an op joins the
+    current part unless it reads (through ops outside) a value the part made and then let out."""
+    parts: list[list[int]] = [[]]
+    inside: set[int] = set()
+    tainted: set[int] = set()  # values outside the current part that depend on it
+    first = nodes[0]
+    members = set(nodes)
+    for node in graph.nodes[first:nodes[-1] + 1]:
+        if node.id in members:
+            if any(o in tainted for o in node.operands):
+                parts.append([])
+                inside, tainted = set(), set()
+            parts[-1].append(node.id)
+            inside.update(node.results)
+        elif any(o in inside or o in tainted for o in node.operands):
+            tainted.update(node.results)
+    return [tuple(p) for p in parts if p]
+
+
+def chunkings(graph: Graph, nodes: Sequence[int], chunks: int, copies: Sequence[int] = ()) -> list[Chunking]:
+    """Every way to cut the group into `chunks`: one per dim of its largest value that the cut
+    reaches consistently through every op (a dim of every value the group keeps to itself,
+    divisible by `chunks`); none when no dim can be. An op that reads nothing the group makes
+    (a transpose of the incoming gradient) and cannot be cut so is left out, run whole before
+    the chunks. A group whose every value leaves it (nothing to save while it runs) gets none.
+    `copies`: ops of earlier groups the chunks compute again for themselves (`recomputed`)."""
+    consumers = graph.consumers()
+    made = [r for n in nodes for r in graph.nodes[n].results]
+    if all(r in graph.outputs or any(c not in nodes for c in consumers[r]) for r in made):
+        return []
+    seed = max(made + [r for n in copies for r in graph.nodes[n].results], key=lambda v: graph.values[v].nbytes)
+    out = []
+    for d, size in enumerate(graph.values[seed].shape):
+        kept = sorted(set(nodes) | set(copies))
+        while size % chunks == 0:
+            found = _propagate(graph, kept, consumers, seed, d, chunks)
+            if isinstance(found, Chunking):
+                mine = tuple(n for n in found.nodes if n not in copies)
+                out.append(dataclasses.replace(found, nodes=mine, copies=tuple(n for n in found.nodes if n in copies),
+                                               name=graph.nodes[mine[0]].name))
+                break
+            if found in copies or not _reads_nothing_of(graph, found, kept) or seed in graph.nodes[found].results:
+                break
+            kept.remove(found)
+    return out
+
+
+def recomputed(graph: Graph, groups: Sequence[tuple[int, ...]], k: int) -> tuple[int, ...]:
+    """The ops of earlier groups that make what group k reads from them: its chunks can make
+    those values again, each its own slice, instead of reading them whole (co-shard goes with
+    recomputation: a remat's recomputed attention probabilities are not held whole for the
+    backward pass, each backward chunk recomputes its own)."""
+    earlier = {r: g for g in groups[:k] for n in g for r in graph.nodes[n].results}
+    owner = {n: g for g in groups[:k] for n in g}
+    wanted = [o for n in groups[k] for o in graph.nodes[n].operands if o in earlier]
+    out: set[int] = set()
+    while wanted:
+        v = wanted.pop()
+        n = graph.values[v].producer
+        if n in out:
+            continue
+        out.add(n)
+        wanted += [o for o in graph.nodes[n].operands if o in earlier and owner.get(graph.values[o].producer) is owner[n]]
+    return tuple(sorted(out))
+
+
+def _reads_nothing_of(graph: Graph, node: int, nodes: Sequence[int]) -> bool:
+    """The op reads no value the ops `nodes` make: left out of them, it runs before them."""
+    made = {r for n in nodes for r in graph.nodes[n].results}
+    return not any(o in made for o in graph.nodes[node].operands)
+
+
+def _propagate(graph: Graph, nodes: Sequence[int], consumers, seed: int, dim: int, chunks: int) -> Chunking | int:
+    """The cut that puts `seed` in chunks on `dim`, carried to every op of the group; else the op
+    where it fails (a dim not divisible, a value made in chunks that it needs whole, a sum over
+    the chunks that feeds anything but a transpose, reshape or add of sums)."""
+    members = set(nodes)
+    producer = {r: n for n in nodes for r in graph.nodes[n].results}
+    dims: dict[int, int] = {seed: dim}
+    reads: dict[tuple[int, int], int | None] = {}
+    todo = [producer[seed]] + [c for c in consumers[seed] if c in members]
+    done: set[int] = set()
+    while todo:
+        n = todo.pop()
+        if n in done:
+            continue
+        node = graph.nodes[n]
+        cut = _cut_node(graph, node, dims, producer, chunks)
+        if cut is None:
+            return n
+        if cut is _WAIT:
+            continue  # queued again when a value it touches gets its dim
+        done.add(n)
+        for pos, d in cut["reads"].items():
+            reads[n, pos] = d
+        for v, d in cut["values"].items():
+            if dims.get(v, d) != d:
+                return n
+            if v not in dims:
+                dims[v] = d
+                todo += ([producer[v]] if v in producer else []) + [c for c in consumers[v] if c in members]
+    left = [n for n in nodes if n not in done]
+    if left:
+        return left[0]
+    return Chunking(tuple(nodes), chunks, dims, reads, seed, graph.nodes[nodes[0]].name)
+
+
+_WAIT = {"values": {}, "reads": {}}  # not enough known yet to cut the op
+# Ops that pass a sum over the chunks on as one: each chunk's addend goes through them exactly.
+_SUM_PRESERVING = {"stablehlo.transpose", "stablehlo.reshape", "stablehlo.add"}
+
+
+def _cut_node(graph: Graph, node: Node, dims: dict[int, int], producer, chunks: int) -> dict | None:
+    """How one op is cut, given the dims already known of the values it reads and makes:
+    {"values": {value the group makes: dim}, "reads": {operand position read from outside: dim or
+    None}}; None where the known dims disagree or the op cannot be cut so; `_WAIT` where nothing
+    known fixes its loop yet."""
+    inside = [o in producer for o in node.operands]
+    summed = [v for v in node.operands + node.results if v in producer and dims.get(v) == SUM]
+    if any(v in node.operands for v in summed) or summed and node.op in _SUM_PRESERVING:
+        # A sum over the chunks passes through exact linear ops, each chunk's addend on its own.
+        if node.op not in _SUM_PRESERVING or not all(inside):
+            return None
+        return {"values": {v: SUM for v in node.operands + node.results}, "reads": {}}
+    if node.op == "stablehlo.reshape":
+        (x,), (y,) = node.operands, node.results
+        src, dst = graph.values[x].shape, graph.values[y].shape
+        if y in dims:
+            d = _map_dim(dims[y], dst, src, chunks)
+            if d is None:
+                return None
+            return {"values": {y: dims[y]} | ({x: d} if inside[0] else {}), "reads": {} if inside[0] else {0: d}}
+        if x not in dims:
+            return _WAIT
+        d = _map_dim(dims[x], src, dst, chunks)
+        return None if d is None else {"values": {y: d}, "reads": {}}
+    space = loop_space(node, graph)
+    if space is None:
+        return None
+    loop = None
+    for tensors, values in ((space.operands, node.operands), (space.results, node.results)):
+        for spec, v in zip(tensors, values):
+            if v in dims and v in producer and dims[v] != SUM:
+                if not spec or spec[dims[v]] is None or loop not in (None, spec[dims[v]]):
+                    return None
+                loop = spec[dims[v]]
+    if loop is None:
+        return _WAIT
+    values, reads = {}, {}
+    for pos, (spec, v) in enumerate(zip(space.operands, node.operands)):
+        at = [i for i, l in enumerate(spec) if l == loop]
+        if len(at) > 1:
+            return None
+        d = at[0] if at else None
+        if inside[pos]:
+            if d is None:
+                return None  # every chunk would need the whole of a value made in chunks
+            values[v] = d
+        elif d is not None and graph.values[v].shape[d] % chunks:
+            return None
+        else:
+            reads[pos] = d
+    for spec, v in zip(space.results, node.results):
+        at = [i for i, l in enumerate(spec) if l == loop]
+        if len(at) > 1:
+            return None
+        if at:
+            if graph.values[v].shape[at[0]] % chunks:
+                return None
+            values[v] = at[0]
+        elif space.reduce_kind in ("sum", "sum_at_once") and _starts_at_zero(graph, node):
+            values[v] = SUM  # reduced over the cut loop: each chunk makes an addend
+        else:
+            return None
+    return {"values": values, "reads": reads}
+
+
+def _starts_at_zero(graph: Graph, node: Node) -> bool:
+    """A reduce's inits are zeros (each chunk's addend would add them again otherwise)."""
+    if node.op != "stablehlo.reduce":
+        return True
+    inits = node.operands[len(node.operands) // 2:]
+    return all(graph.values[v].constant and _zero(graph, v) for v in inits)
+
+
+def _zero(graph: Graph, v: int) -> bool:
+    node = graph.nodes[graph.values[v].producer] if graph.values[v].producer >= 0 else None
+    while node is not None and node.op in ("stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
+        node = graph.nodes[graph.values[node.operands[0]].producer]
+    return node is not None and node.op == "stablehlo.constant" and node.attrs.get("zero", False)
+
+
+def _map_dim(dim: int, src: tuple[int, ...], dst: tuple[int, ...], chunks: int) -> int | None:
+    """The dim of reshape(x, dst) that holds x's chunks on `dim` as contiguous blocks, as the
+    layout of a split over an axis of `chunks` maps (`strides.map_reshape`); None if none does."""
+    if dim == SUM:
+        return None
+    spec = ShardingSpec(tuple(("chunk",) if d == dim else () for d in range(len(src))))
+    mapped = map_reshape(spec, src, dst, {"chunk": chunks})
+    if mapped is None or mapped.strides:
+        return None
+    return mapped.dim_of("chunk")
+
+
+# ------------------------------------------------------------------------------ the rewrite
+
+
+def chunk(module: ir.Module, graph: Graph, plans: Sequence[Chunking]) -> ir.Module:
+    """A copy of the (inlined) module `graph` was imported from with each group of `plans` run in
+    its chunks (see the module's doc). Later groups first: their chunks may copy the ops of
+    earlier ones (`Chunking.copies`), which must still be there."""
+    new = mod.copy_module(module)
+    ops = [site.op for site in mod.entry_sites(new)]
+    table = mod.value_table(new)
+    with new.context, ir.Location.unknown():
+        for plan in sorted(plans, key=lambda p: -p.nodes[0]):
+            _chunk_group(graph, ops, plan, table)
+    return new
+
+
+def _chunk_group(graph: Graph, all_ops: list[ir.Operation], plan: Chunking, table: list[ir.Value]) -> None:
+    c = plan.chunks
+    ops = [all_ops[n].operation for n in plan.nodes]
+    mine_ops = set(ops)
+    block = ops[0].block
+    order = {op: i for i, op in enumerate(block.operations)}
+    # Block order, not node order: a later group's rewrite may have moved some of these ops.
+    first, last = min(order[op] for op in ops), max(order[op] for op in ops)
+    run = sorted(plan.nodes + plan.copies)  # what each chunk computes, in program order
+    made = {table[v]: v for n in run for v in graph.nodes[n].results}
+    constant = {table[v.id] for v in graph.values if v.constant}
+    # What leaves the group: read by an op outside it now (a later group's chunks may have taken
+    # over all the readers of a value).
+    leaving = [v for n in plan.nodes for v in graph.nodes[n].results
+               if any(use.owner.operation not in mine_ops for use in table[v].uses)]
+    # Ops between the group's first and last that read what it lets out move after it, with what reads them.
+    later, tainted = [], {table[v] for v in leaving}
+    for op in list(block.operations)[first:last]:
+        op = op.operation
+        if op not in mine_ops and any(v in tainted for v in _reads(op)):
+            later.append(op)
+            tainted.update(op.results)
+    anchor = list(block.operations)[last + 1].operation if last + 1 < len(block.operations) else None
+    ip = ir.InsertionPoint(anchor)
+    loc = ops[0].location
+    previous: list[ir.Value] = []  # the last chunk's values that leave the group
+    pieces: dict[int, list[ir.Value]] = {v: [] for v in leaving}
+    for k in range(c):
+        sliced: dict[tuple, ir.Value] = {}
+        for n in run:
+            op = all_ops[n].operation
+            for pos, operand in enumerate(op.operands):
+                if operand in made:
+                    continue
+                key = (operand, plan.reads.get((n, pos)))
+                if key not in sliced:
+                    sliced[key] = operand if key[1] is None else _slice(operand, key[1], k, c, ip, op.location)
+        # Constants are left out of the barrier: XLA builds them inside their readers' fusions.
+        keys = [key for key in sliced if key[0] not in constant]
+        if previous:  # chunk k starts once chunk k-1 has made what leaves it
+            barrier = hlo.OptimizationBarrierOp(previous + [sliced[key] for key in keys], ip=ip, loc=loc)
+            held = list(barrier.results)
+            for v, value in zip(leaving, held[:len(previous)]):
+                pieces[v][-1] = value
+            sliced.update(zip(keys, held[len(previous):]))
+        mine: dict[ir.Value, ir.Value] = {}
+        for n in run:
+            op = all_ops[n].operation
+            clone = op.clone(ip=ip)
+            for pos, operand in enumerate(op.operands):
+                clone.operands[pos] = mine[operand] if operand in made else sliced[operand, plan.reads.get((n, pos))]
+            for old, result in zip(op.results, clone.results):
+                d = plan.dims[made[old]]
+                if d != SUM:
+                    result.set_type(_cut_type(old.type, d, c))
+                mine[old] = result
+            if op.name == "stablehlo.slice":
+                _cut_limits(clone, plan.dims[made[op.results[0]]], c)
+        previous = [mine[table[v]] for v in leaving]
+        for v in leaving:
+            pieces[v].append(mine[table[v]])
+    for v in leaving:
+        whole = _join(pieces[v], plan.dims[v], ip, table[v].owner.location)
+        table[v].replace_all_uses_with(whole)
+    for op in later:
+        op.move_before(anchor)
+    for op in reversed(ops):
+        op.erase()
+
+
+def _reads(op: ir.Operation) -> list[ir.Value]:
+    """Every value `op` reads, in its regions too."""
+    out = list(op.operands)
+    for region in op.regions:
+        for b in region.blocks:
+            for inner in b.operations:
+                out += _reads(inner.operation)
+    return out
+
+
+def _cut_type(t: ir.Type, dim: int, chunks: int) -> ir.Type:
+    ranked = ir.RankedTensorType(t)
+    shape = list(ranked.shape)
+    shape[dim] //= chunks
+    return ir.RankedTensorType.get(shape, ranked.element_type)
+
+
+def _slice(value: ir.Value, dim: int, k: int, chunks: int, ip: ir.InsertionPoint, loc) -> ir.Value:
+    shape = list(ir.RankedTensorType(value.type).shape)
+    step = shape[dim] // chunks
+    start = [0] * len(shape)
+    limit = list(shape)
+    start[dim], limit[dim] = k * step, (k + 1) * step
+    return hlo.SliceOp(value, start, limit, [1] * len(shape), ip=ip, loc=loc).result
+
+
+def _cut_limits(op: ir.Operation, dim: int, chunks: int) -> None:
+    """A slice whose result is cut on `dim` reads that dim whole (its loop space keeps only
+    unsliced dims): its limit there is the chunk's size."""
+    limits = list(ir.DenseI64ArrayAttr(op.attributes["limit_indices"]))
+    limits[dim] //= chunks
+    op.attributes["limit_indices"] = ir.DenseI64ArrayAttr.get(limits)
+
+
+def _join(pieces: list[ir.Value], dim: int, ip: ir.InsertionPoint, loc) -> ir.Value:
+    if dim != SUM:
+        return hlo.ConcatenateOp(pieces, dim, ip=ip, loc=loc).result
+    total = pieces[0]
+    for p in pieces[1:]:
+        total = hlo.AddOp(total, p, ip=ip, loc=loc).result
+    return total
