@@ -50,13 +50,7 @@ class Chunking:
     dims: dict[int, int]
     reads: dict[tuple[int, int], int | None]
     seed: int  # the group's largest value (the first made of equal ones): its cut names the cut
-    name: str  # the group's first op, for the report
     copies: tuple[int, ...] = ()  # ops of earlier groups each chunk computes again (`recomputed`)
-
-    def describe(self, graph: Graph) -> str:
-        shape: list = list(graph.values[self.seed].shape)
-        shape[self.dims[self.seed]] = f"{shape[self.dims[self.seed]]}/{self.chunks}"
-        return f"{len(self.nodes)} ops from {self.name}: {self.chunks} chunks, largest value [{', '.join(map(str, shape))}]"
 
 
 def groups(graph: Graph, named: Callable[[str], bool]) -> list[tuple[int, ...]]:
@@ -136,9 +130,8 @@ def chunkings(graph: Graph, nodes: Sequence[int], chunks: int, copies: Sequence[
         while size % chunks == 0:
             found = _propagate(graph, kept, consumers, seed, d, chunks)
             if isinstance(found, Chunking):
-                mine = tuple(n for n in found.nodes if n not in copies)
-                out.append(dataclasses.replace(found, nodes=mine, copies=tuple(n for n in found.nodes if n in copies),
-                                               name=graph.nodes[mine[0]].name))
+                out.append(dataclasses.replace(found, nodes=tuple(n for n in found.nodes if n not in copies),
+                                               copies=tuple(n for n in found.nodes if n in copies)))
                 break
             if found in copies or not _reads_nothing_of(graph, found, kept) or seed in graph.nodes[found].results:
                 break
@@ -203,7 +196,7 @@ def _propagate(graph: Graph, nodes: Sequence[int], consumers, seed: int, dim: in
     left = [n for n in nodes if n not in done]
     if left:
         return left[0]
-    return Chunking(tuple(nodes), chunks, dims, reads, seed, graph.nodes[nodes[0]].name)
+    return Chunking(tuple(nodes), chunks, dims, reads, seed)
 
 
 _WAIT = {"values": {}, "reads": {}}  # not enough known yet to cut the op
@@ -281,21 +274,12 @@ def _starts_at_zero(graph: Graph, node: Node) -> bool:
     if node.op != "stablehlo.reduce":
         return True
     inits = node.operands[len(node.operands) // 2:]
-    return all(graph.values[v].constant and _zero(graph, v) for v in inits)
-
-
-def _zero(graph: Graph, v: int) -> bool:
-    node = graph.nodes[graph.values[v].producer] if graph.values[v].producer >= 0 else None
-    while node is not None and node.op in ("stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
-        node = graph.nodes[graph.values[node.operands[0]].producer]
-    return node is not None and node.op == "stablehlo.constant" and node.attrs.get("zero", False)
+    return all(graph.is_zero(v) for v in inits)
 
 
 def _map_dim(dim: int, src: tuple[int, ...], dst: tuple[int, ...], chunks: int) -> int | None:
     """The dim of reshape(x, dst) that holds x's chunks on `dim` as contiguous blocks, as the
     layout of a split over an axis of `chunks` maps (`strides.map_reshape`); None if none does."""
-    if dim == SUM:
-        return None
     spec = ShardingSpec(tuple(("chunk",) if d == dim else () for d in range(len(src))))
     mapped = map_reshape(spec, src, dst, {"chunk": chunks})
     if mapped is None or mapped.strides:

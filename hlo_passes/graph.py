@@ -124,6 +124,16 @@ class Graph:
                 users[o].append(n.id)
         return users
 
+    def is_zero(self, v: int) -> bool:
+        """Value v is a zero constant, maybe broadcast, reshaped or converted (a sum that starts
+        there may be cut into parts, each part's sum added up after)."""
+        producer = self.values[v].producer
+        while producer >= 0 and self.nodes[producer].op in ("stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                                                            "stablehlo.convert"):
+            producer = self.values[self.nodes[producer].operands[0]].producer
+        return producer >= 0 and self.nodes[producer].op == "stablehlo.constant" and \
+            self.nodes[producer].attrs.get("zero", False)
+
     def op_histogram(self) -> dict[str, int]:
         hist: dict[str, int] = {}
         for n in self.nodes:

@@ -46,20 +46,11 @@ def _check_carried_sums(graph: Graph, node, aggregate: set[int]) -> None:
     """A loop that adds per-example terms into a carried value (a scan's weight gradients) adds
     up over micro-batches like any sum, provided the carry starts at zero: else each micro-batch
     would add its start again."""
-    producer = {r: n for n in graph.nodes for r in n.results}
     ret = next(n for n in graph.nodes if n.attrs.get("loop_entry") == node.id)
     for slot, (init, inside, carried) in enumerate(zip(node.operands, node.results, ret.operands)):
-        if (inside in aggregate or carried in aggregate) and not _zero(init, producer):
+        if (inside in aggregate or carried in aggregate) and not graph.is_zero(init):
             raise StagingError(f"{node.name or 'a loop'} carries a sum over the batch (slot {slot}) that does not "
                                "start at zero; micro-batches would each add its start. Use num_micro_batches=1")
-
-
-def _zero(value: int, producer: dict) -> bool:
-    """The value is a zero constant, maybe broadcast, reshaped or converted."""
-    n = producer.get(value)
-    while n is not None and n.op in ("stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
-        n = producer.get(n.operands[0])
-    return n is not None and n.op == "stablehlo.constant" and n.attrs.get("zero", False)
 
 
 @dataclass(frozen=True)
@@ -108,7 +99,7 @@ def boundary(whole: Graph, micro: Graph) -> tuple[tuple[int, ...], scaling.Scali
     producer = {r: n for n in whole.nodes for r in n.results}
     try:
         scale, why_not = scaling.find(whole, per_example, aggregate,
-                                      {v.id: True for v in whole.values if _zero(v.id, producer)}), ""
+                                      {v.id: True for v in whole.values if whole.is_zero(v.id)}), ""
     except scaling.NotLinear as e:
         scale, why_not = None, f" (here {e})"
     spread = set(scale.sites) if scale else set()

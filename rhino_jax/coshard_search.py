@@ -55,7 +55,8 @@ def plan_with_coshards(step: LoweredStep, graph: Graph, mesh: Mesh, cluster: Clu
     groups = _groups(coshards, graph)
     counts = _candidates(coshards)
     budget = budget_of(options, len(counts) + 1)
-    progress.say("rhino_jax: co-shard: the plan without chunks, then %s chunks", " / ".join(map(str, counts)))
+    progress.say("rhino_jax: co-shard: the plan without chunks, then %s chunks",
+                 " / ".join(str(n) for n in counts if n > 1))
     free = plan_on(graph, topo, cluster, dataclasses.replace(within(options, budget, 1, "the plan without chunks"),
                                                              memory_limit_bytes=None), mesh)
     tried, error = [], None
@@ -104,8 +105,7 @@ def replay(step: LoweredStep, graph: Graph, plan: Plan, constraints) -> tuple[Lo
                  if c.dims[c.seed] == choice.dim]
         if not found:
             raise ConstraintError(f"the saved plan cuts the ops from {graph.nodes[mine[choice.group][0]].name} on a "
-                                  "dim this step "
-                                  "cannot be cut on: plan again")
+                                  "dim this step cannot be cut on: plan again")
         cuts.append(found[0])
     return _rewritten(step, graph, cuts)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rhino_jax as rj
-from rhino_jax import api
+from rhino_jax import coshard_search
 
 from helpers import assert_same_numbers
 
@@ -198,21 +198,21 @@ def test_a_cache_hit_moves_no_array_already_in_place(monkeypatch):
 def test_a_plan_whose_search_was_interrupted_is_not_cached(monkeypatch):
     params, batch = _args()
     searches = []
-    real_plan_on = api.plan_on
+    real_plan_on = coshard_search.plan_on  # the step's one search (no rj.coshard: one plan_on)
 
     def interrupted(*a, **k):
         searches.append(1)
         plan = real_plan_on(*a, **k)
         return dataclasses.replace(plan, search_stats=dict(plan.search_stats, status="interrupted"))
 
-    monkeypatch.setattr(api, "plan_on", interrupted)
+    monkeypatch.setattr(coshard_search, "plan_on", interrupted)
     step = rj.parallelize(_step, mesh=_mesh())
     assert_same_numbers(jax.jit(_step)(params, batch), step(params, batch))
     with pytest.warns(rj.errors.SolverInterruptedWarning, match="searching again in full"):
         step(params, batch)
         step.lower(params, batch)
     assert len(searches) == 3  # searched again each time, and said so
-    monkeypatch.setattr(api, "plan_on", lambda *a, **k: searches.append(1) or real_plan_on(*a, **k))
+    monkeypatch.setattr(coshard_search, "plan_on", lambda *a, **k: searches.append(1) or real_plan_on(*a, **k))
     with pytest.warns(rj.errors.SolverInterruptedWarning, match="searching again in full"):
         step(params, batch)
     step(params, batch)

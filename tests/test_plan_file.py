@@ -112,7 +112,7 @@ def test_parallelize_records_the_target_and_runs_a_saved_plan_without_a_search(t
     def no_search(*_args, **_kwargs):
         raise AssertionError("searched although a plan was given")
 
-    monkeypatch.setattr(rj.api, "plan_on", no_search)
+    monkeypatch.setattr(rj.coshard_search, "plan_on", no_search)
     again = rj.parallelize(step, mesh=mesh, plan=tmp_path / "plan.json")
     assert again.lower(*args).plan.value_specs == lowered.plan.value_specs
     assert_same_numbers(jax.jit(step)(*args), again(*args))
@@ -142,7 +142,7 @@ def _no_search(monkeypatch):
     def no_search(*_args, **_kwargs):
         raise AssertionError("searched although a plan was given")
 
-    for module in (rj.api, rj.micro_batched, rj.pipelined):
+    for module in (rj.coshard_search, rj.micro_batched, rj.pipelined):
         monkeypatch.setattr(module, "plan_on", no_search)
     monkeypatch.setattr(rj.pipelined.stager, "stage", no_search)
 
