@@ -164,8 +164,13 @@ def _options(graph: Graph, groups: list[tuple[int, ...]], k: int, chunks: int, r
 
 def _uncuttable(c: CoShard, groups: list[tuple[int, ...]], graph: Graph, chunks: int) -> str:
     if not groups:
+        named = [n.name for n in graph.nodes if n.name and c.matches((n.name,))]
         return (f"{c} names no op that can run in chunks (ops with a sharding rule at the step's top level, not in "
-                "loops or conditionals): name the ops of a layer, e.g. '*Block_*/MultiHeadDotProductAttention_0/*'")
+                "loops or conditionals)" + (f": it names {len(named)} ops, none of them such" if named else
+                                            ": it names arguments only (ops are named by their jax name stack, which "
+                                            "Flax NNX modules do not extend: wrap the layer's code in "
+                                            "`with jax.named_scope('attn'):`)")
+                + "; name the ops of a layer, e.g. '*Block_*/MultiHeadDotProductAttention_0/*'")
     first = groups[0]
     big = max((r for n in first for r in graph.nodes[n].results), key=lambda v: graph.values[v].nbytes)
     return (f"{c}: none of the {len(groups)} groups of ops it names can be cut into {chunks} chunks: the first, "

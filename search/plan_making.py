@@ -76,7 +76,7 @@ def _seen_as_constant(graph: Graph, u: Unit, pos: int) -> bool:
     """A constant operand XLA must see as the constant it is, not pinned: a prefix scan's inits.
     XLA's GPU compiler rewrites a `chlo.scan` whose inits are the reduction's identity into a
     tree of reduce-windows; a pinned init reaches it as a copy, and the scan is run as a loop of
-    one element per trip instead (an MoE router's cumsum over 256 tokens: 256 trips of 5 kernels
+    one element per trip instead (an MoE router's cumsum over 256 tokens: 256 trips of a few kernels
     each, where jax.jit's program has a few fusions). The scan's rows decide its inits' layout."""
     if u.kind != "node":
         return False

@@ -120,3 +120,11 @@ def test_a_coshard_with_a_pipeline_is_an_error_saying_what_to_change(small):
     step, args, _ = small
     with pytest.raises(ConstraintError, match="pass mesh= and leave pipeline and num_micro_batches"):
         _lower(step, args, rj.coshard(ATTENTION, chunks=2), pipeline=2, num_micro_batches=2)
+
+
+def test_a_coshard_that_names_arguments_only_says_how_to_name_ops(small):
+    """A glob that names parameters but no op (as a Flax NNX module path would: NNX adds no name
+    scope to its ops) is an error that says so and how to name the ops."""
+    step, args, _ = small
+    with pytest.raises(ConstraintError, match=r"names arguments only .* jax.named_scope"):
+        _lower(step, args, rj.coshard("*MultiHeadDotProductAttention_0']['query']['kernel']", chunks=2))
