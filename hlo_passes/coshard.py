@@ -325,7 +325,7 @@ def _chunk_group(graph: Graph, all_ops: list[ir.Operation], plan: Chunking, tabl
         if op not in mine_ops and any(v in tainted for v in _reads(op)):
             later.append(op)
             tainted.update(op.results)
-    anchor = list(block.operations)[last + 1].operation if last + 1 < len(block.operations) else None
+    anchor = list(block.operations)[last + 1].operation  # there is one: the return is in no group
     ip = ir.InsertionPoint(anchor)
     loc = ops[0].location
     previous: list[ir.Value] = []  # the last chunk's values that leave the group
