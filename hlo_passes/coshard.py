@@ -297,13 +297,15 @@ def chunk(module: ir.Module, graph: Graph, plans: Sequence[Chunking]) -> ir.Modu
     new = mod.copy_module(module)
     ops = [site.op for site in mod.entry_sites(new)]
     table = mod.value_table(new)
+    constant = {table[v.id] for v in graph.values if v.constant}
     with new.context, ir.Location.unknown():
         for plan in sorted(plans, key=lambda p: -p.nodes[0]):
-            _chunk_group(graph, ops, plan, table)
+            _chunk_group(graph, ops, plan, table, constant)
     return new
 
 
-def _chunk_group(graph: Graph, all_ops: list[ir.Operation], plan: Chunking, table: list[ir.Value]) -> None:
+def _chunk_group(graph: Graph, all_ops: list[ir.Operation], plan: Chunking, table: list[ir.Value],
+                 constant: set[ir.Value]) -> None:
     c = plan.chunks
     ops = [all_ops[n].operation for n in plan.nodes]
     mine_ops = set(ops)
@@ -313,7 +315,6 @@ def _chunk_group(graph: Graph, all_ops: list[ir.Operation], plan: Chunking, tabl
     first, last = min(order[op] for op in ops), max(order[op] for op in ops)
     run = sorted(plan.nodes + plan.copies)  # what each chunk computes, in program order
     made = {table[v]: v for n in run for v in graph.nodes[n].results}
-    constant = {table[v.id] for v in graph.values if v.constant}
     # What leaves the group: read by an op outside it now (a later group's chunks may have taken
     # over all the readers of a value).
     leaving = [v for n in plan.nodes for v in graph.nodes[n].results

@@ -183,11 +183,9 @@ def _uncuttable(c: CoShard, groups: list[tuple[int, ...]], graph: Graph, chunks:
 def _local(graph: Graph, free: Plan, topo: MeshTopology, chunking: cut.Chunking) -> int:
     """How large one device's piece of the cut dim of the group's largest value is, in the plan
     without chunks."""
-    seed = chunking.seed
-    dim = chunking.dims[seed]
-    spec = free.value_specs.get(seed)
-    size = graph.values[seed].shape[dim]
-    return size if spec is None else size // spec.shard_factor_of(spec.dims[dim], topo.sizes)
+    shape = graph.values[chunking.seed].shape
+    spec = free.value_specs.get(chunking.seed)
+    return (shape if spec is None else spec.local_shape(shape, topo.sizes))[chunking.dims[chunking.seed]]
 
 
 def _rewritten(step: LoweredStep, graph: Graph, cuts: list[cut.Chunking]) -> tuple[LoweredStep, Graph]:
