@@ -2,6 +2,7 @@
 plan with and without the constraint, predicted and priced from what XLA's GPU compiler makes.
 
     python -m benchmarks.constraints            # writes benchmarks/constraints.md and .json
+    python -m benchmarks.constraints --only interlaced   # those rows, the others kept from the .json
 
 The step: `third_party_models.linen_gpt` (Flax linen GPT-2-like LM, d 256, 4 blocks of 8 heads,
 seq 128, batch 16, vocab 1024, adamw), f32. Devices: 8 described H100s on one host
@@ -17,6 +18,11 @@ programs in its schedule, `compiled_step_s`); the Megatron row beside op_trans i
   puts it whole on stage 1.
 - op_order: pipeline=2 with 4 micro-batches, GPipe written as ordering constraints (forwards
   then backwards, each in micro-batch order), against the default 1F1B.
+- interlaced (op_assign stage="all"): another step, `third_party_models.tied_lm` (a T5-like LM:
+  a 32k x 256 embedding tied to its output projection, 4 blocks of width 256, seq 128, batch 16,
+  clip + AdamW) on the same mesh: the SPMD plan users would otherwise run, pipeline=2 with 4
+  micro-batches as the stager alone makes it (refused: the projection is more than a stage's
+  share), and interlaced (the embedding's ops, lookup and projection, on every device).
 - coshard: another step, `third_party_models.remat_lm` (seq 512, batch 16, width 64, 4 heads,
   2 blocks under `nn.remat`, clip + AdamW), on mesh (8,) ("data"): the attention without chunks,
   in 2 and 4 chunks, and chunks="auto" under a memory limit of 20 MiB per device; its column of
@@ -25,6 +31,7 @@ Needs jax's CUDA plugin (Python 3.12: `pip install -e '.[test]'`).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -41,7 +48,9 @@ import rhino_jax as rj  # noqa: E402
 from rhino_jax.hlo_passes.compiled_cost import price_compiled  # noqa: E402
 
 from .compilers import devices  # noqa: E402
-from .third_party_models import linen_gpt, remat_lm  # noqa: E402
+from rhino_jax.errors import StagingError  # noqa: E402
+
+from .third_party_models import linen_gpt, remat_lm, tied_lm  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 CLUSTER, MESH, NAMES = "8x-h100", (2, 4), ("data", "model")
@@ -119,7 +128,20 @@ def measure() -> list[dict]:
                   constraints=[rj.op_assign("*block2/*", stage=1)], **PIPELINE),
             _plan(case, "op_order", "1F1B (schedule=)", **PIPELINE),
             _plan(case, "op_order", "GPipe as op_order", constraints=[rj.op_order(gpipe)], **PIPELINE),
-            *_coshard_rows()]
+            *_interlaced_rows(), *_coshard_rows()]
+
+
+def _interlaced_rows() -> list[dict]:
+    case = tied_lm(batch=16, seq=128)
+    rows = [_plan(case, "interlaced", "tied_lm, SPMD (no pipeline)")]
+    try:
+        rows.append(_plan(case, "interlaced", "pipeline=2, free staging", **PIPELINE))
+    except StagingError as e:  # what the stager alone makes of it
+        rows.append(dict(_row("interlaced", "pipeline=2, free staging", None, 0.0, None, 0.0), compiled_ms=None,
+                         refused=str(e)))
+    rows.append(_plan(case, "interlaced", "pipeline=2, op_assign('*Embed*', stage='all')",
+                      constraints=[rj.op_assign("*Embed*", stage="all")], **PIPELINE))
+    return rows
 
 
 def _coshard_rows() -> list[dict]:
@@ -141,6 +163,7 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         stages = "; ".join(f"{', '.join(layers)} ({n})" for layers, n in zip(r["stages"], r["in_flight"])) or "-"
+        stages = f"refused: {r['refused']}" if r.get("refused") else stages
         lines.append(f"| {r['primitive']} | {r['plan']} | {num(r['search_s'] or None, '.1f')} | "
                      f"{num(r['predicted_ms'], '.3f')} | {num(r['predicted_gib'], '.3f')} | "
                      f"{num(r['compiled_ms'], '.3f')} | {num(r['compiled_gib'], '.3f')} | "
@@ -149,7 +172,16 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    rows = measure()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("op_trans", "op_assign", "op_order", "interlaced", "coshard"),
+                        help="measure these rows only; the others come from constraints.json")
+    only = parser.parse_args().only
+    rows = measure() if only is None else [
+        *(r for r in json.loads((HERE / "constraints.json").read_text()) if r["primitive"] != only),
+        *{"interlaced": _interlaced_rows, "coshard": _coshard_rows}.get(only, lambda: [
+            r for r in measure() if r["primitive"] == only])()]
+    order = ("op_trans", "op_assign", "op_order", "interlaced", "coshard")
+    rows.sort(key=lambda r: order.index(r["primitive"]))
     text = table(rows)
     print(text)
     (HERE / "constraints.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -159,8 +191,9 @@ def main() -> None:
         "blocks, seq 128, batch 16), 8 described H100s, mesh (2, 4), preset 8x-h100, O2. Predicted: the "
         "plan's cost model; GPU-compiled: the programs XLA's GPU compiler makes for the plan, priced from "
         "their HLO (a pipeline: its programs in its schedule). A pipeline's compiled memory is not summed "
-        "here (its programs run beside each other). The coshard rows are another step and mesh: `remat_lm` "
-        "(seq 512, 2 blocks under nn.remat) on (8,).\n\n" + text + "\n")
+        "here (its programs run beside each other). The interlaced rows are another step: `tied_lm` (a 32k "
+        "x 256 embedding tied to the output projection, 4 blocks, seq 128, batch 16); the coshard rows another "
+        "step and mesh: `remat_lm` (seq 512, 2 blocks under nn.remat) on (8,).\n\n" + text + "\n")
 
 
 if __name__ == "__main__":

@@ -199,6 +199,36 @@ def remat_lm(batch: int = 16, seq: int = 512, vocab: int = 256, width: int = 64,
     return _linen_case("remat_lm", model, tx, batch_, "tokens", _cross_entropy(model, "tokens", "targets"), ())
 
 
+class TiedLM(nn.Module):
+    """A T5-like LM whose large embedding is also its output projection (`Embed.attend`)."""
+
+    vocab: int
+    width: int
+    heads: int
+    layers: int
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(self.vocab, self.width, name="Embed")
+        x = embed(tokens)
+        for i in range(self.layers):
+            x = SizedBlock(self.heads, name=f"Block_{i}")(x)
+        return embed.attend(nn.LayerNorm(name="ln_f")(x))
+
+
+def tied_lm(batch: int = 8, seq: int = 16, vocab: int = 32768, width: int = 256, heads: int = 4,
+            layers: int = 4) -> Case:
+    """The interlaced pipeline's case (issue 32, seeds/002 §4.2, T5): a 32k x 256 embedding tied
+    to the output projection, most of the step's parameters and of its FLOPs at short sequences,
+    beside 4 small blocks; clip + AdamW."""
+    model = TiedLM(vocab, width, heads, layers)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(2))
+    batch_ = {"tokens": jax.random.randint(k1, (batch, seq), 0, vocab, jnp.int32),
+              "targets": jax.random.randint(k2, (batch, seq), 0, vocab, jnp.int32)}
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    return _linen_case("tied_lm", model, tx, batch_, "tokens", _cross_entropy(model, "tokens", "targets"), ())
+
+
 # ------------------------------------------------------------------------------ Flax NNX
 
 

@@ -140,6 +140,9 @@ def inline_calls(module: ir.Module) -> ir.Module:
     Nested `jax.jit` functions lower to private functions called from @main; the search needs
     one flat graph, and the rewrite must be free to shard each call site differently, so calls
     are inlined (exact: a call is a pure function application) and dead private functions go.
+    jax names a callee's ops from the callee's own scope ("gather" inside `jnp.take`); an
+    inlined op is named under its call's name stack ("jvp(Embed)/jit(_take)/gather"), so that
+    a glob on a module's path names the ops of the jax functions it calls.
     """
     funcs = functions(module)
     main = entry_function(module)
@@ -162,6 +165,7 @@ def inline_calls(module: ir.Module) -> ir.Module:
                         continue
                     clone = inner.clone(ip=ip)
                     _remap_nested(clone, mapping)
+                    _name_under(clone, call)
                     for old, new in zip(inner.results, clone.results):
                         mapping[old] = new
                 assert returned is not None, "function without return"
@@ -172,6 +176,22 @@ def inline_calls(module: ir.Module) -> ir.Module:
             if name != "main":
                 func.erase()
     return module
+
+
+def _name_under(op: ir.Operation, call: ir.Operation) -> None:
+    """Name `op` (and the ops in its regions), inlined from `call`'s callee, under the call's
+    name stack, keeping its own location beneath (file and line)."""
+    outer = _LOC_NAME.search(str(call.location))
+    if not outer:
+        return
+    inner = _LOC_NAME.search(str(op.location))
+    if not (inner and inner.group(1).startswith(outer.group(1))):
+        name = outer.group(1) + ("/" + inner.group(1) if inner else "")
+        op.location = ir.Location.name(name, childLoc=op.location)
+    for region in op.regions:
+        for block in region.blocks:
+            for nested in block.operations:
+                _name_under(nested.operation, call)
 
 
 @dataclass(frozen=True)

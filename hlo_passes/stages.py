@@ -49,9 +49,12 @@ def ancestors(graph: Graph, value: int) -> set[int]:
     return found
 
 
-def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int]) -> dict[int, tuple[str, int]]:
+def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int], shared: frozenset[int] = frozenset(),
+           on_shared: frozenset[int] = frozenset()) -> dict[int, tuple[str, int]]:
     """Each node's (pass, stage): forward nodes (ancestors of `loss`) as `forward_stage` puts
-    them, the others by the rule in the module's docstring."""
+    them, the others by the rule in the module's docstring. An interlaced pipeline's stages are
+    the places of its chain, `shared` those that run on every device; a backward node of
+    `on_shared` (named by `op_assign(stage="all")`) goes to the latest of those it may run in."""
     forward = ancestors(graph, loss)
     missing = forward - set(forward_stage)
     if missing:
@@ -77,6 +80,8 @@ def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int]) -> dict[in
         # ties go to the forward op's stage (a layer's backward reads its activations and the
         # gradient of its output alike), then to the later stage
         out[n.id] = ("B", max(here, key=lambda s: (*here[s], s)) if here else latest)
+        if n.id in on_shared and any(s <= latest for s in shared):
+            out[n.id] = ("B", max(s for s in shared if s <= latest))
     return out
 
 
@@ -186,8 +191,11 @@ def layers(graph: Graph, ops: list[int]) -> tuple[str, ...]:
     """The named scopes `ops` come from, in program order, runs of numbered names folded
     ("layer0-layer15"). The scope level is the first one at which the graph's ops differ (a
     Flax model's top module, common to every op, is skipped)."""
-    paths = {n.id: [name for name in (_WRAPPER.sub(r"\1", part) for part in n.name.split("/")[:-1]) if name]
-             for n in graph.nodes}  # jvp() of an unnamed function: no scope, else it hides the model's
+    # jvp() of an unnamed function: no scope, else it hides the model's; nor a jax function the
+    # model calls (jit(_take), named so by `module.inline_calls`)
+    paths = {n.id: [name for name in (_WRAPPER.sub(r"\1", part) for part in n.name.split("/")[:-1]
+                                      if "jit(" not in part) if name]
+             for n in graph.nodes}
     depth = 0
     while len({p[depth] for p in paths.values() if len(p) > depth}) == 1:
         depth += 1

@@ -301,7 +301,7 @@ class Parallelized:
         pipelined = options.pipeline not in ("off", 1)
         staged = [c for c in options.constraints if isinstance(c, (OpAssign, OpOrder))]
         if staged and not pipelined:  # with pipeline="auto", its SPMD candidate is infeasible
-            least = max([2] + [c.stage + 1 for c in staged if isinstance(c, OpAssign)])
+            least = max([2] + [c.stage + 1 for c in staged if isinstance(c, OpAssign) and c.stage != "all"])
             raise ConstraintError(f"{staged[0]} is about pipeline stages, and this plan has none: pass "
                                   f"pipeline={least} (or 'auto') with num_micro_batches")
         coshards = [c for c in options.constraints if isinstance(c, CoShard)]

@@ -39,19 +39,25 @@ def op_trans(where: str, dims: int | Sequence[int] | None = None, parts: int | S
     return OpTrans(where, _ints("dims", where, dims, lowest=None), _ints("parts", where, parts, lowest=1), replicate)
 
 
-def op_assign(where: str, stage: int) -> OpAssign:
+def op_assign(where: str, stage: int | str) -> OpAssign:
     """The forward ops `where` names (a glob, as for `op_trans`) run on pipeline stage `stage`
     (0 the first); their backward ops follow them. The stager still balances the rest and cuts
     the fewest bytes; where the assignment leaves no division within its balance (a share of
     1 ± 0.25), the balance is relaxed as far as the assignment needs, and the report says by how
-    much. Needs `pipeline=k` (or "auto", where a candidate with too few stages is infeasible)."""
+    much. Needs `pipeline=k` (or "auto", where a candidate with too few stages is infeasible).
+
+    `stage="all"`: the interlaced pipeline (nnScaler, seeds/002 §4.2): the ops it names, forward
+    and backward (a module's glob such as `"*Embed*"` names both), run on every device of the
+    mesh, split over all of them by the search, between the stages' programs: a large embedding
+    before the first stage and its tied output projection after the last, while the blocks are
+    pipelined. The stager places them before, between or after the stages as their inputs
+    allow, with the unnamed ops no stage can take (the loss after the projection); the schedule
+    interlaces their tasks, which occupy every device, with the stages' (`schedule` still
+    orders each stage's own)."""
     _check_where("op_assign", where)
-    if stage == "all":
-        raise ConstraintError(f"op_assign({where!r}, stage='all'): the interlaced pipeline (ops on every device, "
-                              "between the stages' programs) is not built yet; assign the ops to a stage k, or "
-                              "leave them to the stager")
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
-        raise ConstraintError(f"op_assign({where!r}): stage must be an int >= 0 (0 the first stage), got {stage!r}")
+    if stage != "all" and (isinstance(stage, bool) or not isinstance(stage, int) or stage < 0):
+        raise ConstraintError(f"op_assign({where!r}): stage must be an int >= 0 (0 the first stage) or 'all' (every "
+                              f"device, between the stages), got {stage!r}")
     return OpAssign(where, stage)
 
 

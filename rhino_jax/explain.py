@@ -255,8 +255,9 @@ def describe(spec: ShardingSpec, shape: tuple[int, ...], axes: dict[str, int]) -
 
 def plan_axes(plan: Plan) -> dict[str, int]:
     """The axes an argument's layout is over: a pipeline's arguments live on their stage's
-    sub-mesh (all stages alike), others on the whole mesh."""
-    return plan.stages[0].mesh_axes if plan.stages else plan.mesh_axes
+    sub-mesh (all stages alike; an interlaced pipeline's on every device use the same axes),
+    others on the whole mesh."""
+    return next((st.mesh_axes for st in plan.stages if not st.shared), plan.mesh_axes)
 
 
 def all_collectives(plan: Plan) -> list[PlannedCollective]:

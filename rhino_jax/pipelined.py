@@ -40,7 +40,7 @@ from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph, transfer
 from rhino_jax.search import interrupt, progress, stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
-from rhino_jax.search.constraints import OpAssign, fixed_stages
+from rhino_jax.search.constraints import SHARED, OpAssign, fixed_stages, shared_backward
 from rhino_jax.search.memory import local_bytes
 from rhino_jax.search.specs import ShardingSpec
 
@@ -53,7 +53,7 @@ from .arguments import Call, call_tree
 from .micro_batched import (APPLY_WEIGHT, SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of,
                             named, program_plan, split_step)
 from .options import Options, budget_of, seconds_left, within
-from .plan import Plan, PlanCost, StagePlan, program_name
+from .plan import Plan, PlanCost, StagePlan, place_name, program_name
 from .plan_target import PlanTarget, PlanTargetError
 
 # A program of the step, its graph and its plan.
@@ -64,12 +64,11 @@ STAGER_SHARE = 0.05  # the stager's weight in the time limit, per op of the step
 
 
 def _schedule(options: Options, p: int, k: int, given: Plan | None) -> schedules.Schedule:
-    """The schedule the stages run: a saved op_order plan's own rows, else the one the user's
-    `rj.op_order` rules call for, else the `schedule` option's (a saved plan's name, as
-    `api._runs_as_planned` checked)."""
+    """The schedule the stages run: a saved op_order or interlaced plan's own rows, else the one
+    the user's `rj.op_order` rules call for, else the `schedule` option's (a saved plan's name,
+    as `api._runs_as_planned` checked)."""
     if given is not None and "schedule_order" in given.search_stats:
-        stats = given.search_stats
-        return schedules.Schedule.parse(stats["schedule"], stats["schedule_order"], k)
+        return given.schedule()
     rules = [c for c in options.constraints if isinstance(c, OpOrder)]
     if not rules:
         return schedules.make(options.schedule, p, k)
@@ -83,30 +82,44 @@ def _schedule(options: Options, p: int, k: int, given: Plan | None) -> schedules
     return schedules.ordered(p, k, pairs)
 
 
-def _check_every_stage_works(place: dict[int, tuple[str, int]], p: int, assigned: list) -> None:
-    """Each stage runs a forward and a backward program. A stage whose forward ops have their
-    gradients taken elsewhere (an embedding lookup alone: its gradient is a scatter into the
-    table, placed with the cotangent it reads, on the next stage) has no backward; only an
-    `op_assign` leaves a stage that little, so it is the user's to change."""
+def _check_every_stage_works(place: dict[int, tuple[str, int]], p: int, shared: tuple[int, ...],
+                             assigned: list) -> None:
+    """Each stage (and each place of every device) runs a forward and a backward program. A stage
+    whose forward ops have their gradients taken elsewhere (an embedding lookup alone: its
+    gradient is a scatter into the table, placed with the cotangent it reads, on the next stage)
+    has no backward; only an `op_assign` leaves a stage that little, so it is the user's to change."""
     working = set(place.values())
-    idle = [f"{'backward' if kind == 'B' else 'forward'} of stage {s}" for s in range(p) for kind in "FB"
-            if (kind, s) not in working]
+    idle = [f"{'backward' if kind == 'B' else 'forward'} of {place_name(s, shared)}"
+            for s in range(p + len(shared)) for kind in "FB" if (kind, s) not in working]
     if idle:
         raise StagingError(f"this division into {p} stages leaves no ops in the {', '.join(idle)}"
                            + (f": {' and '.join(map(str, assigned))} leave{'s' if len(assigned) == 1 else ''} that "
-                              "stage too little of the step; "
-                              "assign it more (e.g. a whole layer)" if assigned else "; use fewer stages"))
+                              "stage too little of the step; assign it more (e.g. a whole layer; for stage='all', a "
+                              "glob such as '*Embed*' names a module's forward ops and their backward ops alike)"
+                              if assigned else "; use fewer stages"))
 
 
-def _staging(coarse: stager.StageGraph, p: int, fixed: dict[int, int], options: Options):
+def _places(slot: dict[int, int], interlaced: bool) -> tuple[dict[int, int], tuple[int, ...]]:
+    """The stager's slots (`stager.stage`) as places of the chain: with an interlaced pipeline,
+    the slots used, in order (stage k's slot 2k + 1, the even ones on every device); the places
+    that run on every device."""
+    if not interlaced:
+        return slot, ()
+    used = sorted(set(slot.values()))
+    index = {at: j for j, at in enumerate(used)}
+    return {i: index[at] for i, at in slot.items()}, tuple(index[at] for at in used if at % 2 == 0)
+
+
+def _staging(coarse: stager.StageGraph, p: int, fixed: dict[int, int], shared: frozenset[int], options: Options):
     """The stager's division (and the balance it kept): within `EPSILON` of a balanced share; with
-    the user's `op_assign`s (`fixed`: stage-graph node → stage), as much more imbalance as they
-    need, up to none kept but that no stage is empty."""
+    the user's `op_assign`s (`fixed`: stage-graph node → stage; `shared`: nodes on every device),
+    as much more imbalance as they need, up to none kept but that no stage is empty."""
     def division(epsilon: float):
         return stager.stage(coarse, p, epsilon, backend=options.solver, time_limit_s=seconds_left(options),
-                            advice=f"use fewer stages than pipeline={p}, or pipeline='auto'", fixed=fixed), epsilon
+                            advice=f"use fewer stages than pipeline={p}, or pipeline='auto'", fixed=fixed,
+                            shared=shared), epsilon
 
-    tolerances = [EPSILON] + (sorted({e for e in (0.5, 1.0, p - 1.0) if e > EPSILON}) if fixed else [])
+    tolerances = [EPSILON] + (sorted({e for e in (0.5, 1.0, p - 1.0) if e > EPSILON}) if fixed or shared else [])
     for epsilon in tolerances[:-1]:
         try:
             return division(epsilon)
@@ -145,7 +158,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         """`given`: a saved plan of this step to run instead of searching (`parallelize(plan=...)`):
         its placement of the ops and its programs' plans."""
         p, k = options.pipeline, options.num_micro_batches
-        meshes = sub_meshes(mesh, p)
+        self.stage_meshes = sub_meshes(mesh, p)
         step = split_step(call, mesh, k, options.constraints)
         target = PlanTarget.of(step.whole, mesh, step.donated)
         cg, ag, whole = step.compute_graph, step.apply_graph, step.whole
@@ -154,23 +167,33 @@ class PipelinedLowered(SeveralProgramsLowered):
         budget = budget_of(options, (1 + STAGER_SHARE) * ops + APPLY_WEIGHT * len(ag.nodes))
         if given is None:
             loss = _loss_sum(cg)
-            assigned = fixed_stages(options.constraints, cg, stager.forward_ops(cg, loss), p)
+            forward = stager.forward_ops(cg, loss)
+            assigned = fixed_stages(options.constraints, cg, forward, p)
             coarse, node_of = stager.forward_stage_graph(cg, loss, assigned)
-            staging, epsilon = _staging(coarse, p, {node_of[i]: at for i, at in assigned.items()},
-                                        within(options, budget, STAGER_SHARE * ops, "the stages"))
-            place = stage_programs.assign(cg, loss, {i: staging.stage[node_of[i]] for i in node_of})
-            _check_every_stage_works(place, p, [c for c in options.constraints if isinstance(c, OpAssign)])
+            on_all = frozenset(node_of[i] for i, at in assigned.items() if at == SHARED)
+            staging, epsilon = _staging(coarse, p, {node_of[i]: at for i, at in assigned.items() if at != SHARED},
+                                        on_all, within(options, budget, STAGER_SHARE * ops, "the stages"))
+            forward_place, shared = _places({i: staging.stage[node_of[i]] for i in node_of}, bool(on_all))
+            place = stage_programs.assign(cg, loss, forward_place, frozenset(shared),
+                                          frozenset(shared_backward(options.constraints, cg, forward)))
+            _check_every_stage_works(place, p, shared, [c for c in options.constraints if isinstance(c, OpAssign)])
             staged = {"stage_cut_bytes": staging.cut_bytes, "stage_flops": staging.stage_compute,
-                      **({"stage_epsilon": epsilon} if epsilon > EPSILON else {})}
+                      **({"stage_epsilon": epsilon} if epsilon > EPSILON else {}),
+                      **({"shared_places": shared} if shared else {})}
         else:
             given.check_matches(target)
             place, staged = _saved_placement(given, cg, p)
+            shared = staged.get("shared_places", ())
+        # The places of a micro-batch's chain: the stages' sub-meshes, and the whole mesh for the
+        # places that run on every device (an interlaced pipeline's).
+        stage_of = iter(self.stage_meshes)
+        meshes = [mesh if s in shared else next(stage_of) for s in range(p + len(shared))]
         cluster = get_cluster(options.cluster, list(mesh.devices.flat))
         axes = [dict(zip(mesh.axis_names, sub.devices.shape)) for sub in meshes]
         topology = [MeshTopology.from_mesh(sub, cluster) for sub in meshes]
         self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
-        self._step, self._place = step, place
-        self.schedule = _schedule(options, p, k, given)
+        self._step, self._place, self.shared = step, place, tuple(shared)
+        base = self.schedule = _schedule(options, p, k, given)
 
         searched: dict[tuple, Planned] = {}  # (what makes programs alike, their memory limit) → one of them
 
@@ -198,10 +221,10 @@ class PipelinedLowered(SeveralProgramsLowered):
             its results fed back pinned to where the stage takes their arguments, when an earlier
             program (another wave) already fixed that."""
             prog, graph = cut[i]
-            held = _held_layouts(self._programs, prog.stage, cg)
+            held = _held_layouts(self._programs, self._together(prog.stage), cg)
             pins = tuple(Pin(a.value, held[j].dims, a.path) for a, j in zip(graph.args, prog.args) if j in held)
             earlier = [self._programs[key] for key in sorted(self._programs, key=stage_programs.run_order)]
-            pins += _fed_back_pins(prog, graph, earlier + self._applies[:i], ag)
+            pins += _fed_back_pins(prog, graph, earlier + self._applies[:i], ag, self._together(prog.stage))
             return search(prog, dataclasses.replace(graph, pins=graph.pins + pins), options)
 
         self._programs: dict[tuple[str, int], Planned] = {}
@@ -212,7 +235,9 @@ class PipelinedLowered(SeveralProgramsLowered):
             graph = _with_state_beside(graph, prog, cg, copies)
             self._programs[prog.kind, prog.stage] = search(prog, graph, options)
         home = _compute_homes(self._programs, cg)
-        programs = stage_programs.programs(step.parts.apply, ag, stage_programs.assign_apply(ag, home))
+        # the places of every device are one home for apply-gradients: the same devices
+        together = {i: self._together(at)[0] for i, at in home.items()}
+        programs = stage_programs.programs(step.parts.apply, ag, stage_programs.assign_apply(ag, together))
         if not programs:
             raise StagingError("the step has no ops after its gradient sums (an optimizer update) to run on the "
                                "stages; return the updated parameters, or use pipeline='off'")
@@ -228,11 +253,14 @@ class PipelinedLowered(SeveralProgramsLowered):
         for i in range(len(cut)):  # in order: a later wave's results are pinned to an earlier's arguments
             self._applies.append(search_apply(i))
 
-        stages = [self._stage_plan(s) for s in range(p)]
+        if shared and given is None:
+            self.schedule = self._interlaced(base)
+        stages = [self._stage_plan(s) for s in range(len(meshes))]
         limit = options.memory_limit_bytes if given is None else None  # a saved plan's stages are final
         for s, st in enumerate(stages):  # what the programs do not see (other micro-batches, the sums) off their limit
-            if limit and st.memory_bytes > limit and st.beside_bytes < limit:
-                tighter = dataclasses.replace(options, memory_limit_bytes=limit - st.beside_bytes)
+            around = _held_around(stages, s, self.shared)
+            if limit and st.memory_bytes + around > limit and st.beside_bytes + around < limit:
+                tighter = dataclasses.replace(options, memory_limit_bytes=limit - st.beside_bytes - around)
                 for kind in ("F", "B"):
                     try:
                         self._programs[kind, s] = search(*self._programs[kind, s][:2], tighter)
@@ -245,6 +273,9 @@ class PipelinedLowered(SeveralProgramsLowered):
                         except (MemoryLimitError, SolverError):
                             pass  # keeps its plan: what it reads in other layouts moves, priced
                 stages[s] = self._stage_plan(s)
+        if shared and given is None and limit:  # the programs' times changed: interlace them again
+            self.schedule = self._interlaced(base)
+            stages = [self._stage_plan(s) for s in range(len(meshes))]
         self.stages = tuple(stages)
         self.transfers = _transfers(self._programs, meshes, cg, cluster)
         self.moves_s = _step_moves(self._programs, self._applies, _named(self._layouts()),
@@ -253,6 +284,17 @@ class PipelinedLowered(SeveralProgramsLowered):
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.plan = dataclasses.replace(self._summary(staged), placement=place, target=target)
         self._compiled: PipelinedCompiled | None = None
+
+    def _together(self, s: int) -> tuple[int, ...]:
+        """The places that run on place s's devices: every device's places, or s alone."""
+        return self.shared if s in self.shared else (s,)
+
+    def _interlaced(self, base: schedules.Schedule) -> schedules.Schedule:
+        """`base` (the stages' schedule) with the places of every device interlaced, placed with
+        the programs' predicted times and the busiest boundary's transfer time (`_summary`)."""
+        plans = {key: plan.cost.total_s for key, (_, _, plan) in self._programs.items()}
+        transfer_s = _transfer_s(_transfers(self._programs, self.meshes, self._step.compute_graph, self.cluster))
+        return schedules.interlace(base, self.shared, lambda t: plans[t.kind, t.stage], transfer_s)
 
     def _layouts(self) -> list[tuple[Mesh, ShardingSpec]]:
         """Where the step takes each argument: on its stage (`_home`) in the layout of the first
@@ -266,7 +308,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         out = []
         for i in range(n):
             s = self._home.get(i)
-            spec = _taken_layout(everyone, s, i, fed.get(i))
+            spec = _taken_layout(everyone, self._together(s) if s is not None else (), i, fed.get(i))
             out.append((self.mesh, ShardingSpec.replicated(len(ag.values[ag.args[i].value].shape))) if spec is None
                        else (self.meshes[s], spec))
         return out
@@ -291,12 +333,13 @@ class PipelinedLowered(SeveralProgramsLowered):
                          plans["F", s][2], plans["B", s][2], self.schedule.in_flight()[s], _held_bytes(plans, s, sub),
                          _summed_bytes(plans, s, sub, set(cg.outputs)), self._kept_bytes(s),
                          sum(plan.cost.total_s for plan in mine),
-                         max((plan.cost.memory_bytes for plan in mine), default=0))
+                         max((plan.cost.memory_bytes for plan in mine), default=0), s in self.shared)
 
     def _kept_bytes(self, s: int) -> int:
         """Per device, the step's arguments stage s holds that its forward and backward programs
         do not read (the optimizer state of its layers)."""
-        ag, read = self._step.apply_graph, set(self._programs["F", s][0].args) | set(self._programs["B", s][0].args)
+        ag = self._step.apply_graph
+        read = {i for x in self._together(s) for kind in "FB" for i in self._programs[kind, x][0].args}
         layouts, axes = self._layouts(), dict(zip(self.mesh.axis_names, self.meshes[s].devices.shape))
         return sum(ag.values[ag.args[i].value].nbytes // layouts[i][1].shard_factor(axes)
                    for i, at in self._home.items() if at == s and i < len(layouts) and i not in read)
@@ -308,21 +351,20 @@ class PipelinedLowered(SeveralProgramsLowered):
         and apply-gradients' searches as its search line. `staged`: the stager's bytes cut and
         FLOPs per stage."""
         fwd, bwd = [s.forward_s for s in self.stages], [s.backward_s for s in self.stages]
-        per_boundary: dict[tuple[int, int], float] = {}
-        for (src, dst, _, _), move in self.transfers.items():
-            per_boundary[src, dst] = per_boundary.get((src, dst), 0.0) + move.makespan_s
-        transfer_s = max(per_boundary.values(), default=0.0)  # a micro-batch's tensors across one boundary
+        transfer_s = _transfer_s(self.transfers)
         pipeline_s = self.schedule.makespan(fwd, bwd, transfer_s) + sum(self.moves_s)
         slowest = [max((plan for prog, _, plan in self._applies if prog.wave == w), key=lambda plan: plan.cost.total_s)
                    for w in sorted({prog.wave for prog, _, _ in self._applies})]
         total = lambda attr: sum(getattr(plan.cost, attr) for plan in slowest)  # noqa: E731
         cost = PlanCost(total("compute_s"), total("comm_s"), pipeline_s + total("total_s"),
-                        max(s.memory_bytes for s in self.stages), total("hidden_s"))
+                        max(st.memory_bytes + _held_around(self.stages, s, self.shared)
+                            for s, st in enumerate(self.stages)), total("hidden_s"))
         whole, ag, n = self._step.whole, self._step.apply_graph, len(self._step.compute_graph.args)
         plans = [plan for _, _, plan in self._applies]
-        stats = dict(_searches([plan.search_stats for plan in plans]), pipeline=len(self.stages),
+        stats = dict(_searches([plan.search_stats for plan in plans]), pipeline=len(self.stage_meshes),
                      schedule=self.schedule.name, micro_batches=self.k, **staged, transfer_s=transfer_s,
-                     **({"schedule_order": self.schedule.rows()} if self.schedule.name == "op_order" else {}),
+                     **({"schedule_order": self.schedule.rows()}
+                        if self.schedule.name == "op_order" or self.shared else {}),
                      arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1], outputs_out_s=self.moves_s[2],
                      applies=self.apply_tasks)
         outputs = self._output_layouts()
@@ -448,17 +490,18 @@ def _with_donation(graph: Graph, prog: stage_programs.Program, ag: Graph, donate
     return dataclasses.replace(graph, args=tuple(args))
 
 
-def _taken_layout(planned: list[Planned], s: int | None, i: int, fed: int | None) -> ShardingSpec | None:
-    """The layout stage s takes step argument i in, as far as `planned` (in run order) fixes it:
-    as the first of them that reads it, else as an apply-gradients program makes `fed`, the
-    result fed back into it; None when none does."""
-    read = [plan.arg_specs[prog.args.index(i)] for prog, _, plan in planned if prog.stage == s and i in prog.args]
+def _taken_layout(planned: list[Planned], places: tuple[int, ...], i: int, fed: int | None) -> ShardingSpec | None:
+    """The layout a stage (its `places`: one, or every device's) takes step argument i in, as
+    far as `planned` (in run order) fixes it: as the first of them that reads it, else as an
+    apply-gradients program makes `fed`, the result fed back into it; None when none does."""
+    read = [plan.arg_specs[prog.args.index(i)] for prog, _, plan in planned if prog.stage in places and i in prog.args]
     made = [plan.output_specs[prog.outputs.index(fed)] for prog, _, plan in planned
-            if prog.kind == "A" and prog.stage == s and fed is not None and fed in prog.outputs]
+            if prog.kind == "A" and prog.stage in places and fed is not None and fed in prog.outputs]
     return (read + made + [None])[0]
 
 
-def _fed_back_pins(prog: stage_programs.Program, graph: Graph, earlier: list[Planned], ag: Graph) -> tuple[Pin, ...]:
+def _fed_back_pins(prog: stage_programs.Program, graph: Graph, earlier: list[Planned], ag: Graph,
+                   places: tuple[int, ...]) -> tuple[Pin, ...]:
     """Pins for an apply-gradients program's results that the training loop feeds back into an
     argument whose layout `earlier` programs of the stage fixed (an optimizer state read in one
     wave and made in a later one): the result leaves in it, else every step would reshard it
@@ -466,19 +509,20 @@ def _fed_back_pins(prog: stage_programs.Program, graph: Graph, earlier: list[Pla
     into = {ag.outputs[k]: i for k, i in ag.fed_back().items()}
     pins = []
     for pos, v in enumerate(prog.outputs):
-        spec = _taken_layout(earlier, prog.stage, into[v], v) if v in into else None
+        spec = _taken_layout(earlier, places, into[v], v) if v in into else None
         if spec is not None:
             pins.append(Pin(graph.outputs[pos], spec.dims, graph.output_paths[pos]))
     return tuple(pins)
 
 
-def _held_layouts(plans: dict[tuple[str, int], Planned], s: int, cg: Graph) -> dict[int, ShardingSpec]:
-    """apply-gradients' argument → the layout stage s's forward (else backward) program holds it
-    in: a parameter as it reads it, a sum as it makes it. apply-gradients' programs on the stage
-    are pinned to these, so nothing moves between a stage's programs."""
+def _held_layouts(plans: dict[tuple[str, int], Planned], places: tuple[int, ...], cg: Graph
+                  ) -> dict[int, ShardingSpec]:
+    """apply-gradients' argument → the layout a stage's (its `places`') forward (else backward)
+    program holds it in: a parameter as it reads it, a sum as it makes it. apply-gradients'
+    programs on the stage are pinned to these, so nothing moves between a stage's programs."""
     n, sums = len(cg.args), {v: j for j, v in enumerate(cg.outputs)}
     held: dict[int, ShardingSpec] = {}
-    for kind in ("F", "B"):
+    for kind, s in [(kind, s) for kind in ("F", "B") for s in places]:
         prog, _, plan = plans[kind, s]
         for pos, i in enumerate(prog.args):
             held.setdefault(i, plan.arg_specs[pos])
@@ -516,16 +560,18 @@ def _searches(stats: list[dict]) -> dict:
 
 def _saved_placement(plan: Plan, cg, p: int) -> tuple[dict[int, tuple[str, int]], dict]:
     """A saved plan's stage of each op of compute-gradients, and the stager's figures, once they
-    are shown to fit this step's compute-gradients and p stages."""
-    place = plan.placement
-    wrong = [(n, at) for n, at in place.items() if at[0] not in ("F", "B") or not 0 <= at[1] < p]
+    are shown to fit this step's compute-gradients and p stages (and the places of every device
+    between them)."""
+    place, shared = plan.placement, tuple(plan.search_stats.get("shared_places", ()))
+    wrong = [(n, at) for n, at in place.items() if at[0] not in ("F", "B") or not 0 <= at[1] < p + len(shared)]
     stats = {key: plan.search_stats.get(key) for key in ("stage_cut_bytes", "stage_flops")}
     if set(place) != {n.id for n in cg.nodes} or wrong or None in stats.values():
         raise PlanTargetError(f"the plan places {len(place)} ops in {p} stages (e.g. {wrong[:1] or 'none misplaced'}), "
                               f"compute-gradients cut from this step has {len(cg.nodes)} ops: it was saved by another "
                               "version of rhino_jax or edited; plan again")
     relaxed = plan.search_stats.get("stage_epsilon")
-    return place, dict(stats, **({"stage_epsilon": relaxed} if relaxed is not None else {}))
+    return place, dict(stats, **({"stage_epsilon": relaxed} if relaxed is not None else {}),
+                       **({"shared_places": shared} if shared else {}))
 
 
 def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, int, str], resharding.ReshardPlan]:
@@ -554,7 +600,7 @@ def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, i
 
 def _hosts(meshes: list[Mesh], cluster) -> resharding.Hosts:
     """The host of each of the stages' devices (described GPUs: their process, `host_ids`)."""
-    devices = [d for mesh in meshes for d in mesh.devices.flat]
+    devices = list({d.id: d for mesh in meshes for d in mesh.devices.flat}.values())
     host = dict(zip((d.id for d in devices), host_ids(devices, cluster.devices_per_host)))
     return resharding.Hosts(lambda d: host[d.id], cluster.inter_host_bandwidth, cluster.intra_host_bandwidth)
 
@@ -598,6 +644,24 @@ def _step_moves(plans: dict[tuple[str, int], Planned], applies: list[Planned], l
         return resharding.plan(tasks, hosts).makespan_s if tasks else 0.0
 
     return seconds(moves[0]), seconds(moves[1]), seconds(moves[2])
+
+
+def _transfer_s(transfers: dict) -> float:
+    """A micro-batch's tensors across the busiest boundary between two places (`_transfers`)."""
+    per_boundary: dict[tuple[int, int], float] = {}
+    for (src, dst, _, _), move in transfers.items():
+        per_boundary[src, dst] = per_boundary.get((src, dst), 0.0) + move.makespan_s
+    return max(per_boundary.values(), default=0.0)
+
+
+def _held_around(stages, s: int, shared: tuple[int, ...]) -> int:
+    """Per device, what the devices running place s hold for the other places they run while it
+    runs: a stage's devices hold the places of every device's (`StagePlan.beside_bytes`), and
+    those the busiest stage's too."""
+    others = sum(stages[x].beside_bytes for x in shared if x != s)
+    if s not in shared or len(shared) == len(stages):
+        return others
+    return others + max(st.beside_bytes for x, st in enumerate(stages) if x not in shared)
 
 
 def _held_bytes(plans, s: int, mesh: Mesh) -> int:
@@ -654,9 +718,10 @@ class PipelinedCompiled(SeveralPrograms):
         cross-mesh resharding, else by jax.device_put."""
         low = self._lowered
         if isinstance(x, jax.Array) and transfer.needed(x, sharding):
-            p, held = len(low.meshes), _stage_holding(x.sharding.device_set, low.meshes)
+            p, held = len(low.stage_meshes), _stage_holding(x.sharding.device_set, low.stage_meshes)
             if held is None:  # on the whole mesh
-                return transfer.to_stage(x, low.mesh, p, _stage_holding(sharding.device_set, low.meshes), sharding)
+                return transfer.to_stage(x, low.mesh, p, _stage_holding(sharding.device_set, low.stage_meshes),
+                                         sharding)
             return transfer.from_stage(x, low.mesh, p, held, sharding)
         return resharding.reshard(x, sharding, planned) if planned else jax.device_put(x, sharding)
 

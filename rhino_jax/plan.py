@@ -98,6 +98,9 @@ class StagePlan:
     kept_bytes: int = 0
     apply_s: float = 0.0  # its apply-gradients programs' predicted time, once per step
     apply_bytes: int = 0  # per device, the peak of its apply-gradients programs
+    # an interlaced pipeline's place that runs on every device (op_assign(stage="all")), between
+    # the stages' programs; its devices are the whole mesh's
+    shared: bool = False
 
     @property
     def forward_s(self) -> float:
@@ -183,10 +186,10 @@ class Plan:
 
     def schedule(self) -> Schedule:
         """The pipeline's schedule as it runs (one stage, one micro-batch without a pipeline): an
-        op_order schedule from its saved rows, the others made again from their name."""
+        op_order or interlaced schedule from its saved rows, the others made again from their name."""
         s = self.search_stats
         if "schedule_order" in s:
-            return Schedule.parse(s["schedule"], s["schedule_order"], s["micro_batches"])
+            return Schedule.parse(s["schedule"], s["schedule_order"], s["micro_batches"], s.get("shared_places", ()))
         return make_schedule(s.get("schedule", "1f1b"), s.get("pipeline", 1), s.get("micro_batches", 1))
 
     def collective_summary(self, backend: str | None = None) -> dict[str, tuple[int, int]]:
@@ -328,8 +331,10 @@ class Plan:
                      if c.step_s is not None else c.label) + (f" (infeasible: {c.why})" if c.why else "")
                     for c in s["pipeline_candidates"]))
             if s.get("pipeline"):
-                lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}, {s['micro_batches']} "
-                             f"micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut"
+                lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}"
+                             + (f" interlaced with {len(s['shared_places'])} places on every device (op_assign "
+                                "stage='all')" if s.get("shared_places") else "")
+                             + f", {s['micro_batches']} micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut"
                              + (f", the stages' balance relaxed to ±{s['stage_epsilon']:g} of a share for op_assign"
                                 if s.get("stage_epsilon") else "")
                              + f", {s['transfer_s'] * 1e3:.3f} ms "
@@ -338,7 +343,8 @@ class Plan:
                              "bring apply-gradients the sums and values of other stages, "
                              f"{s.get('outputs_out_s', 0.0) * 1e3:.3f} ms to return the loss and metrics on the whole "
                              "mesh), then apply-gradients on the stages (the search line above: its programs together)")
-                lines += [f"    stage {st.stage}  {mesh_label(st.mesh_axes)} devices {_runs(st.devices)}: forward "
+                shared = tuple(s.get("shared_places", ()))
+                lines += [f"    {place_name(st.stage, shared)}  {mesh_label(st.mesh_axes)} devices {_runs(st.devices)}: forward "
                           f"{st.forward_s * 1e3:.3f} + backward {st.backward_s * 1e3:.3f} ms per micro-batch, "
                           f"apply {st.apply_s * 1e3:.3f} ms, "
                           f"{st.in_flight} in flight, {st.memory_bytes / 2**20:.1f} MiB/device; "
@@ -393,6 +399,15 @@ class Plan:
             if len(self.fallback_ops) > 10:
                 lines.append(f"  ... and {len(self.fallback_ops) - 10} more")
         return "\n".join(lines)
+
+
+def place_name(s: int, shared: tuple[int, ...]) -> str:
+    """A place of a pipeline's chain as the report names it: a stage by its number among the
+    stages, a place of every device (an interlaced pipeline's) by the stages around it."""
+    before = s - sum(1 for x in shared if x < s)  # the stages before it
+    if s not in shared:
+        return f"stage {before}"
+    return "every device " + (f"after stage {before - 1}" if before else "before stage 0")
 
 
 def program_name(kind: str, stage: int, wave: int = 0) -> str:

@@ -14,7 +14,7 @@ from rhino_jax.hlo_passes.graph import dtype_size, path_tokens
 from rhino_jax.search.specs import ShardingSpec
 
 from .explain import all_collectives, arg_layers, by_kind, describe, op_layer, plan_axes
-from .plan import Plan, PlannedCollective, mesh_label
+from .plan import Plan, PlannedCollective, mesh_label, place_name
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
 REPLICATED = "#d9d9d9"
@@ -172,7 +172,8 @@ def schedule_svg(plan: Plan) -> str:
     fill = {"F": "#8fbce6", "B": "#f4a582", "A": "#9bd39b"}
     out = []
     for st in plan.stages:
-        out.append(f'<text x="4" y="{30 + 30 * st.stage + 15}">stage {st.stage} {_e(mesh_label(st.mesh_axes))}</text>')
+        name = place_name(st.stage, tuple(s.get("shared_places", ())))
+        out.append(f'<text x="4" y="{30 + 30 * st.stage + 15}">{_e(name)} {_e(mesh_label(st.mesh_axes))}</text>')
     for kind, stage, mb, start, end in sorted(boxes, key=lambda b: (b[1], b[3])):
         x, w, y = x0 + start * scale, max((end - start) * scale, 1.0), 30 + 30 * stage
         label = f"{kind}{mb}" if kind != "A" else "A"

@@ -16,6 +16,12 @@ A schedule may also be derived from ordering constraints (nnScaler's op-order, s
 pairs "task a runs before task b" on one stage (`ordered`). 1F1B is ① F(k) before F(k+1),
 ② B(k) before B(k+1), ③ F(k+w−1) before B(k) and ④ B(k) before F(k+w), w = p − s; the three
 schedules above, written so, come out as `make` makes them.
+
+Interlaced pipelines (nnScaler's interlaced pipeline, seeds/002 §4.2): the chain of places a
+micro-batch passes through may hold, besides the stages, places whose programs run on every
+device (`shared`: a large embedding before the first stage and its tied output projection after
+the last). A shared task occupies every device, so it appears in every stage's order; it starts
+once it is next on every stage. `interlace` inserts them into a schedule of the stages.
 """
 from __future__ import annotations
 
@@ -40,23 +46,31 @@ class Task:
 @dataclass(frozen=True)
 class Schedule:
     name: str
-    stages: int
+    stages: int  # places in a micro-batch's chain: the stages, and any shared places between them
     micro_batches: int
-    order: tuple[tuple[Task, ...], ...]  # per stage, in run order
+    order: tuple[tuple[Task, ...], ...]  # per stage (`groups`), in run order, with every shared task
+    shared: tuple[int, ...] = ()  # the places whose programs run on every device
+
+    def groups(self) -> tuple[int, ...]:
+        """The places that run on their own devices (the stages), one per row of `order`."""
+        return tuple(s for s in range(self.stages) if s not in self.shared)
 
     def rows(self) -> tuple[str, ...]:
-        """Each stage's order as text ("F0 F1 B0 F2 B1 B2"), as a plan saves an op_order schedule
-        (`parse`)."""
-        return tuple(" ".join(f"{t.kind}{t.micro_batch}" for t in tasks) for tasks in self.order)
+        """Each stage's order as text ("F0 F1 B0 F2 B1 B2"; a shared place's task "F0@3"), as a
+        plan saves an op_order or interlaced schedule (`parse`)."""
+        return tuple(" ".join(f"{t.kind}{t.micro_batch}" + (f"@{t.stage}" if t.stage != g else "") for t in tasks)
+                     for g, tasks in zip(self.groups(), self.order))
 
     @staticmethod
-    def parse(name: str, rows: Sequence[str], micro_batches: int) -> "Schedule":
+    def parse(name: str, rows: Sequence[str], micro_batches: int, shared: Sequence[int] = ()) -> "Schedule":
         """The schedule `rows` writes (`Schedule.rows`), checked."""
+        groups = [s for s in range(len(rows) + len(shared)) if s not in shared]
         try:
-            order = tuple(tuple(Task(w[0], s, int(w[1:])) for w in row.split()) for s, row in enumerate(rows))
+            order = tuple(tuple(Task(w[0], int(w.split("@")[1]) if "@" in w else g, int(w[1:].split("@")[0]))
+                                for w in row.split()) for g, row in zip(groups, rows))
         except (ValueError, IndexError):
             raise ScheduleError(f"{name}: a stage's order must be words like F0 or B3, got {list(rows)!r}") from None
-        schedule = Schedule(name, len(rows), micro_batches, order)
+        schedule = Schedule(name, len(rows) + len(shared), micro_batches, order, tuple(shared))
         schedule.check()
         return schedule
 
@@ -67,13 +81,18 @@ class Schedule:
             return [Task("F", s - 1, k)] if s > 0 else []
         return [Task("F", s, k)] + ([Task("B", s + 1, k)] if s < self.stages - 1 else [])
 
+    def tasks_of(self, place: int) -> tuple[Task, ...]:
+        """The tasks of one place in the order they run (a shared place's: as every stage has them)."""
+        row = self.order[self.groups().index(place) if place not in self.shared else 0]
+        return tuple(t for t in row if t.stage == place)
+
     def in_flight(self) -> tuple[int, ...]:
-        """Per stage, the most micro-batches forwarded and not yet backwarded at once (whose
-        activations the stage holds)."""
+        """Per place, the most micro-batches forwarded and not yet backwarded at once (whose
+        activations the place holds)."""
         peaks = []
-        for tasks in self.order:
+        for s in range(self.stages):
             held = peak = 0
-            for t in tasks:
+            for t in self.tasks_of(s):
                 held += 1 if t.kind == "F" else -1
                 peak = max(peak, held)
             peaks.append(peak)
@@ -81,18 +100,22 @@ class Schedule:
 
     def check(self) -> None:
         """Raise ScheduleError unless every task runs once, a micro-batch's F runs before its B
-        on each stage, and the stages can run it without waiting on each other forever."""
+        on each place, and the stages can run it without waiting on each other forever."""
         p, m = self.stages, self.micro_batches
-        if len(self.order) != p:
-            raise ScheduleError(f"{self.name}: {len(self.order)} stage orders for {p} stages")
-        for s, tasks in enumerate(self.order):
-            want = {Task(kind, s, k) for kind in "FB" for k in range(m)}
+        groups = self.groups()
+        if len(self.order) != len(groups) or not all(0 <= s < p for s in self.shared):
+            raise ScheduleError(f"{self.name}: {len(self.order)} stage orders for {p} places of which "
+                                f"{list(self.shared)} are shared")
+        shared = {Task(kind, s, k) for s in self.shared for kind in "FB" for k in range(m)}
+        for g, tasks in zip(groups, self.order):
+            want = {Task(kind, g, k) for kind in "FB" for k in range(m)} | shared
             if len(tasks) != len(set(tasks)) or set(tasks) != want:
                 missing, extra = sorted(want - set(tasks)), sorted(set(tasks) - want)
-                raise ScheduleError(f"{self.name}: stage {s} must run each F and B of micro-batches 0..{m - 1} "
+                raise ScheduleError(f"{self.name}: stage {g} must run each F and B of micro-batches 0..{m - 1} "
                                     f"once; missing {[str(t) for t in missing]}, unexpected or repeated "
                                     f"{[str(t) for t in extra] or [str(t) for t in tasks if tasks.count(t) > 1]}")
-            position = {t: i for i, t in enumerate(tasks)}
+        for s in range(p):
+            position = {t: i for i, t in enumerate(self.tasks_of(s))}
             for k in range(m):
                 if position[Task("B", s, k)] < position[Task("F", s, k)]:
                     raise ScheduleError(f"{self.name}: stage {s} runs B{k} before F{k}")
@@ -100,23 +123,28 @@ class Schedule:
 
     def timeline(self, duration: Callable[[Task], float], transfer_s: float = 0.0) -> dict[Task, tuple[float, float]]:
         """(start, end) of every task when each stage runs its order as soon as what it needs has
-        arrived: a result of another stage `transfer_s` after it ends. ScheduleError on a
-        deadlock (a stage's next task waits on a task that waits on it)."""
+        arrived: a result of another place `transfer_s` after it ends; a shared task once it is
+        next on every stage, which it then occupies. ScheduleError on a deadlock (a stage's next
+        task waits on a task that waits on it)."""
         done: dict[Task, tuple[float, float]] = {}
-        free = [0.0] * self.stages
-        nxt = [0] * self.stages
+        rows = len(self.order)
+        free = [0.0] * rows
+        nxt = [0] * rows
         while any(n < len(o) for n, o in zip(nxt, self.order)):
             moved = False
-            for s, tasks in enumerate(self.order):
-                while nxt[s] < len(tasks):
-                    t = tasks[nxt[s]]
+            for g, tasks in enumerate(self.order):
+                while nxt[g] < len(tasks):
+                    t = tasks[nxt[g]]
                     needs = self.needs(t)
-                    if any(n not in done for n in needs):
+                    on = range(rows) if t.stage in self.shared else (g,)
+                    if any(n not in done for n in needs) or any(self.order[h][nxt[h]] != t for h in on):
                         break
-                    ready = max([free[s]] + [done[n][1] + (transfer_s if n.stage != s else 0.0) for n in needs])
+                    ready = max([free[h] for h in on] + [done[n][1] + (transfer_s if n.stage != t.stage else 0.0)
+                                                        for n in needs])
                     done[t] = (ready, ready + duration(t))
-                    free[s] = done[t][1]
-                    nxt[s] += 1
+                    for h in on:
+                        free[h] = done[t][1]
+                        nxt[h] += 1
                     moved = True
             if not moved:
                 waiting = [str(o[n]) for n, o in zip(nxt, self.order) if n < len(o)]
@@ -222,3 +250,72 @@ def ordered(stages: int, micro_batches: int, before: Iterable[tuple[Task, Task]]
     schedule = Schedule(name, stages, micro_batches, tuple(map(tuple, order)))
     schedule.check()
     return schedule
+
+
+
+# Tie-breaks among the tasks that can start first (`interlace`): each orders (start, task,
+# duration); the one whose schedule ends first is kept.
+_TIES: tuple[Callable[[float, Task, float, bool], tuple], ...] = (
+    lambda start, t, d, shared: (start, t.micro_batch, t.kind != "B", t.stage),  # the earlier micro-batch
+    lambda start, t, d, shared: (start, d, t.micro_batch, t.stage),  # the shorter task
+    lambda start, t, d, shared: (start, not shared, t.micro_batch, t.stage),  # the shared task
+    lambda start, t, d, shared: (start, shared, t.micro_batch, t.kind != "B", t.stage),  # the stage's task
+)
+
+
+def interlace(base: Schedule, shared: Sequence[int], duration: Callable[[Task], float],
+              transfer_s: float = 0.0) -> Schedule:
+    """`base` (a schedule of the stages) with the places `shared` (indices in the chain of
+    `base.stages + len(shared)` places; the stages keep their order in the others) run on every
+    device between them: the interlaced pipeline of nnScaler (seeds/002 §4.2). Each stage keeps
+    `base`'s order; a shared place runs its forwards, and its backwards, in micro-batch order.
+    Tasks are placed by list scheduling with `duration` (a task's predicted time) and
+    `transfer_s` between places: of the tasks whose inputs are made and which are next on their
+    devices, one that can start first runs, a shared task once every stage is free; of the ways
+    to break ties (`_TIES`), the one whose step ends first is kept. The result is checked like
+    any schedule."""
+    places = base.stages + len(shared)
+    if base.shared or not all(0 <= s < places for s in shared) or len(set(shared)) != len(shared):
+        raise ScheduleError(f"{base.name}: shared places {list(shared)} do not fit a chain of {places} places")
+    shared = tuple(sorted(shared))
+    best = min((_list_scheduled(base, shared, duration, transfer_s, tie) for tie in _TIES), key=lambda found: found[0])
+    schedule = Schedule(base.name, places, base.micro_batches, best[1], shared)
+    schedule.check()
+    return schedule
+
+
+def _list_scheduled(base: Schedule, shared: tuple[int, ...], duration: Callable[[Task], float], transfer_s: float,
+                    tie: Callable) -> tuple[float, tuple[tuple[Task, ...], ...]]:
+    """`interlace`'s list scheduling with one tie-break: (the step's end, each stage's order)."""
+    probe = Schedule(base.name, base.stages + len(shared), base.micro_batches, (), shared)
+    groups = probe.groups()
+    queues = [[Task(t.kind, g, t.micro_batch) for t in row] for g, row in zip(groups, base.order)]
+    own = {(s, kind): [Task(kind, s, k) for k in range(base.micro_batches)] for s in shared for kind in "FB"}
+    taken = [0] * len(groups)
+    order: list[list[Task]] = [[] for _ in groups]
+    free = [0.0] * len(groups)
+    end: dict[Task, float] = {}
+    total = sum(map(len, queues)) + sum(map(len, own.values()))
+    while len(end) < total:
+        ready = []  # (tie key, task, the stages it occupies, start)
+        nexts = [(queue[taken[g]], (g,)) for g, queue in enumerate(queues) if taken[g] < len(queue)]
+        nexts += [(tasks[0], tuple(range(len(groups)))) for tasks in own.values() if tasks]
+        for t, on in nexts:
+            needs = probe.needs(t)
+            if all(n in end for n in needs):
+                start = max([free[h] for h in on] + [end[n] + (transfer_s if n.stage != t.stage else 0.0)
+                                                     for n in needs])
+                ready.append((tie(start, t, duration(t), t.stage in shared), t, on, start))
+        if not ready:
+            raise ScheduleError(f"{base.name}: the shared places {list(shared)} cannot be interlaced: every stage "
+                                "waits")
+        _, t, on, start = min(ready)
+        end[t] = start + duration(t)
+        for h in on:
+            free[h] = end[t]
+            order[h].append(t)
+        if t.stage in shared:
+            own[t.stage, t.kind].pop(0)
+        else:
+            taken[on[0]] += 1
+    return max(end.values(), default=0.0), tuple(map(tuple, order))

@@ -1,6 +1,7 @@
 """The task graph of a pipelined step (Rhino §6.1): what runs, where, after what.
 
-Nodes: a source and a sink; per stage and micro-batch, its forward and backward pass; a send and
+Nodes: a source and a sink; per stage (a place of the chain: with an interlaced pipeline, also a
+place that runs on every device) and micro-batch, its forward and backward pass; a send and
 a receive for every tensor crossing stages (activations forward, their gradients back); with
 several micro-batches, a local accumulation of each backward's gradients; the apply of the
 accumulated gradients (the optimizer): one on the whole mesh, or one per stage and wave of a
@@ -102,7 +103,7 @@ def build(schedule: Schedule, applies: Sequence[Apply] = ()) -> TaskGraph:
         for k in range(m):
             node(str(Task("F", s, k)), "forward", s, k)
             node(str(Task("B", s, k)), "backward", s, k)
-    for s, tasks in enumerate(schedule.order):  # the run order on each stage
+    for tasks in schedule.order:  # the run order on each stage's devices (a shared task's on every stage's)
         edges += [(compute(a), compute(b)) for a, b in zip(tasks, tasks[1:])]
     for k in range(m):
         edges.append((source, compute(Task("F", 0, k))))  # the micro-batch is fed to stage 0

@@ -70,12 +70,17 @@ class OpTrans(Named):
 @dataclass(frozen=True)
 class OpAssign(Named):
     """`rj.op_assign`: the forward ops `where` names run on pipeline stage `stage` (the backward
-    ops follow the forward values they read, `hlo_passes.stages`)."""
+    ops follow the forward values they read, `hlo_passes.stages`); `stage="all"`: the ops it
+    names, forward and backward, run on every device between the stages' programs (the
+    interlaced pipeline)."""
 
-    stage: int = 0
+    stage: int | str = 0
 
     def __str__(self) -> str:
-        return f"op_assign({self.where!r}, stage={self.stage})"
+        return f"op_assign({self.where!r}, stage={self.stage!r})"
+
+
+SHARED = -1  # `fixed_stages`' stage of an op that runs on every device (op_assign(stage="all"))
 
 
 @dataclass(frozen=True)
@@ -171,14 +176,15 @@ def _nothing_left(u, mine, graph: Graph, topo: MeshTopology) -> str:
 
 
 def fixed_stages(constraints, graph: Graph, forward: set[int], stages: int) -> dict[int, int]:
-    """Forward op → the stage the user's `op_assign`s put it on; an op two of them put on two
-    stages, or one that names no forward op, is a `ConstraintError` (backward ops follow the
-    forward values they read, and are not assigned)."""
+    """Forward op → the stage the user's `op_assign`s put it on (`SHARED`: every device); an op
+    two of them put on two stages, or one that names no forward op, is a `ConstraintError`
+    (backward ops follow the forward values they read, and are not assigned, but for those an
+    `op_assign(stage="all")` names: `shared_backward`)."""
     fixed: dict[int, tuple[int, OpAssign]] = {}
     for c in constraints:
         if not isinstance(c, OpAssign):
             continue
-        if not 0 <= c.stage < stages:
+        if c.stage != "all" and not 0 <= c.stage < stages:
             raise ConstraintError(f"{c}: the pipeline has stages 0..{stages - 1}; assign to one of them")
         named = [i for i in sorted(forward) if graph.nodes[i].name and c.matches((graph.nodes[i].name,))]
         if not named:
@@ -186,7 +192,14 @@ def fixed_stages(constraints, graph: Graph, forward: set[int], stages: int) -> d
                                   "what stages divide; the backward ops run where the forward values they read "
                                   "were made")
         for i in named:
-            k, other = fixed.setdefault(i, (c.stage, c))
-            if k != c.stage:
+            k, other = fixed.setdefault(i, (SHARED if c.stage == "all" else c.stage, c))
+            if k != (SHARED if c.stage == "all" else c.stage):
                 raise ConstraintError(f"{c} and {other} put {graph.nodes[i].name!r} on two stages")
     return {i: k for i, (k, _) in fixed.items()}
+
+
+def shared_backward(constraints, graph: Graph, forward: set[int]) -> set[int]:
+    """The backward ops an `op_assign(stage="all")` names: they run on every device, as the
+    forward ops it names do (an embedding's gradient scatter, by the table it adds into)."""
+    shared = [c for c in constraints if isinstance(c, OpAssign) and c.stage == "all"]
+    return {n.id for n in graph.nodes if n.id not in forward and n.name and any(c.matches((n.name,)) for c in shared)}

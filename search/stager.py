@@ -28,7 +28,10 @@ from rhino_jax.errors import SolverError, StagingError
 
 from ..hlo_passes.graph import Graph
 from . import ilp, solver_process
+from .constraints import SHARED
 from .critical import backbone
+
+_AFTER_SHARED = -2  # `forward_stage_graph`'s label of an unnamed op after ops of every device
 
 
 @dataclass(frozen=True)
@@ -106,46 +109,69 @@ def bounds(g: StageGraph, stages: int, epsilon: float) -> tuple[np.ndarray, np.n
 
 def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = True,
           backend: str = "HIGHS", time_limit_s: float = 60.0,
-          advice: str = "raise epsilon or use fewer stages", fixed: dict[int, int] | None = None) -> Staging:
+          advice: str = "raise epsilon or use fewer stages", fixed: dict[int, int] | None = None,
+          shared: frozenset[int] = frozenset()) -> Staging:
     """The division of g into `stages` stages balanced within `epsilon` that cuts the fewest bytes.
     `advice`: what an unbalanceable graph's error tells the caller to change (a caller whose
     user cannot change epsilon says what they can). `fixed`: node → the stage it must run in
-    (the user's `op_assign`), where the balance's bounds allow it."""
+    (the user's `op_assign`), where the balance's bounds allow it.
+
+    `shared`: nodes that run on every device, between the stages (`op_assign(stage="all")`, the
+    interlaced pipeline). Then the division is into 2·stages + 1 slots: stage k is slot 2k + 1,
+    and the even slots, before, between and after the stages, run on every device, unbalanced;
+    a shared node goes in an even slot, another node in an even slot only where no stage can
+    take it (the loss after a shared output projection), as the objective charges that far
+    above any bytes cut. `Staging.stage` holds slots; the balance counts the stages' nodes."""
     start = time.perf_counter()
     n, d = len(g.compute), stages
-    if d < 1 or d > n:
+    if d < 1 or d > n - len(shared):
         nodes = f" ({'; '.join(g.names)})" if g.names and any(g.names) else ""  # a loop says to unroll it
-        raise StagingError(f"{d} stages for a graph of {n} nodes{nodes}: use between 1 and {n} stages")
+        raise StagingError(f"{d} stages for a graph of {n - len(shared)} nodes{nodes}: use between 1 and "
+                           f"{n - len(shared)} stages")
     if epsilon < 0:
         raise StagingError(f"epsilon (the imbalance allowed between stages) must be >= 0, got {epsilon}")
     c = np.asarray(g.compute, dtype=float)
-    share = c.sum() / d
+    staged = np.array([i not in shared for i in range(n)])
+    share = c[staged].sum() / d
     if not share > 0:
         raise StagingError("the stage graph computes nothing: there is nothing to balance")
     _order(g)
-    lo, hi = bounds(g, d, epsilon) if tighten else (np.zeros(n, dtype=int), np.full(n, d - 1))
-    heaviest = int(np.argmax(c))
+    slots = 2 * d + 1 if shared else d
+    slot_of = (lambda k: 2 * k + 1) if shared else (lambda k: k)  # stage k's slot
+    if shared or not tighten:  # with unbalanced slots the bounds below do not hold
+        lo, hi = np.zeros(n, dtype=int), np.full(n, slots - 1)
+    else:
+        lo, hi = bounds(g, d, epsilon)
+    heaviest = int(np.argmax(np.where(staged, c, -1.0)))
     if c[heaviest] > (1 + epsilon) * share:
         name = g.names[heaviest] if g.names else f"node {heaviest}"
         raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share: {name} "
                            f"alone computes {c[heaviest] / share:.2f} shares; {advice}")
     for i, k in (fixed or {}).items():
-        if not lo[i] <= k <= hi[i]:
+        if not lo[i] <= slot_of(k) <= hi[i]:
             name = g.names[i] if g.names and g.names[i] else f"node {i}"
             raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share puts "
                                f"{name} on stage {k} (it may run in stages {lo[i]}..{hi[i]}); {advice}")
-        lo[i] = hi[i] = k
+        lo[i] = hi[i] = slot_of(k)
     if (lo > hi).any():
         stuck = int(np.argmax(lo > hi))
         name = g.names[stuck] if g.names and g.names[stuck] else f"node {stuck}"
         raise StagingError(f"no division into {d} stages within epsilon={epsilon:g} of a balanced share: the "
                            f"graph's dependencies leave {name} no stage; {advice}")
 
-    # Variables: x[i, k] for k in lo_i..hi_i, then F_e per edge.
+    # Variables: x[i, k] for slots k in lo_i..hi_i, then F_e per edge.
     width = hi - lo + 1
     x_at = np.concatenate([[0], np.cumsum(width)])
     f_at = int(x_at[-1])
     n_vars = f_at + len(g.edges)
+    upper = np.ones(n_vars)
+    even_cost = np.zeros(f_at)  # a stage's node in a shared slot: far above every byte cut (≤ 1 per edge)
+    for i in range(n):
+        for k in range(lo[i], hi[i] + 1):
+            if shared and k % 2 == 0:
+                even_cost[x_at[i] + k - lo[i]] = 0.0 if i in shared else (len(g.edges) + 1) * (1 + c[i] / share)
+            elif shared and i in shared:
+                upper[x_at[i] + k - lo[i]] = 0.0  # a shared node runs on every device
     rows: list[np.ndarray] = []
     cols: list[np.ndarray] = []
     vals: list[np.ndarray] = []
@@ -171,19 +197,20 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
     for e, (s, t, _) in enumerate(g.edges):
         diff = [stage_terms(t, 1.0), stage_terms(s, -1.0)]
         add_row(diff + [(np.array([f_at + e]), np.array([-1.0]))], 0.0, np.inf)  # F ≤ B_t − B_s (so B_t ≥ B_s)
-        add_row(diff + [(np.array([f_at + e]), np.array([-(d - 1.0)]))], -np.inf, 0.0)  # B_t − B_s ≤ (d−1)F
-    for k in range(d):  # balance, in shares; and no stage empty (a tolerance of a share or more allows one)
-        members = [i for i in range(n) if lo[i] <= k <= hi[i]]
+        add_row(diff + [(np.array([f_at + e]), np.array([-(slots - 1.0)]))], -np.inf, 0.0)  # B_t − B_s ≤ (D−1)F
+    for k in map(slot_of, range(d)):  # balance, in shares; and no stage empty (a tolerance of a share or more allows one)
+        members = [i for i in range(n) if lo[i] <= k <= hi[i] and i not in shared]
         at = np.array([x_at[i] + k - lo[i] for i in members], dtype=int)
         add_row([(at, np.array([c[i] / share for i in members]))], 1.0 - epsilon, 1.0 + epsilon)
         add_row([(at, np.ones(len(members)))], 1.0, np.inf)
     weight = np.array([b for _, _, b in g.edges], dtype=float)
     objective = np.zeros(n_vars)
+    objective[:f_at] = even_cost
     objective[f_at:] = weight / max(weight.max(initial=0.0), 1.0)
     matrix = scipy.sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
                                      shape=(len(row_lo), n_vars))
     program = solver_process.Program(objective, matrix, np.array(row_lo), np.array(row_hi), np.zeros(n_vars),
-                                     np.ones(n_vars), integer=np.arange(n_vars))
+                                     upper, integer=np.arange(n_vars))
     ilp.check_backend(backend)
     # Ctrl-C propagates: no plan exists before the stages are chosen.
     result = ilp.run(program, backend, time_limit_s - (time.perf_counter() - start))
@@ -196,7 +223,9 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
     values = result.values
     assignment = tuple(int(lo[i] + np.argmax(values[x_at[i]:x_at[i + 1]])) for i in range(n))
     per_stage = np.zeros(d)
-    np.add.at(per_stage, list(assignment), c)
+    for i, k in enumerate(assignment):
+        if not shared or k % 2:
+            per_stage[k // 2 if shared else k] += c[i]
     cut = float(sum(b for s, t, b in g.edges if assignment[s] != assignment[t]))
     return Staging(assignment, cut, tuple(per_stage.tolist()),
                    "optimal" if result.status == "OPTIMAL" else "feasible",
@@ -225,9 +254,9 @@ def forward_stage_graph(graph: Graph, loss: int, apart: dict[int, int] | None = 
     loss (value id) depends on, coarsened by the backbone's segments (each opened by a critical
     node: a compute-heavy op on the critical path, `critical`). Compute is FLOPs; an edge carries
     the bytes of the values one segment reads from another (a value read twice, once). `apart`:
-    op → a label (the stage the user assigns it); ops of one segment with other labels are
-    other nodes, so an assignment moves its ops and what they feed in their segment, nothing
-    before them."""
+    op → a label (the stage the user assigns it, `constraints.SHARED` for every device); ops of
+    one segment with other labels are other nodes, so an assignment moves its ops and what they
+    feed in their segment (a stage's rather than every device's), nothing before them."""
     forward = forward_ops(graph, loss)
     producer = {r: n.id for n in graph.nodes for r in n.results}
     segment = backbone(graph).segment
@@ -237,8 +266,13 @@ def forward_stage_graph(graph: Graph, loss: int, apart: dict[int, int] | None = 
             if i not in label:
                 found = [label[producer[o]] for o in graph.nodes[i].operands
                          if o in producer and producer[o] in label and segment[producer[o]] == segment[i]]
-                if found:
-                    label[i] = max(found)
+                if found:  # after ops of every device only: a node of its own, which the stager places
+                    label[i] = max(found) if max(found) >= 0 else _AFTER_SHARED
+        readers = graph.consumers()
+        for i in sorted(forward, reverse=True):  # an op between two of every device's runs there too
+            if label.get(i) == _AFTER_SHARED and any(label.get(c) == SHARED and segment[c] == segment[i]
+                                                     for r in graph.nodes[i].results for c in readers[r]):
+                label[i] = SHARED
     node_of_segment: dict[tuple, int] = {}
     key = {i: (segment[i], label.get(i)) for i in forward}
     for i in sorted(forward):

@@ -133,3 +133,40 @@ def test_pure_spmd_is_compute_then_apply():
     """Rhino Fig. 6(a): one stage, one micro-batch: no transfers and no accumulation."""
     g = task_graph.build(schedules.make("1f1b", 1, 1))
     assert [n.kind for n in g.order()] == ["source", "forward", "backward", "apply", "sink"]
+
+
+@pytest.mark.parametrize("name", schedules.NAMES)
+def test_an_interlaced_schedule_runs_every_device_task_on_every_stage_and_keeps_each_stage_order(name):
+    """nnScaler's interlaced pipeline: places 0 and 3 (an embedding before 2 stages and its tied
+    projection after them) run on every device. Each stage keeps its schedule's order; a shared
+    task is in every stage's row, in one order, and overlaps no other task; the rows load back."""
+    base = schedules.make(name, 2, 4)
+    times = {0: (0.1, 0.2), 1: (1.0, 2.0), 2: (1.0, 2.0), 3: (0.5, 1.0)}  # place → (forward, backward)
+    s = schedules.interlace(base, (0, 3), lambda t: times[t.stage][t.kind == "B"], transfer_s=0.05)
+    assert s.groups() == (1, 2) and s.stages == 4
+    for g, row, own in zip(s.groups(), s.order, base.order):
+        assert [(t.kind, t.micro_batch) for t in row if t.stage == g] == [(t.kind, t.micro_batch) for t in own]
+    assert [t for t in s.order[0] if t.stage in (0, 3)] == [t for t in s.order[1] if t.stage in (0, 3)]
+    timeline = s.timeline(lambda t: times[t.stage][t.kind == "B"], transfer_s=0.05)
+    for t, (start, end) in timeline.items():
+        if t.stage in (0, 3):
+            assert not any(u != t and u_start < end and start < u_end for u, (u_start, u_end) in timeline.items())
+        for need in s.needs(t):
+            assert start >= timeline[need][1] + (0.05 if need.stage != t.stage else 0.0) - 1e-12
+    busy = sum(sum(times[x]) for x in (0, 3, 1)) * 4  # one stage's devices: its tasks and every shared one
+    assert s.makespan([f for f, _ in times.values()], [b for _, b in times.values()], 0.05) >= busy
+    assert schedules.Schedule.parse(name, s.rows(), 4, (0, 3)) == s
+    if name != "gpipe":  # 1F1B's: the projection's backward follows its forward at once
+        assert s.in_flight()[3] == 1
+
+
+def test_shared_tasks_in_two_orders_deadlock_and_the_task_graph_follows_the_rows():
+    s = schedules.interlace(schedules.make("1f1b", 2, 2), (0,), lambda t: 1.0)
+    first = [t for t in s.order[0] if t.stage == 0]
+    swapped = tuple(first[1] if t == first[0] else first[0] if t == first[1] else t for t in s.order[0])
+    with pytest.raises(ScheduleError, match="deadlock"):
+        dataclasses.replace(s, order=(swapped,) + s.order[1:]).check()
+    order = task_graph.build(s).order()
+    for g, row in zip(s.groups(), s.order):
+        ran = [n.name for n in order if n.kind in ("forward", "backward") and n.name in {str(t) for t in row}]
+        assert ran == [str(t) for t in row]

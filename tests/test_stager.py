@@ -121,3 +121,18 @@ def test_a_gpt_forward_pass_is_staged_layer_by_layer():
     assert 0 < result.cut_bytes
     # Each stage holds whole dots of the forward pass: the cut falls between them.
     assert len(set(result.stage)) == 2 and len(node_of) > len(g.compute)
+
+
+def test_shared_nodes_run_between_the_stages_and_an_op_after_the_last_joins_them():
+    """An embedding (node 0, heavy) and its tied projection (5, heavier than a stage's share) on
+    every device (`shared`), four blocks between them, then the loss (6), which no stage can run
+    after the projection: slots 0 (every device), 1 and 3 (the stages, balanced on the blocks'
+    compute only), 4 (every device, with the loss)."""
+    g = StageGraph((50.0, 1.0, 1.0, 1.0, 1.0, 100.0, 0.1),
+                   tuple((i, i + 1, 10.0) for i in range(6)) + ((0, 5, 1.0),))
+    with pytest.raises(StagingError, match="alone computes"):
+        stager.stage(g, 2, 0.25)
+    staged = stager.stage(g, 2, 0.25, shared=frozenset({0, 5}))
+    assert staged.stage == (0, 1, 1, 3, 3, 4, 4)
+    assert staged.stage_compute == (2.0, 2.0)
+    assert staged.cut_bytes == 10.0 + 10.0 + 10.0 + 1.0  # 0→1, 2→3, 4→5 and the tie 0→5
