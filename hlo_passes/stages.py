@@ -96,7 +96,9 @@ def assign_apply(graph: Graph, home: Mapping[int, int]) -> dict[int, tuple[str, 
     only arguments and constants, read on several stages, is left out of the result: each program
     that reads it computes it again (`programs`), rather than one stage waiting for another's. Its wave is the most stage changes
     on a path from the arguments to it: a global norm's per-stage squares are wave 0, their total
-    on one stage wave 1, the updates it scales on other stages wave 2."""
+    on one stage wave 1, the updates it scales on other stages wave 2; an op all of whose readers
+    run on its stage runs in their earliest wave (Adam's decayed moments, b1 * mu, beside the
+    update that reads them, not a wave before it)."""
     producer = {r: n.id for n in graph.nodes for r in n.results}
     readers = graph.consumers()
     at = {graph.args[i].value: s for i, s in home.items()}
@@ -135,6 +137,11 @@ def assign_apply(graph: Graph, home: Mapping[int, int]) -> dict[int, tuple[str, 
     for n in graph.nodes:  # waves again, now that every op has its stage
         if n.id in stage:
             wave[n.id] = wave_at(n, stage[n.id])
+    for n in reversed(graph.nodes):  # as late as its readers on its stage: what a wave makes for a later
+        if n.id in stage:           # wave would leave one program for another (moved, in its own layout)
+            waits = [c for r in n.results for c in readers[r]]
+            if waits and all(c in stage and stage[c] == stage[n.id] for c in waits):
+                wave[n.id] = min(wave[c] for c in waits)
     return {i: ("A", stage[i], wave[i]) for i in stage}
 
 

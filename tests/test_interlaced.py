@@ -55,6 +55,9 @@ def test_the_embedding_spans_every_device_and_each_block_its_stage(t5, tmp_path)
     report = plan.report()
     assert "interlaced with 2 places on every device" in report
     assert "every device before stage 0" in report and "every device after stage 1" in report
+    plan.render(tmp_path / "plan.html")
+    page = (tmp_path / "plan.html").read_text()
+    assert "every device after stage 1" in page and page.count('data-stage="3"') == 2 * 4 + 1  # F, B per micro-batch, A
 
     schedule = plan.schedule()
     rows = [row.split() for row in schedule.rows()]
