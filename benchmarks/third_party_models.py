@@ -171,13 +171,17 @@ class SizedBlock(nn.Module):
         return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))))
 
 
-class RematLM(nn.Module):
-    """A decoder LM whose blocks are recomputed in the backward pass (`nn.remat`)."""
+class SizedLM(nn.Module):
+    """A decoder LM's sizes (`remat_lm`, `tied_lm`)."""
 
     vocab: int
     width: int
     heads: int
     layers: int
+
+
+class RematLM(SizedLM):
+    """A decoder LM whose blocks are recomputed in the backward pass (`nn.remat`)."""
 
     @nn.compact
     def __call__(self, tokens):
@@ -187,25 +191,8 @@ class RematLM(nn.Module):
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
-def remat_lm(batch: int = 16, seq: int = 512, vocab: int = 256, width: int = 64, heads: int = 4,
-             layers: int = 2) -> Case:
-    """Co-shard's case (issue 32): long sequences, few heads, blocks under remat, so that the
-    attention's [batch, heads, seq, seq] tensors are most of the step's temporaries; clip + AdamW."""
-    model = RematLM(vocab, width, heads, layers)
-    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
-    batch_ = {"tokens": jax.random.randint(k1, (batch, seq), 0, vocab, jnp.int32),
-              "targets": jax.random.randint(k2, (batch, seq), 0, vocab, jnp.int32)}
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-    return _linen_case("remat_lm", model, tx, batch_, "tokens", _cross_entropy(model, "tokens", "targets"), ())
-
-
-class TiedLM(nn.Module):
+class TiedLM(SizedLM):
     """A T5-like LM whose large embedding is also its output projection (`Embed.attend`)."""
-
-    vocab: int
-    width: int
-    heads: int
-    layers: int
 
     @nn.compact
     def __call__(self, tokens):
@@ -216,17 +203,28 @@ class TiedLM(nn.Module):
         return embed.attend(nn.LayerNorm(name="ln_f")(x))
 
 
+def _sized_case(name: str, model: SizedLM, batch: int, seq: int, key: int) -> Case:
+    """A sized LM's step on random tokens and targets (from PRNGKey(key)), clip + AdamW."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(key))
+    batch_ = {"tokens": jax.random.randint(k1, (batch, seq), 0, model.vocab, jnp.int32),
+              "targets": jax.random.randint(k2, (batch, seq), 0, model.vocab, jnp.int32)}
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    return _linen_case(name, model, tx, batch_, "tokens", _cross_entropy(model, "tokens", "targets"), ())
+
+
+def remat_lm(batch: int = 16, seq: int = 512, vocab: int = 256, width: int = 64, heads: int = 4,
+             layers: int = 2) -> Case:
+    """Co-shard's case (issue 32): long sequences, few heads, blocks under remat, so that the
+    attention's [batch, heads, seq, seq] tensors are most of the step's temporaries; clip + AdamW."""
+    return _sized_case("remat_lm", RematLM(vocab, width, heads, layers), batch, seq, key=1)
+
+
 def tied_lm(batch: int = 8, seq: int = 16, vocab: int = 32768, width: int = 256, heads: int = 4,
             layers: int = 4) -> Case:
     """The interlaced pipeline's case (issue 32, seeds/002 §4.2, T5): a 32k x 256 embedding tied
     to the output projection, most of the step's parameters and of its FLOPs at short sequences,
     beside 4 small blocks; clip + AdamW."""
-    model = TiedLM(vocab, width, heads, layers)
-    k1, k2 = jax.random.split(jax.random.PRNGKey(2))
-    batch_ = {"tokens": jax.random.randint(k1, (batch, seq), 0, vocab, jnp.int32),
-              "targets": jax.random.randint(k2, (batch, seq), 0, vocab, jnp.int32)}
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-    return _linen_case("tied_lm", model, tx, batch_, "tokens", _cross_entropy(model, "tokens", "targets"), ())
+    return _sized_case("tied_lm", TiedLM(vocab, width, heads, layers), batch, seq, key=2)
 
 
 # ------------------------------------------------------------------------------ Flax NNX
