@@ -22,7 +22,8 @@ programs in its schedule, `compiled_step_s`); the Megatron row beside op_trans i
   a 32k x 256 embedding tied to its output projection, 4 blocks of width 256, seq 128, batch 16,
   clip + AdamW) on the same mesh: the SPMD plan users would otherwise run, pipeline=2 with 4
   micro-batches as the stager alone makes it (refused: the projection is more than a stage's
-  share), and interlaced (the embedding's ops, lookup and projection, on every device).
+  share), and interlaced (the embedding's ops, lookup and projection, on every device), also
+  under a memory limit of 160 MiB per device (the SPMD plan's is 0.157 GiB).
 - coshard: another step, `third_party_models.remat_lm` (seq 512, batch 16, width 64, 4 heads,
   2 blocks under `nn.remat`, clip + AdamW), on mesh (8,) ("data"): the attention without chunks,
   in 2 and 4 chunks, and chunks="auto" under a memory limit of 20 MiB per device; its column of
@@ -139,8 +140,11 @@ def _interlaced_rows() -> list[dict]:
     except StagingError as e:  # what the stager alone makes of it
         rows.append(dict(_row("interlaced", "pipeline=2, free staging", None, 0.0, None, 0.0), compiled_ms=None,
                          refused=str(e)))
-    rows.append(_plan(case, "interlaced", "pipeline=2, op_assign('*Embed*', stage='all')",
-                      constraints=[rj.op_assign("*Embed*", stage="all")], **PIPELINE))
+    interlaced = [rj.op_assign("*Embed*", stage="all")]
+    rows.append(_plan(case, "interlaced", "pipeline=2, op_assign('*Embed*', stage='all')", constraints=interlaced,
+                      **PIPELINE))
+    rows.append(_plan(case, "interlaced", "the same, memory limit 160 MiB", constraints=interlaced,
+                      memory_limit_bytes=160 << 20, **PIPELINE))
     return rows
 
 
