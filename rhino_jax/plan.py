@@ -344,8 +344,8 @@ class Plan:
                              f"{s.get('outputs_out_s', 0.0) * 1e3:.3f} ms to return the loss and metrics on the whole "
                              "mesh), then apply-gradients on the stages (the search line above: its programs together)")
                 shared = tuple(s.get("shared_places", ()))
-                lines += [f"    {place_name(st.stage, shared)}  {mesh_label(st.mesh_axes)} devices {_runs(st.devices)}: forward "
-                          f"{st.forward_s * 1e3:.3f} + backward {st.backward_s * 1e3:.3f} ms per micro-batch, "
+                lines += [f"    {place_name(st.stage, shared)}  {mesh_label(st.mesh_axes)} devices {_runs(st.devices)}: "
+                          f"forward {st.forward_s * 1e3:.3f} + backward {st.backward_s * 1e3:.3f} ms per micro-batch, "
                           f"apply {st.apply_s * 1e3:.3f} ms, "
                           f"{st.in_flight} in flight, {st.memory_bytes / 2**20:.1f} MiB/device; "
                           f"{', '.join(st.layers) or 'no named layers'}" + _alike(st) for st in self.stages]

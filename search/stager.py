@@ -198,7 +198,7 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
         diff = [stage_terms(t, 1.0), stage_terms(s, -1.0)]
         add_row(diff + [(np.array([f_at + e]), np.array([-1.0]))], 0.0, np.inf)  # F ≤ B_t − B_s (so B_t ≥ B_s)
         add_row(diff + [(np.array([f_at + e]), np.array([-(slots - 1.0)]))], -np.inf, 0.0)  # B_t − B_s ≤ (D−1)F
-    for k in map(slot_of, range(d)):  # balance, in shares; and no stage empty (a tolerance of a share or more allows one)
+    for k in map(slot_of, range(d)):  # balance, in shares; and no stage empty (a tolerance of a share allows one)
         members = [i for i in range(n) if lo[i] <= k <= hi[i] and i not in shared]
         at = np.array([x_at[i] + k - lo[i] for i in members], dtype=int)
         add_row([(at, np.array([c[i] / share for i in members]))], 1.0 - epsilon, 1.0 + epsilon)
