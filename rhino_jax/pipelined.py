@@ -22,6 +22,11 @@ The executor walks the task graph (`runtime.task_graph`) and dispatches each pro
 inputs put on its sub-mesh (jax's asynchronous dispatch overlaps the stages); between processes,
 moves are SPMD programs (`runtime.transfer`). The sums of each micro-batch are added on the stage
 that makes them. Not yet: a loop cut across stages.
+
+Interlaced (`op_assign(where, stage="all")`, nnScaler §4.2): the stager also places ops before,
+between and after the stages on every device; a micro-batch then passes through a chain of
+places, the stages and those, each planned, moved between and scheduled as a stage is, the
+latter on the whole mesh, their tasks interlaced with the stages' (`schedules.interlace`).
 """
 from __future__ import annotations
 
