@@ -115,7 +115,7 @@ def test_the_readme_constraints_split_attention_by_heads(lm, tmp_path):
     assert why.alternatives == () and "none: the constraints allow it none of its" in str(why)
     plan.save(tmp_path / "plan.json")
     assert rj.Plan.load(tmp_path / "plan.json").constrained() == plan.constrained() != {}
-    assert_same_numbers(reference, lowered.compile()(*args))
+    assert_same_adam_step(reference, lowered.compile()(*args), lr=LR)  # an AdamW step: parameters to lr/4
 
 
 def test_forward_ops_take_only_the_allowed_result_dims(lm):
@@ -149,7 +149,7 @@ def test_forward_ops_take_only_the_allowed_result_dims(lm):
         assert not spec.used_axes(), (name, spec)
     for lowered in (split, whole):
         assert lowered.plan.cost.total_s >= free.cost.total_s * (1 - 1e-9)  # a smaller space is never better
-        assert_same_numbers(reference, lowered.compile()(*args))
+        assert_same_adam_step(reference, lowered.compile()(*args), lr=LR)
 
 
 def test_constraints_combine_with_pins():
