@@ -36,6 +36,7 @@ from .constraints import OpOrder
 from .errors import ConstraintError, MeshError, SolverInterruptedWarning, TracedCallWarning
 from .explain import SearchInputs
 from .gpu_topology import described_mesh, refuse_described
+from .host_callbacks import refuse_deadlocking
 from .mesh import auto_axes, context_mesh
 from . import coshard_search
 from .mesh_search import search_meshes
@@ -92,6 +93,7 @@ class Compiled:
         self._executable = executable
         self.plan = lowered.plan
         self._in = tuple(jax.tree.leaves(executable.input_shardings))
+        self._checked = False  # host_callbacks.refuse_deadlocking, once, at the first call
 
     @property
     def input_shardings(self):
@@ -157,6 +159,9 @@ class Compiled:
         """Run the executable on a call's dynamic arguments (`leaves`: flattened; their shapes
         already checked): the arrays not yet in the program's layouts are put there, in one
         device_put; when all are, the call goes straight to the executable."""
+        if not self._checked:
+            refuse_deadlocking(self._lowered.graph, self._lowered.mesh)
+            self._checked = True
         shardings = self._in
         moved = [i for i, (x, s) in enumerate(zip(leaves, shardings)) if getattr(x, "sharding", None) != s]
         if moved:
@@ -313,7 +318,7 @@ class Parallelized:
             if self.mesh is None:
                 raise MeshError("num_micro_batches > 1 and pipeline need a mesh: pass mesh=rj.device_mesh(...)")
             kind = PipelinedLowered if pipelined else MicroBatchedLowered
-            return kind(call, self.mesh, options, key, self.given_plan)
+            return kind(call, self.mesh, options, key, self.given_plan, self.user_mesh)
         if self.mesh is None:
             mesh, step, graph, plan = search_meshes(call, self.devices, options)
         else:

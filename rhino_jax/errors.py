@@ -59,3 +59,7 @@ class UnknownTensorError(RhinoError, KeyError):
 
     def __str__(self) -> str:  # a KeyError would print its message quoted, as a key
         return str(self.args[0])
+
+
+class HostCallbackError(RhinoError, RuntimeError):
+    """A step whose host callback the installed jaxlib could deadlock on when run on this mesh."""

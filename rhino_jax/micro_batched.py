@@ -213,8 +213,11 @@ class MicroBatchedLowered(SeveralProgramsLowered):
     """A step lowered for k micro-batches: `plan` sums up both programs; `programs` holds each."""
 
     @interrupt.session()  # its searches stop together at Ctrl-C, every plan marked interrupted
-    def __init__(self, call: Call, mesh: Mesh, options: Options, signature, given: Plan | None = None):
-        """`given`: a saved plan of this step to run instead of searching (`parallelize(plan=...)`)."""
+    def __init__(self, call: Call, mesh: Mesh, options: Options, signature, given: Plan | None = None,
+                 named_on: Mesh | None = None):
+        """`given`: a saved plan of this step to run instead of searching (`parallelize(plan=...)`).
+        `named_on`: the user's mesh (Explicit axes), which the step's layouts name (`mesh` is its
+        Auto twin, the programs' own)."""
         k = options.num_micro_batches
         step = split_step(call, mesh, k, options.constraints)
         whole, parts, compute_graph, apply_graph = step.whole, step.parts, step.compute_graph, step.apply_graph
@@ -235,10 +238,11 @@ class MicroBatchedLowered(SeveralProgramsLowered):
             apply_graph, compute_graph, compute_plan))
         apply_plan = plan("apply_gradients", parts.apply, apply_graph, APPLY_WEIGHT)
         self.mesh, self.k, self._signature, self.cluster = mesh, k, signature, cluster
+        self.named_on = named_on or mesh
         self._step, self._parts, self._graphs = step, parts, (compute_graph, apply_graph)
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.programs = {"compute_gradients": compute_plan, "apply_gradients": apply_plan}
-        self.plan = dataclasses.replace(_summary(compute_plan, apply_plan, k, compute_graph, mesh, self._trees),
+        self.plan = dataclasses.replace(_summary(compute_plan, apply_plan, k, compute_graph, self.named_on, self._trees),
                                         programs=self.programs, target=target)
         self._compiled: MicroBatchedCompiled | None = None
 
@@ -299,7 +303,8 @@ class MicroBatchedCompiled(SeveralPrograms):
         compute_plan, apply_plan = lowered.programs["compute_gradients"], lowered.programs["apply_gradients"]
         compute_graph, apply_graph = lowered._graphs
         self._compute = _compile(lowered._parts.compute, compute_graph, compute_plan, mesh)
-        self._apply = _compile(lowered._parts.apply, apply_graph, apply_plan, mesh, lowered._step.donated)
+        self._apply = _compile(lowered._parts.apply, apply_graph, apply_plan, mesh, lowered._step.donated,
+                               returned_on=lowered.named_on)
         self._add = jax.jit(lambda a, b: [x + y for x, y in zip(a, b)], out_shardings=named(mesh, compute_plan.output_specs),
                             donate_argnums=0)
         self._compute_in = named(mesh, compute_plan.arg_specs)
@@ -332,8 +337,10 @@ class MicroBatchedCompiled(SeveralPrograms):
                                 f"(predicted {self.plan.cost.total_s * 1e3:.3f} ms)"])
 
 
-def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int] = ()) -> jax.stages.Compiled:
-    """A program of the step with its plan's shardings, compiled for the mesh. A donated argument
+def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int] = (),
+             returned_on: Mesh | None = None) -> jax.stages.Compiled:
+    """A program of the step with its plan's shardings, compiled for the mesh; its results named
+    on `returned_on` (the user's mesh of the same devices) where given. A donated argument
     (positions `donated`) is overwritten by the output the graph pairs it with (`Arg.donated_to`)
     where the plan gives both one layout, as the search does when it knew of the donation."""
     aliases = {a.index: a.donated_to for a in graph.args if a.index in donated and a.donated_to is not None
@@ -342,5 +349,5 @@ def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int
                                      plan.arg_specs, plan.output_specs, plan.mesh_axes)
     aval = lambda v: jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype)  # noqa: E731
     return compile_program(rewritten, [aval(a.value) for a in graph.args], [aval(v) for v in graph.outputs],
-                           named(mesh, plan.arg_specs), named(mesh, plan.output_specs), aliases)
+                           named(mesh, plan.arg_specs), named(returned_on or mesh, plan.output_specs), aliases)
 

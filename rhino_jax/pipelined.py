@@ -159,9 +159,11 @@ class PipelinedLowered(SeveralProgramsLowered):
     """A step lowered for p stages and k micro-batches: `plan` sums it up, `stages` holds each stage."""
 
     @interrupt.session()  # its searches stop together at Ctrl-C, every plan marked interrupted
-    def __init__(self, call: Call, mesh: Mesh, options: Options, signature, given: Plan | None = None):
+    def __init__(self, call: Call, mesh: Mesh, options: Options, signature, given: Plan | None = None,
+                 named_on: Mesh | None = None):
         """`given`: a saved plan of this step to run instead of searching (`parallelize(plan=...)`):
-        its placement of the ops and its programs' plans."""
+        its placement of the ops and its programs' plans. `named_on`: the user's mesh (Explicit
+        axes), which the whole-mesh layouts name (`mesh` is its Auto twin)."""
         p, k = options.pipeline, options.num_micro_batches
         self.stage_meshes = sub_meshes(mesh, p)
         step = split_step(call, mesh, k, options.constraints)
@@ -197,6 +199,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         axes = [dict(zip(mesh.axis_names, sub.devices.shape)) for sub in meshes]
         topology = [MeshTopology.from_mesh(sub, cluster) for sub in meshes]
         self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
+        self.named_on = named_on or mesh
         self._step, self._place, self.shared = step, place, tuple(shared)
         base = self.schedule = _schedule(options, p, k, given)
 
@@ -294,6 +297,10 @@ class PipelinedLowered(SeveralProgramsLowered):
         """The places that run on place s's devices: every device's places, or s alone."""
         return self.shared if s in self.shared else (s,)
 
+    def _named(self, s: int) -> Mesh:
+        """The mesh place s's layouts name: the user's for a place on every device."""
+        return self.named_on if self.meshes[s] is self.mesh else self.meshes[s]
+
     def _interlaced(self, base: schedules.Schedule) -> schedules.Schedule:
         """`base` (the stages' schedule) with the places of every device interlaced, placed with
         the programs' predicted times and the busiest boundary's transfer time (`_summary`)."""
@@ -314,8 +321,8 @@ class PipelinedLowered(SeveralProgramsLowered):
         for i in range(n):
             s = self._home.get(i)
             spec = _taken_layout(everyone, self._together(s) if s is not None else (), i, fed.get(i))
-            out.append((self.mesh, ShardingSpec.replicated(len(ag.values[ag.args[i].value].shape))) if spec is None
-                       else (self.meshes[s], spec))
+            out.append((self.named_on, ShardingSpec.replicated(len(ag.values[ag.args[i].value].shape))) if spec is None
+                       else (self._named(s), spec))
         return out
 
     def _output_layouts(self) -> list[tuple[Mesh, ShardingSpec]]:
@@ -326,8 +333,8 @@ class PipelinedLowered(SeveralProgramsLowered):
         ag = self._step.apply_graph
         fed = set(ag.fed_back())
         made = {v: (prog, plan) for prog, _, plan in self._applies for v in prog.outputs}
-        return [(self.meshes[made[v][0].stage], made[v][1].output_specs[made[v][0].outputs.index(v)]) if k in fed
-                else (self.mesh, ShardingSpec.replicated(len(ag.values[v].shape))) for k, v in enumerate(ag.outputs)]
+        return [(self._named(made[v][0].stage), made[v][1].output_specs[made[v][0].outputs.index(v)]) if k in fed
+                else (self.named_on, ShardingSpec.replicated(len(ag.values[v].shape))) for k, v in enumerate(ag.outputs)]
 
     def _stage_plan(self, s: int) -> StagePlan:
         cg, plans, sub = self._step.compute_graph, self._programs, self.meshes[s]
@@ -629,8 +636,8 @@ def _step_moves(plans: dict[tuple[str, int], Planned], applies: list[Planned], l
     moves: tuple[dict, dict, dict] = ({}, {}, {})  # keyed so that a tensor moves once per layout
 
     def add(direction: dict, key, src: NamedSharding, dst: NamedSharding, value: int) -> None:
-        if src != dst and key not in direction:
-            shape, dtype = ag.values[value].shape, ag.values[value].dtype
+        shape, dtype = ag.values[value].shape, ag.values[value].dtype
+        if key not in direction and not src.is_equivalent_to(dst, len(shape)):  # the user's mesh names Auto's devices
             direction[key] = resharding.unit_tasks(resharding.sharding_map(src, shape),
                                                    resharding.sharding_map(dst, shape), np.dtype(dtype).itemsize)
 

@@ -12,6 +12,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
+from rhino_jax import host_callbacks
 from rhino_jax.errors import StagingError
 
 from helpers import assert_same_numbers
@@ -105,3 +106,34 @@ def test_callbacks_are_refused_in_micro_batches_and_pipelines(ordered, options):
     with pytest.raises(StagingError, match=r"calls back to the host \(io_callback at .*test_effects\.py:\d+\).*"
                                            + re.escape("use num_micro_batches=1 and pipeline='off'")):
         rj.parallelize(step, mesh=mesh, **options).lower(*_example())
+
+
+def _pure_callback_step(rows: int):
+    """A pure_callback whose array result feeds the gradient: rows x 512 float32 to the host."""
+    def host(a):
+        return np.asarray(np.tanh(a) * 2, dtype=a.dtype)
+
+    def step(w, x):
+        w, x = _on_mesh(w, x)
+        h = x[:rows] @ jnp.tile(w, (1, 8))
+        s = jax.pure_callback(host, jax.ShapeDtypeStruct(h.shape, h.dtype), h)
+        grad = jax.grad(lambda w: ((x[:rows] @ jnp.tile(w, (1, 8))) * s).mean())(w)
+        return w - 0.1 * grad, s.sum()
+    return step
+
+
+@pytest.mark.parametrize("rows", [2, 32], ids=["4KiB", "64KiB"])
+def test_a_pure_callback_runs_or_is_refused_never_hangs(rows):
+    """jaxlib 0.10's CPU client can deadlock on a callback's large operands on a mesh of several
+    CPU devices (plain jax.jit too; `rhino_jax.host_callbacks`): there the step is refused before
+    it runs, with what to do; a small callback, and any on a newer jaxlib, runs with one device's
+    numbers."""
+    step, args = _pure_callback_step(rows), _example()
+    parallel = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")))
+    old = host_callbacks._jaxlib() < host_callbacks.FIXED_IN
+    if old and rows * 512 * 4 > host_callbacks.SAFE_OPERAND_BYTES:
+        with pytest.raises(rj.HostCallbackError, match=r"pure_callback sends the host 64 KiB.*upgrade jax and jaxlib "
+                                                       r"to 0\.12 or later"):
+            parallel(*args)
+    else:
+        assert_same_numbers(jax.jit(step)(*args), parallel(*args))

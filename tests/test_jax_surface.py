@@ -286,3 +286,31 @@ def test_a_mesh_of_jax_make_mesh_is_planned_as_it_is():
         assert in_context.user_mesh is mesh
         assert_same_numbers(jax.jit(step)(*args), in_context(*args))
     assert_same_numbers(jax.tree.map(lambda a: a * 2, jax.jit(step)(*args)), doubled)
+
+
+@pytest.mark.parametrize("options", [dict(num_micro_batches=2), dict(pipeline=2, num_micro_batches=2)],
+                         ids=["micro-batched", "pipelined"])
+def test_a_jax_make_mesh_steps_results_off_the_stages_name_the_users_mesh(options):
+    """A micro-batched step's results, and a pipelined step's loss and batch layout, name the
+    user's Explicit mesh (not the Auto twin the programs are compiled on), so the user's jitted
+    code under jax.set_mesh takes them; a pipelined step's state stays on its stages' sub-meshes."""
+    from rhino_jax.models import gpt
+
+    step, args = gpt.make_gpt_train_step(gpt.GPT_TINY), gpt.gpt_example(gpt.GPT_TINY)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    parallel = rj.parallelize(step, mesh=mesh, progress=False, **options)
+    plan = parallel.lower(*args).plan
+    out = parallel(*args)
+    assert_same_numbers(jax.jit(step)(*args), out)
+    *state, loss = jax.tree.leaves(out)
+    batch = jax.tree.leaves(plan.input_shardings[-1])
+    if "pipeline" in options:
+        assert all(s.mesh == mesh for s in batch)
+        assert all(len(x.sharding.device_set) == 4 for x in state)  # a stage's sub-mesh
+    else:
+        assert all(s.mesh == mesh for s in jax.tree.leaves(plan.input_shardings))
+        assert all(x.sharding.mesh == mesh for x in state)
+    assert loss.sharding.mesh == mesh
+    with jax.set_mesh(mesh):
+        doubled = jax.jit(lambda x: x * 2)(loss)  # the user's own code
+    np.testing.assert_array_equal(np.asarray(doubled), 2 * np.asarray(loss))
