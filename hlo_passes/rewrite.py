@@ -19,6 +19,7 @@ to its own shape before its constraint. Arguments and results are never strided.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from jax.extend.mlir import ir
@@ -55,6 +56,25 @@ def _with_sharding(attrs: ir.ArrayAttr, positions: Sequence[int], specs: Sequenc
         entries["sdy.sharding"] = ir.Attribute.parse(f"#sdy.sharding{spec.sdy(name)}")
         out[i] = ir.DictAttr.get(entries)
     return ir.ArrayAttr.get(out)
+
+
+def _settled_after(node, v: int, spec: ShardingSpec, value_specs: dict[int, ShardingSpec],
+                   read_paths: dict, readers: Counter) -> bool:
+    """Whether a transpose's read of value v in `spec` is left unpinned: the transpose's result is
+    pinned to `spec` permuted, v is read so by this op alone and no layout is strided or on the
+    way, so the pin after the transpose settles the same reshard (a transpose moves no data
+    between devices: the same collective, of the same bytes, on the other side of it). A pin
+    between the transpose and the op making v keeps XLA from folding the two (a weight's gradient
+    dot, partial, reduce-scattered for its transposed weight: the dot then makes the weight's
+    order itself), and the layouts it assigns the dot instead ripple back into the kernels that
+    feed the dot: on GPU, extra transposes and converts in the backward pass."""
+    if node.op != "stablehlo.transpose" or spec.partial or spec.strides or (v, spec) in read_paths \
+            or readers[v, spec] != 1:
+        return False
+    made, out = value_specs.get(v), value_specs.get(node.results[0])
+    if (made is not None and made.strides) or out is None or out.partial or out.strides:
+        return False
+    return out.dims == tuple(spec.dims[d] for d in node.attrs["perm"])
 
 
 def _dim_map(shape: tuple[int, ...], spec: ShardingSpec | None) -> list[list[int]]:
@@ -101,6 +121,7 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
     `read_paths[value, layout read]`: the layouts it passes through on the way (`Plan.read_paths`)."""
     name = mesh_name(module)
     main = mod.entry_function(module)
+    readers = Counter((graph.nodes[n].operands[pos], spec) for (n, pos), spec in read_specs.items())
 
     def split(v: int, spec: ShardingSpec | None) -> tuple[tuple[int, ...], ShardingSpec | None]:
         shape = graph.values[v].shape
@@ -160,6 +181,8 @@ def rewrite(module: ir.Module, graph: Graph, value_specs: dict[int, ShardingSpec
             ins = []
             for pos, (v, (reader, at)) in enumerate(zip(node.operands, mod.read_places(site))):
                 spec = read_specs.get((node.id, pos))
+                if spec is not None and _settled_after(node, v, spec, value_specs, read_paths, readers):
+                    spec = None
                 if pos in passes_on and spec is None and graph.values[v].dtype != "token":  # the slot's one layout
                     spec = value_specs.get(passes_on[pos])
                 if left or spec is None:  # read as produced (or, by ops left to XLA, unsplit)
