@@ -3,6 +3,7 @@ plan with and without the constraint, predicted and priced from what XLA's GPU c
 
     python -m benchmarks.constraints            # writes benchmarks/constraints.md and .json
     python -m benchmarks.constraints --only interlaced   # those rows, the others kept from the .json
+    python -m benchmarks.constraints --only multi_forward
 
 The step: `third_party_models.linen_gpt` (Flax linen GPT-2-like LM, d 256, 4 blocks of 8 heads,
 seq 128, batch 16, vocab 1024, adamw), f32. Devices: 8 described H100s on one host
@@ -24,6 +25,11 @@ programs in its schedule, `compiled_step_s`); the Megatron row beside op_trans i
   micro-batches as the stager alone makes it (refused: the projection is more than a stage's
   share), and interlaced (the embedding's ops, lookup and projection, on every device), also
   under a memory limit of 160 MiB per device (the SPMD plan's is 0.157 GiB).
+- multi_forward (op_order with forward passes, 3F1B): another step, `third_party_models.recycling_lm`
+  (AlphaFold2-style recycling: every block runs 3 times per micro-batch, the first two passes
+  under stop_gradient; vocab 256, width 256, 4 blocks of 4 heads, seq 128, batch 16, clip +
+  AdamW) on the same mesh: the SPMD plan, pipeline=2 with 4 micro-batches in GPipe (every forward
+  of every pass first), and in nnScaler's 3F1B (Table 7 as op_order rules, the README's).
 - coshard: another step, `third_party_models.remat_lm` (seq 512, batch 16, width 64, 4 heads,
   2 blocks under `nn.remat`, clip + AdamW), on mesh (8,) ("data"): the attention without chunks,
   in 2 and 4 chunks, and chunks="auto" under a memory limit of 20 MiB per device; its column of
@@ -51,7 +57,7 @@ from rhino_jax.hlo_passes.compiled_cost import price_compiled  # noqa: E402
 from .compilers import devices  # noqa: E402
 from rhino_jax.errors import StagingError  # noqa: E402
 
-from .third_party_models import linen_gpt, remat_lm, tied_lm  # noqa: E402
+from .third_party_models import linen_gpt, recycling_lm, remat_lm, tied_lm  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 CLUSTER, MESH, NAMES = "8x-h100", (2, 4), ("data", "model")
@@ -69,6 +75,17 @@ def gpipe(p: int, m: int):
             yield rj.Task("F", s, k), rj.Task("F", s, k + 1)
             yield rj.Task("B", s, k), rj.Task("B", s, k + 1)
         yield rj.Task("F", s, m - 1), rj.Task("B", s, 0)
+
+
+def three_f_one_b(p: int, m: int):
+    """nnScaler's Table 7 (3F1B) as ordering constraints, as the README writes it."""
+    for s in range(p):
+        for k in range(m - 1):
+            yield rj.Task("F", s, k + 1, forward_pass=0), rj.Task("F", s, k, forward_pass=1)
+            yield rj.Task("F", s, k + 1, forward_pass=1), rj.Task("F", s, k, forward_pass=2)
+        ofst = p - 1 - s
+        for k in range(ofst, m):
+            yield rj.Task("F", s, k, forward_pass=2), rj.Task("B", s, k - ofst)
 
 
 def _mesh(shape=MESH, names=NAMES):
@@ -129,7 +146,7 @@ def measure() -> list[dict]:
                   constraints=[rj.op_assign("*block2/*", stage=1)], **PIPELINE),
             _plan(case, "op_order", "1F1B (schedule=)", **PIPELINE),
             _plan(case, "op_order", "GPipe as op_order", constraints=[rj.op_order(gpipe)], **PIPELINE),
-            *_interlaced_rows(), *_coshard_rows()]
+            *_interlaced_rows(), *_multi_forward_rows(), *_coshard_rows()]
 
 
 def _interlaced_rows() -> list[dict]:
@@ -146,6 +163,14 @@ def _interlaced_rows() -> list[dict]:
     rows.append(_plan(case, "interlaced", "the same, memory limit 160 MiB", constraints=interlaced,
                       memory_limit_bytes=160 << 20, **PIPELINE))
     return rows
+
+
+def _multi_forward_rows() -> list[dict]:
+    case = recycling_lm(batch=16, seq=128, width=256)
+    return [_plan(case, "multi_forward", "recycling_lm, SPMD (no pipeline)"),
+            _plan(case, "multi_forward", "pipeline=2, GPipe (schedule='gpipe')", schedule="gpipe", **PIPELINE),
+            _plan(case, "multi_forward", "pipeline=2, 3F1B (Table 7 as op_order)",
+                  constraints=[rj.op_order(three_f_one_b)], **PIPELINE)]
 
 
 def _coshard_rows() -> list[dict]:
@@ -177,14 +202,15 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("op_trans", "op_assign", "op_order", "interlaced", "coshard"),
+    parser.add_argument("--only", choices=("op_trans", "op_assign", "op_order", "interlaced", "multi_forward",
+                                           "coshard"),
                         help="measure these rows only; the others come from constraints.json")
     only = parser.parse_args().only
     rows = measure() if only is None else [
         *(r for r in json.loads((HERE / "constraints.json").read_text()) if r["primitive"] != only),
-        *{"interlaced": _interlaced_rows, "coshard": _coshard_rows}.get(only, lambda: [
-            r for r in measure() if r["primitive"] == only])()]
-    order = ("op_trans", "op_assign", "op_order", "interlaced", "coshard")
+        *{"interlaced": _interlaced_rows, "multi_forward": _multi_forward_rows, "coshard": _coshard_rows}.get(
+            only, lambda: [r for r in measure() if r["primitive"] == only])()]
+    order = ("op_trans", "op_assign", "op_order", "interlaced", "multi_forward", "coshard")
     rows.sort(key=lambda r: order.index(r["primitive"]))
     text = table(rows)
     print(text)
@@ -196,7 +222,9 @@ def main() -> None:
         "plan's cost model; GPU-compiled: the programs XLA's GPU compiler makes for the plan, priced from "
         "their HLO (a pipeline: its programs in its schedule). A pipeline's compiled memory is not summed "
         "here (its programs run beside each other). The interlaced rows are another step: `tied_lm` (a 32k "
-        "x 256 embedding tied to the output projection, 4 blocks, seq 128, batch 16); the coshard rows another "
+        "x 256 embedding tied to the output projection, 4 blocks, seq 128, batch 16); the multi_forward rows "
+        "`recycling_lm` (every block 3 times per micro-batch, the last pass differentiated; width 256, 4 blocks, "
+        "seq 128, batch 16); the coshard rows another "
         "step and mesh: `remat_lm` (seq 512, 2 blocks under nn.remat) on (8,).\n\n" + text + "\n")
 
 

@@ -203,6 +203,35 @@ class TiedLM(SizedLM):
         return embed.attend(nn.LayerNorm(name="ln_f")(x))
 
 
+class Recycle(nn.Module):
+    """AlphaFold2's recycling embedder: the previous pass's output, normalized and projected."""
+
+    @nn.compact
+    def __call__(self, prev):
+        return nn.Dense(prev.shape[-1])(nn.LayerNorm()(prev))
+
+
+class RecyclingLM(SizedLM):
+    """An LM run `passes` times per step (AlphaFold2's recycling, seeds/002 §4.2): each pass
+    adds the previous pass's output, recycled, to the embedding and runs every block again; the
+    passes before the last run under stop_gradient, so only the last is differentiated."""
+
+    passes: int = 3
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.width, name="Embed")(tokens)
+        recycle, blocks = Recycle(name="Recycle"), [SizedBlock(self.heads, name=f"Block_{i}")
+                                                    for i in range(self.layers)]
+        prev = jnp.zeros_like(x)
+        for r in range(self.passes):
+            h = x + recycle(prev)
+            for block in blocks:
+                h = block(h)
+            prev = h if r == self.passes - 1 else jax.lax.stop_gradient(h)
+        return nn.Dense(self.vocab, name="head")(nn.LayerNorm(name="ln_f")(prev))
+
+
 def _sized_case(name: str, model: SizedLM, batch: int, seq: int, key: int) -> Case:
     """A sized LM's step on random tokens and targets (from PRNGKey(key)), clip + AdamW."""
     k1, k2 = jax.random.split(jax.random.PRNGKey(key))
@@ -225,6 +254,13 @@ def tied_lm(batch: int = 8, seq: int = 16, vocab: int = 32768, width: int = 256,
     to the output projection, most of the step's parameters and of its FLOPs at short sequences,
     beside 4 small blocks; clip + AdamW."""
     return _sized_case("tied_lm", TiedLM(vocab, width, heads, layers), batch, seq, key=2)
+
+
+def recycling_lm(batch: int = 8, seq: int = 32, vocab: int = 256, width: int = 64, heads: int = 4,
+                 layers: int = 4, passes: int = 3) -> Case:
+    """The multi-forward pipeline's case (issue 32, seeds/002 §4.2, AlphaFold2's 3F1B): every
+    block runs `passes` times per micro-batch, the last pass differentiated; clip + AdamW."""
+    return _sized_case("recycling_lm", RecyclingLM(vocab, width, heads, layers, passes), batch, seq, key=3)
 
 
 # ------------------------------------------------------------------------------ Flax NNX

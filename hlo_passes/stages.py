@@ -50,11 +50,13 @@ def ancestors(graph: Graph, value: int) -> set[int]:
 
 
 def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int], shared: frozenset[int] = frozenset(),
-           on_shared: frozenset[int] = frozenset()) -> dict[int, tuple[str, int]]:
+           on_shared: frozenset[int] = frozenset(), first_backward: int = 0) -> dict[int, tuple[str, int]]:
     """Each node's (pass, stage): forward nodes (ancestors of `loss`) as `forward_stage` puts
     them, the others by the rule in the module's docstring. An interlaced pipeline's stages are
     the places of its chain, `shared` those that run on every device; a backward node of
-    `on_shared` (named by `op_assign(stage="all")`) goes to the latest of those it may run in."""
+    `on_shared` (named by `op_assign(stage="all")`) goes to the latest of those it may run in.
+    `first_backward`: the first place that runs a backward (a multi-forward step's last pass;
+    the earlier passes run none, `search.passes`)."""
     forward = ancestors(graph, loss)
     missing = forward - set(forward_stage)
     if missing:
@@ -73,13 +75,13 @@ def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int], shared: fr
                      default=last)
         here: dict[int, list[int]] = {}  # stage → [bytes read from it, of which forward values]
         for o, stage in made:
-            if stage <= latest:
+            if first_backward <= stage <= latest:
                 counts = here.setdefault(stage, [0, 0])
                 counts[0] += graph.values[o].nbytes
                 counts[1] += graph.values[o].nbytes if producer[o] in forward else 0
         # ties go to the forward op's stage (a layer's backward reads its activations and the
         # gradient of its output alike), then to the later stage
-        out[n.id] = ("B", max(here, key=lambda s: (*here[s], s)) if here else latest)
+        out[n.id] = ("B", max(here, key=lambda s: (*here[s], s)) if here else max(latest, first_backward))
         if n.id in on_shared and any(s <= latest for s in shared):
             out[n.id] = ("B", max(s for s in shared if s <= latest))
     return out
@@ -194,10 +196,9 @@ def programs(module: ir.Module, graph: Graph, place: Mapping[int, tuple]) -> lis
 _WRAPPER = re.compile(r"^(?:\w+\()+(.*?)\)+$")  # jvp(layer3), transpose(jvp(layer3)) → layer3
 
 
-def layers(graph: Graph, ops: list[int]) -> tuple[str, ...]:
-    """The named scopes `ops` come from, in program order, runs of numbered names folded
-    ("layer0-layer15"). The scope level is the first one at which the graph's ops differ (a
-    Flax model's top module, common to every op, is skipped)."""
+def layer_of(graph: Graph) -> dict[int, str]:
+    """Each op's layer: its named scope at the first level at which the graph's ops differ (a
+    Flax model's top module, common to every op, is skipped); "" for an op of no such scope."""
     # jvp() of an unnamed function: no scope, else it hides the model's; nor a jax function the
     # model calls (jit(_take), named so by `module.inline_calls`)
     paths = {n.id: [name for name in (_WRAPPER.sub(r"\1", part) for part in n.name.split("/")[:-1]
@@ -206,14 +207,17 @@ def layers(graph: Graph, ops: list[int]) -> tuple[str, ...]:
     depth = 0
     while len({p[depth] for p in paths.values() if len(p) > depth}) == 1:
         depth += 1
-    names: list[str] = []
-    for i in sorted(ops):
-        if len(paths[i]) > depth and paths[i][depth] not in names:
-            names.append(paths[i][depth])
-    return _fold(names)
+    return {i: p[depth] if len(p) > depth else "" for i, p in paths.items()}
 
 
-def _fold(names: list[str]) -> tuple[str, ...]:
+def layers(graph: Graph, ops: list[int]) -> tuple[str, ...]:
+    """The named scopes `ops` come from (`layer_of`), in program order, runs of numbered names
+    folded ("layer0-layer15")."""
+    layer = layer_of(graph)
+    return fold(list(dict.fromkeys(layer[i] for i in sorted(ops) if layer[i])))
+
+
+def fold(names: list[str]) -> tuple[str, ...]:
     """["embed", "layer0", "layer1", "layer2"] → ("embed", "layer0-layer2")."""
     out: list[list[str]] = []
     for name in names:

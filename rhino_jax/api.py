@@ -80,7 +80,7 @@ def _interrupted(plan: Plan) -> bool:
     if getattr(plan, "interrupted", False):
         return True
     stats = [plan.search_stats, plan.search_stats.get("compute_gradients") or {}]
-    stats += [p.search_stats for st in plan.stages for p in (st.forward, st.backward)]
+    stats += [p.search_stats for st in plan.stages for p in (st.forward, st.backward) if p]
     return any(s.get("status") == "interrupted" for s in stats)
 
 

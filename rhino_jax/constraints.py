@@ -95,7 +95,10 @@ def op_order(rule: Callable[[int, int], Iterable[tuple[Task, Task]]]) -> OpOrder
     stage then runs its forward and backward tasks in an order the pairs allow (a micro-batch's
     F before its B, the stages' own dependencies kept); where they leave a choice, the task that
     can start first. The schedule is checked (every task once, no deadlock) and simulated before
-    anything runs; with `pipeline=p` and `num_micro_batches`, in place of `schedule`."""
+    anything runs; with `pipeline=p` and `num_micro_batches`, in place of `schedule`. In a step
+    that runs its layers several times per micro-batch (recycling: a multi-forward step, the
+    passes before the last under stop_gradient), an F task names its pass:
+    `rj.Task("F", stage, micro_batch, forward_pass=r)`, r from 0; the backward is the last pass's."""
     if not callable(rule):
         raise ConstraintError(f"op_order takes a rule(stages, micro_batches) returning pairs (a, b) of rj.Task, "
                               f"a to run before b on one stage; got {rule!r}")

@@ -266,7 +266,7 @@ def all_collectives(plan: Plan) -> list[PlannedCollective]:
     out = list(plan.collectives)
     k = plan.search_stats.get("micro_batches", 1)
     for st in plan.stages:
-        out += (list(st.forward.collectives) + list(st.backward.collectives)) * k
+        out += (list(st.forward.collectives) + list(st.backward.collectives if st.backward else ())) * k
     return out
 
 

@@ -39,7 +39,7 @@ def _decisions(plan: Plan):
     yield sorted(plan.read_specs.items())
     yield sorted(plan.read_paths.items())
     for st in plan.stages:
-        yield st.stage, st.devices, digest(st.forward), digest(st.backward)
+        yield st.stage, st.devices, digest(st.forward), digest(st.backward) if st.backward else None
     yield sorted((name, digest(program)) for name, program in plan.programs.items())
     yield sorted(plan.placement.items())
 

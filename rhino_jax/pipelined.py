@@ -27,6 +27,11 @@ Interlaced (`op_assign(where, stage="all")`, nnScaler §4.2): the stager also pl
 between and after the stages on every device; a micro-batch then passes through a chain of
 places, the stages and those, each planned, moved between and scheduled as a stage is, the
 latter on the whole mesh, their tasks interlaced with the stages' (`schedules.interlace`).
+
+Multi-forward (nnScaler's 3F1B, `search.passes`): a step that runs its layers R times per
+micro-batch, the earlier passes under stop_gradient, has a chain of R·p places, pass r on stage s
+being place r·p + s on stage s's sub-mesh; the places of one stage are one home for
+apply-gradients and for memory, and only the last pass's places have a backward program.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph, transfer
-from rhino_jax.search import interrupt, progress, stager
+from rhino_jax.search import interrupt, passes, progress, stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
 from rhino_jax.search.constraints import SHARED, OpAssign, fixed_stages, shared_backward
 from rhino_jax.search.memory import local_bytes
@@ -68,15 +73,15 @@ EPSILON = 0.25  # the stages' compute may differ from a balanced share by this m
 STAGER_SHARE = 0.05  # the stager's weight in the time limit, per op of the step (its programs': 1)
 
 
-def _schedule(options: Options, p: int, k: int, given: Plan | None) -> schedules.Schedule:
+def _schedule(options: Options, p: int, k: int, given: Plan | None, passes: int) -> schedules.Schedule:
     """The schedule the stages run: a saved op_order or interlaced plan's own rows, else the one
     the user's `rj.op_order` rules call for, else the `schedule` option's (a saved plan's name,
-    as `api._runs_as_planned` checked)."""
+    as `api._runs_as_planned` checked); a multi-forward step's, of `passes` passes."""
     if given is not None and "schedule_order" in given.search_stats:
         return given.schedule()
     rules = [c for c in options.constraints if isinstance(c, OpOrder)]
     if not rules:
-        return schedules.make(options.schedule, p, k)
+        return schedules.make(options.schedule, p, k, passes)
     pairs = []
     for c in rules:
         try:
@@ -84,18 +89,20 @@ def _schedule(options: Options, p: int, k: int, given: Plan | None) -> schedules
         except TypeError as e:
             raise ConstraintError(f"{c}: rule(stages, micro_batches) must return or yield pairs (a, b) of rj.Task; "
                                   f"calling it with ({p}, {k}) raised TypeError: {e}") from e
-    return schedules.ordered(p, k, pairs)
+    return schedules.ordered(p, k, pairs, passes=passes)
 
 
 def _check_every_stage_works(place: dict[int, tuple[str, int]], p: int, shared: tuple[int, ...],
-                             assigned: list) -> None:
-    """Each stage (and each place of every device) runs a forward and a backward program. A stage
-    whose forward ops have their gradients taken elsewhere (an embedding lookup alone: its
-    gradient is a scatter into the table, placed with the cotangent it reads, on the next stage)
-    has no backward; only an `op_assign` leaves a stage that little, so it is the user's to change."""
+                             assigned: list, passes: int = 1) -> None:
+    """Each stage (and each place of every device) runs a forward and a backward program (a
+    multi-forward step's earlier passes a forward only). A stage whose forward ops have their
+    gradients taken elsewhere (an embedding lookup alone: its gradient is a scatter into the
+    table, placed with the cotangent it reads, on the next stage) has no backward; only an
+    `op_assign` leaves a stage that little, so it is the user's to change."""
     working = set(place.values())
-    idle = [f"{'backward' if kind == 'B' else 'forward'} of {place_name(s, shared)}"
-            for s in range(p + len(shared)) for kind in "FB" if (kind, s) not in working]
+    places = p * passes + len(shared)
+    idle = [f"{'backward' if kind == 'B' else 'forward'} of {place_name(s, shared, passes, places)}"
+            for s in range(places) for kind in ("FB" if s >= (passes - 1) * p else "F") if (kind, s) not in working]
     if idle:
         raise StagingError(f"this division into {p} stages leaves no ops in the {', '.join(idle)}"
                            + (f": {' and '.join(map(str, assigned))} leave{'s' if len(assigned) == 1 else ''} that "
@@ -175,33 +182,47 @@ class PipelinedLowered(SeveralProgramsLowered):
         if given is None:
             loss = _loss_sum(cg)
             forward = stager.forward_ops(cg, loss)
-            assigned = fixed_stages(options.constraints, cg, forward, p)
-            coarse, node_of = stager.forward_stage_graph(cg, loss, assigned)
+            found = passes.find(cg, forward)
+            assigned = {i: at for i, at in fixed_stages(options.constraints, cg, forward, p).items()
+                        if i not in found.earlier}  # an earlier pass goes where its last pass goes
+            if found.count > 1 and SHARED in assigned.values():
+                raise ConstraintError(f"op_assign(stage='all') in a step of {found.count} forward passes "
+                                      f"({', '.join(found.layers)} repeat) is not built yet: drop the constraint")
+            coarse, node_of = stager.forward_stage_graph(cg, loss, assigned, found.earlier, found.repeats)
             on_all = frozenset(node_of[i] for i, at in assigned.items() if at == SHARED)
             staging, epsilon = _staging(coarse, p, {node_of[i]: at for i, at in assigned.items() if at != SHARED},
                                         on_all, within(options, budget, STAGER_SHARE * ops, "the stages"))
-            forward_place, shared = _places({i: staging.stage[node_of[i]] for i in node_of}, bool(on_all))
+            stage_at = {i: staging.stage[node_of[i]] for i in node_of}
+            if found.count > 1:  # place r·p + s: pass r on stage s
+                forward_place, shared = found.places(cg, forward, stage_at, p), ()
+            else:
+                forward_place, shared = _places(stage_at, bool(on_all))
             place = stage_programs.assign(cg, loss, forward_place, frozenset(shared),
-                                          frozenset(shared_backward(options.constraints, cg, forward)))
-            _check_every_stage_works(place, p, shared, [c for c in options.constraints if isinstance(c, OpAssign)])
+                                          frozenset(shared_backward(options.constraints, cg, forward)),
+                                          first_backward=(found.count - 1) * p)
+            _check_every_stage_works(place, p, shared, [c for c in options.constraints if isinstance(c, OpAssign)],
+                                     found.count)
             staged = {"stage_cut_bytes": staging.cut_bytes, "stage_flops": staging.stage_compute,
                       **({"stage_epsilon": epsilon} if epsilon > EPSILON else {}),
-                      **({"shared_places": shared} if shared else {})}
+                      **({"shared_places": shared} if shared else {}),
+                      **({"passes": found.count, "repeated_layers": found.layers} if found.count > 1 else {})}
         else:
             given.check_matches(target)
             place, staged = _saved_placement(given, cg, p)
             shared = staged.get("shared_places", ())
+        self.passes = staged.get("passes", 1)
         # The places of a micro-batch's chain: the stages' sub-meshes, and the whole mesh for the
-        # places that run on every device (an interlaced pipeline's).
-        stage_of = iter(self.stage_meshes)
-        meshes = [mesh if s in shared else next(stage_of) for s in range(p + len(shared))]
+        # places that run on every device (an interlaced pipeline's); a multi-forward step's passes
+        # each over the stages.
+        stage_of = iter(self.stage_meshes * self.passes)
+        meshes = [mesh if s in shared else next(stage_of) for s in range(p * self.passes + len(shared))]
         cluster = get_cluster(options.cluster, list(mesh.devices.flat))
         axes = [dict(zip(mesh.axis_names, sub.devices.shape)) for sub in meshes]
         topology = [MeshTopology.from_mesh(sub, cluster) for sub in meshes]
         self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
         self.named_on = named_on or mesh
         self._step, self._place, self.shared = step, place, tuple(shared)
-        base = self.schedule = _schedule(options, p, k, given)
+        base = self.schedule = _schedule(options, p, k, given, self.passes)
 
         searched: dict[tuple, Planned] = {}  # (what makes programs alike, their memory limit) → one of them
 
@@ -266,10 +287,10 @@ class PipelinedLowered(SeveralProgramsLowered):
         stages = [self._stage_plan(s) for s in range(len(meshes))]
         limit = options.memory_limit_bytes if given is None else None  # a saved plan's stages are final
         for s, st in enumerate(stages):  # what the programs do not see (other micro-batches, the sums) off their limit
-            around = _held_around(stages, s, self.shared)
+            around = _held_around(stages, s, self.shared, self._passes_beside(s))
             if limit and st.memory_bytes + around > limit and st.beside_bytes + around < limit:
                 tighter = dataclasses.replace(options, memory_limit_bytes=limit - st.beside_bytes - around)
-                for kind in ("F", "B"):
+                for kind in [kind for kind in "FB" if (kind, s) in self._programs]:
                     try:
                         self._programs[kind, s] = search(*self._programs[kind, s][:2], tighter)
                     except (MemoryLimitError, SolverError):  # none fits, or no time is left
@@ -294,8 +315,15 @@ class PipelinedLowered(SeveralProgramsLowered):
         self._compiled: PipelinedCompiled | None = None
 
     def _together(self, s: int) -> tuple[int, ...]:
-        """The places that run on place s's devices: every device's places, or s alone."""
-        return self.shared if s in self.shared else (s,)
+        """The places that run on place s's devices: every device's places, a stage's passes, or s alone."""
+        if s in self.shared:
+            return self.shared
+        p = len(self.stage_meshes)
+        return tuple(range(s % p, len(self.meshes), p)) if self.passes > 1 else (s,)
+
+    def _passes_beside(self, s: int) -> tuple[int, ...]:
+        """A multi-forward step's places on place s's stage (none otherwise)."""
+        return self._together(s) if self.passes > 1 else ()
 
     def _named(self, s: int) -> Mesh:
         """The mesh place s's layouts name: the user's for a place on every device."""
@@ -342,7 +370,8 @@ class PipelinedLowered(SeveralProgramsLowered):
         forward_ops = [i for i, (kind, at) in self._place.items() if kind == "F" and at == s]
         return StagePlan(s, dict(zip(self.mesh.axis_names, sub.devices.shape)),
                          tuple(int(d.id) for d in sub.devices.flat), stage_programs.layers(cg, forward_ops),
-                         plans["F", s][2], plans["B", s][2], self.schedule.in_flight()[s], _held_bytes(plans, s, sub),
+                         plans["F", s][2], plans["B", s][2] if ("B", s) in plans else None,
+                         self.schedule.in_flight()[s], _held_bytes(plans, s, sub),
                          _summed_bytes(plans, s, sub, set(cg.outputs)), self._kept_bytes(s),
                          sum(plan.cost.total_s for plan in mine),
                          max((plan.cost.memory_bytes for plan in mine), default=0), s in self.shared)
@@ -351,7 +380,8 @@ class PipelinedLowered(SeveralProgramsLowered):
         """Per device, the step's arguments stage s holds that its forward and backward programs
         do not read (the optimizer state of its layers)."""
         ag = self._step.apply_graph
-        read = {i for x in self._together(s) for kind in "FB" for i in self._programs[kind, x][0].args}
+        read = {i for x in self._together(s) for kind in "FB" if (kind, x) in self._programs
+                for i in self._programs[kind, x][0].args}
         layouts, axes = self._layouts(), dict(zip(self.mesh.axis_names, self.meshes[s].devices.shape))
         return sum(ag.values[ag.args[i].value].nbytes // layouts[i][1].shard_factor(axes)
                    for i, at in self._home.items() if at == s and i < len(layouts) and i not in read)
@@ -369,7 +399,7 @@ class PipelinedLowered(SeveralProgramsLowered):
                    for w in sorted({prog.wave for prog, _, _ in self._applies})]
         total = lambda attr: sum(getattr(plan.cost, attr) for plan in slowest)  # noqa: E731
         cost = PlanCost(total("compute_s"), total("comm_s"), pipeline_s + total("total_s"),
-                        max(st.memory_bytes + _held_around(self.stages, s, self.shared)
+                        max(st.memory_bytes + _held_around(self.stages, s, self.shared, self._passes_beside(s))
                             for s, st in enumerate(self.stages)), total("hidden_s"))
         whole, ag, n = self._step.whole, self._step.apply_graph, len(self._step.compute_graph.args)
         plans = [plan for _, _, plan in self._applies]
@@ -534,7 +564,7 @@ def _held_layouts(plans: dict[tuple[str, int], Planned], places: tuple[int, ...]
     programs on the stage are pinned to these, so nothing moves between a stage's programs."""
     n, sums = len(cg.args), {v: j for j, v in enumerate(cg.outputs)}
     held: dict[int, ShardingSpec] = {}
-    for kind, s in [(kind, s) for kind in ("F", "B") for s in places]:
+    for kind, s in [(kind, s) for kind in ("F", "B") for s in places if (kind, s) in plans]:
         prog, _, plan = plans[kind, s]
         for pos, i in enumerate(prog.args):
             held.setdefault(i, plan.arg_specs[pos])
@@ -575,7 +605,9 @@ def _saved_placement(plan: Plan, cg, p: int) -> tuple[dict[int, tuple[str, int]]
     are shown to fit this step's compute-gradients and p stages (and the places of every device
     between them)."""
     place, shared = plan.placement, tuple(plan.search_stats.get("shared_places", ()))
-    wrong = [(n, at) for n, at in place.items() if at[0] not in ("F", "B") or not 0 <= at[1] < p + len(shared)]
+    passes = plan.search_stats.get("passes", 1)
+    wrong = [(n, at) for n, at in place.items()
+             if at[0] not in ("F", "B") or not 0 <= at[1] < p * passes + len(shared)]
     stats = {key: plan.search_stats.get(key) for key in ("stage_cut_bytes", "stage_flops")}
     if set(place) != {n.id for n in cg.nodes} or wrong or None in stats.values():
         raise PlanTargetError(f"the plan places {len(place)} ops in {p} stages (e.g. {wrong[:1] or 'none misplaced'}), "
@@ -583,7 +615,9 @@ def _saved_placement(plan: Plan, cg, p: int) -> tuple[dict[int, tuple[str, int]]
                               "version of rhino_jax or edited; plan again")
     relaxed = plan.search_stats.get("stage_epsilon")
     return place, dict(stats, **({"stage_epsilon": relaxed} if relaxed is not None else {}),
-                       **({"shared_places": shared} if shared else {}))
+                       **({"shared_places": shared} if shared else {}),
+                       **({"passes": passes, "repeated_layers": plan.search_stats["repeated_layers"]}
+                          if passes > 1 else {}))
 
 
 def _transfers(plans, meshes: list[Mesh], cg, cluster) -> dict[tuple[int, int, int, str], resharding.ReshardPlan]:
@@ -666,11 +700,12 @@ def _transfer_s(transfers: dict) -> float:
     return max(per_boundary.values(), default=0.0)
 
 
-def _held_around(stages, s: int, shared: tuple[int, ...]) -> int:
+def _held_around(stages, s: int, shared: tuple[int, ...], passes: tuple[int, ...] = ()) -> int:
     """Per device, what the devices running place s hold for the other places they run while it
     runs: a stage's devices hold the places of every device's (`StagePlan.beside_bytes`), and
-    those the busiest stage's too."""
-    others = sum(stages[x].beside_bytes for x in shared if x != s)
+    those the busiest stage's too; a multi-forward step's stage its other passes' (`passes`:
+    the stage's places)."""
+    others = sum(stages[x].beside_bytes for x in (*shared, *passes) if x != s)
     if s not in shared or len(shared) == len(stages):
         return others
     return others + max(st.beside_bytes for x, st in enumerate(stages) if x not in shared)
@@ -678,13 +713,13 @@ def _held_around(stages, s: int, shared: tuple[int, ...]) -> int:
 
 def _held_bytes(plans, s: int, mesh: Mesh) -> int:
     """Per device, the values stage s's forward program hands its own backward program: what the
-    stage keeps of each micro-batch in flight."""
-    return _output_bytes(plans["F", s], mesh, set(plans["B", s][0].inputs))
+    stage keeps of each micro-batch in flight (none without a backward)."""
+    return _output_bytes(plans["F", s], mesh, set(plans["B", s][0].inputs)) if ("B", s) in plans else 0
 
 
 def _summed_bytes(plans, s: int, mesh: Mesh, sums: set[int]) -> int:
     """Per device, the running sums (gradients, loss) stage s adds its micro-batches' into."""
-    return sum(_output_bytes(plans[kind, s], mesh, sums) for kind in ("F", "B"))
+    return sum(_output_bytes(plans[kind, s], mesh, sums) for kind in ("F", "B") if (kind, s) in plans)
 
 
 def _output_bytes(planned, mesh: Mesh, wanted: set[int]) -> int:
@@ -787,7 +822,7 @@ class PipelinedCompiled(SeveralPrograms):
         cluster = cluster or low.cluster
         price = {key: price_compiled(run, cluster).total_s for key, (_, run, _) in self._run.items()}
         p = len(low.stages)
-        steps = low.schedule.makespan([price["F", s] for s in range(p)], [price["B", s] for s in range(p)],
+        steps = low.schedule.makespan([price["F", s] for s in range(p)], [price.get(("B", s), 0.0) for s in range(p)],
                                       low.plan.search_stats["transfer_s"])
         waves: dict[int, float] = {}
         for prog, run, _ in self._apply.values():

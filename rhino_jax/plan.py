@@ -89,7 +89,7 @@ class StagePlan:
     devices: tuple[int, ...]
     layers: tuple[str, ...]  # named scopes of its forward ops, in program order ("layer0-layer15")
     forward: "Plan"
-    backward: "Plan"
+    backward: "Plan | None"  # None: a multi-forward step's earlier pass, which runs no backward
     in_flight: int  # most micro-batches whose activations it holds at once (the schedule's)
     held_bytes: int  # per device, one micro-batch's values its forward keeps for its backward
     summed_bytes: int  # per device, the running sums its micro-batches' gradients are added into
@@ -108,7 +108,7 @@ class StagePlan:
 
     @property
     def backward_s(self) -> float:
-        return self.backward.cost.total_s
+        return self.backward.cost.total_s if self.backward else 0.0
 
     @property
     def beside_bytes(self) -> int:
@@ -120,13 +120,13 @@ class StagePlan:
     def memory_bytes(self) -> int:
         """Peak per device: the larger of the forward and backward programs' peaks plus what the
         stage holds beside them, or its apply-gradients programs' peak."""
-        peak = max(self.forward.cost.memory_bytes, self.backward.cost.memory_bytes)
+        peak = max(plan.cost.memory_bytes for plan in (self.forward, self.backward) if plan)
         return max(peak + self.beside_bytes, self.apply_bytes)
 
 
 def _alike(st: StagePlan) -> str:
     """A stage whose programs took alike ones' plans (`alike_programs`) says whose."""
-    of = [p.search_stats["plan_of"] for p in (st.forward, st.backward) if "plan_of" in p.search_stats]
+    of = [p.search_stats["plan_of"] for p in (st.forward, st.backward) if p and "plan_of" in p.search_stats]
     return f"; the plans of {' and '.join(of)}, alike programs searched once" if of else ""
 
 
@@ -189,8 +189,10 @@ class Plan:
         op_order or interlaced schedule from its saved rows, the others made again from their name."""
         s = self.search_stats
         if "schedule_order" in s:
-            return Schedule.parse(s["schedule"], s["schedule_order"], s["micro_batches"], s.get("shared_places", ()))
-        return make_schedule(s.get("schedule", "1f1b"), s.get("pipeline", 1), s.get("micro_batches", 1))
+            return Schedule.parse(s["schedule"], s["schedule_order"], s["micro_batches"], s.get("shared_places", ()),
+                                  s.get("passes", 1))
+        return make_schedule(s.get("schedule", "1f1b"), s.get("pipeline", 1), s.get("micro_batches", 1),
+                             s.get("passes", 1))
 
     def collective_summary(self, backend: str | None = None) -> dict[str, tuple[int, int]]:
         """kind → (count, bytes) of the collectives a backend's XLA compiles for this plan, once
@@ -257,7 +259,7 @@ class Plan:
         """Every program's plan by its name in `compiled.programs` (a step run as several programs;
         empty for one SPMD program)."""
         out = {program_name(kind, st.stage): getattr(st, attr) for st in self.stages
-               for kind, attr in (("F", "forward"), ("B", "backward"))}
+               for kind, attr in (("F", "forward"), ("B", "backward")) if getattr(st, attr)}
         return dict(out, **self.programs)
 
     def constrained(self) -> dict[str, int]:
@@ -334,6 +336,8 @@ class Plan:
                 lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}"
                              + (f" interlaced with {len(s['shared_places'])} places on every device (op_assign "
                                 "stage='all')" if s.get("shared_places") else "")
+                             + (f" over {s['passes']} forward passes of {', '.join(s['repeated_layers'])}, the "
+                                "last differentiated" if s.get("passes") else "")
                              + f", {s['micro_batches']} micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut"
                              + (f", the stages' balance relaxed to ±{s['stage_epsilon']:g} of a share for op_assign"
                                 if s.get("stage_epsilon") else "")
@@ -344,8 +348,10 @@ class Plan:
                              f"{s.get('outputs_out_s', 0.0) * 1e3:.3f} ms to return the loss and metrics on the whole "
                              "mesh), then apply-gradients on the stages (the search line above: its programs together)")
                 shared = tuple(s.get("shared_places", ()))
-                lines += [f"    {place_name(st.stage, shared)}  {mesh_label(st.mesh_axes)} devices {_runs(st.devices)}: "
-                          f"forward {st.forward_s * 1e3:.3f} + backward {st.backward_s * 1e3:.3f} ms per micro-batch, "
+                lines += [f"    {place_name(st.stage, shared, s.get('passes', 1), len(self.stages))}  "
+                          f"{mesh_label(st.mesh_axes)} devices {_runs(st.devices)}: forward {st.forward_s * 1e3:.3f}"
+                          + (f" + backward {st.backward_s * 1e3:.3f}" if st.backward else " (no backward)")
+                          + " ms per micro-batch, "
                           f"apply {st.apply_s * 1e3:.3f} ms, "
                           f"{st.in_flight} in flight, {st.memory_bytes / 2**20:.1f} MiB/device; "
                           f"{', '.join(st.layers) or 'no named layers'}" + _alike(st) for st in self.stages]
@@ -401,9 +407,13 @@ class Plan:
         return "\n".join(lines)
 
 
-def place_name(s: int, shared: tuple[int, ...]) -> str:
+def place_name(s: int, shared: tuple[int, ...], passes: int = 1, places: int = 0) -> str:
     """A place of a pipeline's chain as the report names it: a stage by its number among the
-    stages, a place of every device (an interlaced pipeline's) by the stages around it."""
+    stages, a place of every device (an interlaced pipeline's) by the stages around it, a
+    multi-forward step's (of `places` in all) by its stage and forward pass."""
+    if passes > 1:
+        p = places // passes
+        return f"stage {s % p} pass {s // p}"
     before = s - sum(1 for x in shared if x < s)  # the stages before it
     if s not in shared:
         return f"stage {before}"

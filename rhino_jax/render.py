@@ -172,7 +172,7 @@ def schedule_svg(plan: Plan) -> str:
     fill = {"F": "#8fbce6", "B": "#f4a582", "A": "#9bd39b"}
     out = []
     for st in plan.stages:
-        name = place_name(st.stage, tuple(s.get("shared_places", ())))
+        name = place_name(st.stage, tuple(s.get("shared_places", ())), s.get("passes", 1), len(plan.stages))
         out.append(f'<text x="4" y="{30 + 30 * st.stage + 15}">{_e(name)} {_e(mesh_label(st.mesh_axes))}</text>')
     for kind, stage, mb, start, end in sorted(boxes, key=lambda b: (b[1], b[3])):
         x, w, y = x0 + start * scale, max((end - start) * scale, 1.0), 30 + 30 * stage

@@ -22,6 +22,15 @@ micro-batch passes through may hold, besides the stages, places whose programs r
 device (`shared`: a large embedding before the first stage and its tied output projection after
 the last). A shared task occupies every device, so it appears in every stage's order; it starts
 once it is next on every stage. `interlace` inserts them into a schedule of the stages.
+
+Multi-forward steps (nnScaler's 3F1B, seeds/002 §4.2, AlphaFold2's recycling): each micro-batch
+passes through the stages R times, the first R − 1 passes without a backward (they run under
+`stop_gradient`). Its chain of places is pass-major, place r·p + s being pass r on stage s; the
+places of one stage share its devices, so a stage's order holds the tasks of all of them, and
+only the last pass's places have a backward. `make` gives GPipe (every forward first) and the
+multi-forward 1F1B of Table 7: ① F of pass r, micro-batch m + 1 before F of pass r + 1,
+micro-batch m (the passes of consecutive micro-batches interleave), ③ F of the last pass,
+micro-batch m before B of micro-batch m − (p − 1 − s); the rest is list-scheduled (`ordered`).
 """
 from __future__ import annotations
 
@@ -36,11 +45,22 @@ NAMES = ("gpipe", "1f1b", "eager-1f1b")
 @dataclass(frozen=True, order=True)
 class Task:
     kind: str  # "F" | "B"
-    stage: int
+    stage: int  # a stage (as users write tasks), or a place of the chain (inside a Schedule)
     micro_batch: int
+    forward_pass: int = 0  # a multi-forward step's pass of an F task (users' tasks; places number them inside)
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.micro_batch}@{self.stage}"
+        return f"{self.kind}{self.micro_batch}@{self.stage}" + (f" pass {self.forward_pass}" if self.forward_pass else "")
+
+
+def placed(task: Task, stages: int, passes: int) -> Task:
+    """A user's task (stage, pass) as the task of its place in a chain of `passes` passes over
+    `stages` stages (place r·stages + s; a backward runs in the last pass)."""
+    if not (0 <= task.stage < stages and 0 <= task.forward_pass < passes) or (task.kind == "B" and task.forward_pass):
+        raise ScheduleError(f"{task!r} is not a task of {stages} stages and {passes} forward passes (stage counted "
+                            f"from 0; forward_pass from 0 to {passes - 1}, only for an F task)")
+    r = task.forward_pass if task.kind == "F" else passes - 1
+    return Task(task.kind, r * stages + task.stage, task.micro_batch)
 
 
 @dataclass(frozen=True)
@@ -50,10 +70,21 @@ class Schedule:
     micro_batches: int
     order: tuple[tuple[Task, ...], ...]  # per stage (`groups`), in run order, with every shared task
     shared: tuple[int, ...] = ()  # the places whose programs run on every device
+    passes: int = 1  # a multi-forward step's forward passes: place r·(stages / passes) + s is pass r on stage s
 
     def groups(self) -> tuple[int, ...]:
-        """The places that run on their own devices (the stages), one per row of `order`."""
+        """The first place that runs on each stage's own devices, one per row of `order`."""
+        if self.passes > 1:
+            return tuple(range(self.stages // self.passes))
         return tuple(s for s in range(self.stages) if s not in self.shared)
+
+    def row(self, place: int) -> int:
+        """The row of `order` a place of its own devices runs in (a stage's)."""
+        return place % (self.stages // self.passes) if self.passes > 1 else self.groups().index(place)
+
+    def has_backward(self, place: int) -> bool:
+        """Whether the place runs a backward pass: all but a multi-forward step's earlier passes."""
+        return place >= self.stages - self.stages // self.passes
 
     def rows(self) -> tuple[str, ...]:
         """Each stage's order as text ("F0 F1 B0 F2 B1 B2"; a shared place's task "F0@3"), as a
@@ -62,15 +93,17 @@ class Schedule:
                      for g, tasks in zip(self.groups(), self.order))
 
     @staticmethod
-    def parse(name: str, rows: Sequence[str], micro_batches: int, shared: Sequence[int] = ()) -> "Schedule":
+    def parse(name: str, rows: Sequence[str], micro_batches: int, shared: Sequence[int] = (),
+              passes: int = 1) -> "Schedule":
         """The schedule `rows` writes (`Schedule.rows`), checked."""
-        groups = [s for s in range(len(rows) + len(shared)) if s not in shared]
+        places = len(rows) * passes + len(shared)
+        groups = Schedule(name, places, micro_batches, (), tuple(shared), passes).groups()
         try:
             order = tuple(tuple(Task(w[0], int(w.split("@")[1]) if "@" in w else g, int(w[1:].split("@")[0]))
                                 for w in row.split()) for g, row in zip(groups, rows))
         except (ValueError, IndexError):
             raise ScheduleError(f"{name}: a stage's order must be words like F0 or B3, got {list(rows)!r}") from None
-        schedule = Schedule(name, len(rows) + len(shared), micro_batches, order, tuple(shared))
+        schedule = Schedule(name, places, micro_batches, order, tuple(shared), passes)
         schedule.check()
         return schedule
 
@@ -83,14 +116,17 @@ class Schedule:
 
     def tasks_of(self, place: int) -> tuple[Task, ...]:
         """The tasks of one place in the order they run (a shared place's: as every stage has them)."""
-        row = self.order[self.groups().index(place) if place not in self.shared else 0]
+        row = self.order[self.row(place) if place not in self.shared else 0]
         return tuple(t for t in row if t.stage == place)
 
     def in_flight(self) -> tuple[int, ...]:
         """Per place, the most micro-batches forwarded and not yet backwarded at once (whose
-        activations the place holds)."""
+        activations the place holds; a place without a backward holds none)."""
         peaks = []
         for s in range(self.stages):
+            if not self.has_backward(s):
+                peaks.append(0)
+                continue
             held = peak = 0
             for t in self.tasks_of(s):
                 held += 1 if t.kind == "F" else -1
@@ -102,19 +138,24 @@ class Schedule:
         """Raise ScheduleError unless every task runs once, a micro-batch's F runs before its B
         on each place, and the stages can run it without waiting on each other forever."""
         p, m = self.stages, self.micro_batches
+        if self.passes < 1 or p % self.passes or (self.passes > 1 and self.shared):
+            raise ScheduleError(f"{self.name}: {self.passes} forward passes over {p} places (a whole number of places "
+                                "per pass, and no places on every device)")
         groups = self.groups()
         if len(self.order) != len(groups) or not all(0 <= s < p for s in self.shared):
             raise ScheduleError(f"{self.name}: {len(self.order)} stage orders for {p} places of which "
                                 f"{list(self.shared)} are shared")
         shared = {Task(kind, s, k) for s in self.shared for kind in "FB" for k in range(m)}
-        for g, tasks in zip(groups, self.order):
-            want = {Task(kind, g, k) for kind in "FB" for k in range(m)} | shared
+        own = [s for s in range(p) if s not in self.shared]
+        for g, tasks in enumerate(self.order):
+            want = {Task(kind, s, k) for s in own if self.row(s) == g for kind in "FB"[:1 + self.has_backward(s)]
+                    for k in range(m)} | shared
             if len(tasks) != len(set(tasks)) or set(tasks) != want:
                 missing, extra = sorted(want - set(tasks)), sorted(set(tasks) - want)
-                raise ScheduleError(f"{self.name}: stage {g} must run each F and B of micro-batches 0..{m - 1} "
+                raise ScheduleError(f"{self.name}: stage {groups[g]} must run each F and B of micro-batches 0..{m - 1} "
                                     f"once; missing {[str(t) for t in missing]}, unexpected or repeated "
                                     f"{[str(t) for t in extra] or [str(t) for t in tasks if tasks.count(t) > 1]}")
-        for s in range(p):
+        for s in filter(self.has_backward, range(p)):
             position = {t: i for i, t in enumerate(self.tasks_of(s))}
             for k in range(m):
                 if position[Task("B", s, k)] < position[Task("F", s, k)]:
@@ -167,11 +208,14 @@ def _warm_up(name: str, stages: int, micro_batches: int) -> Callable[[int], int]
     raise ScheduleError(f"unknown schedule {name!r}; choose one of {NAMES}")
 
 
-def make(name: str, stages: int, micro_batches: int) -> Schedule:
-    """The named schedule for `stages` stages and `micro_batches` micro-batches, checked."""
+def make(name: str, stages: int, micro_batches: int, passes: int = 1) -> Schedule:
+    """The named schedule for `stages` stages and `micro_batches` micro-batches, checked; for a
+    multi-forward step of `passes` forward passes, by ordering constraints (module docstring)."""
     if stages < 1 or micro_batches < 1:
         raise ScheduleError(f"a schedule needs at least one stage and one micro-batch, got {stages} and "
                             f"{micro_batches}")
+    if passes > 1:
+        return ordered(stages, micro_batches, _multi_forward(name, stages, micro_batches, passes), name, passes)
     warm_up = _warm_up(name, stages, micro_batches)
     order = []
     for s in range(stages):
@@ -187,17 +231,39 @@ def make(name: str, stages: int, micro_batches: int) -> Schedule:
     return schedule
 
 
-def ordered(stages: int, micro_batches: int, before: Iterable[tuple[Task, Task]], name: str = "op_order") -> Schedule:
+def _multi_forward(name: str, stages: int, micro_batches: int, passes: int) -> list[tuple[Task, Task]]:
+    """The ordering constraints of a named schedule for a multi-forward step (module docstring):
+    GPipe, every forward before any backward on a stage; 1F1B, nnScaler's Table 7 (3F1B)."""
+    p, m, last = stages, micro_batches, passes - 1
+    if name == "gpipe":
+        return [(Task("F", s, k, r), Task("B", s, j)) for s in range(p) for k in range(m) for r in range(passes)
+                for j in range(m)]
+    if name != "1f1b":
+        raise ScheduleError(f"a step of {passes} forward passes runs schedule 'gpipe' or '1f1b' (nnScaler's "
+                            f"{passes}F1B), or an rj.op_order; got {name!r}")
+    pairs = [(Task("F", s, k + 1, r), Task("F", s, k, r + 1))  # ① the passes of consecutive micro-batches interleave
+             for s in range(p) for r in range(last) for k in range(m - 1)]
+    pairs += [(Task("F", s, k, last), Task("B", s, k - (p - 1 - s)))  # ③ the last pass, then a backward 1F1B's offset
+              for s in range(p) for k in range(p - 1 - s, m)]
+    return pairs
+
+
+def ordered(stages: int, micro_batches: int, before: Iterable[tuple[Task, Task]], name: str = "op_order",
+            passes: int = 1) -> Schedule:
     """The schedule the ordering constraints `before` ((a, b): a runs before b, both on one
     stage) call for, checked. Each stage runs its tasks in an order the constraints allow, a
     micro-batch's F before its B; where they leave a choice, the task that can start first runs
     (F taking 1 and B 2, as a backward pass about doubles its forward), ties to the earlier
     micro-batch, then to its B. Constraints that name a task the pipeline lacks or pair two
-    stages, form a cycle, or deadlock the stages are a ScheduleError."""
-    if stages < 1 or micro_batches < 1:
-        raise ScheduleError(f"a schedule needs at least one stage and one micro-batch, got {stages} and "
-                            f"{micro_batches}")
-    tasks = [Task(kind, s, k) for s in range(stages) for k in range(micro_batches) for kind in "FB"]
+    stages, form a cycle, or deadlock the stages are a ScheduleError. `passes`: a multi-forward
+    step's forward passes (its tasks name theirs, `Task.forward_pass`); the schedule is of places."""
+    if stages < 1 or micro_batches < 1 or passes < 1:
+        raise ScheduleError(f"a schedule needs at least one stage, micro-batch and pass, got {stages}, "
+                            f"{micro_batches} and {passes}")
+    places = stages * passes
+    probe = Schedule(name, places, micro_batches, (), passes=passes)
+    tasks = [Task(kind, s, k) for s in range(places) for k in range(micro_batches)
+             for kind in "FB"[:1 + probe.has_backward(s)]]
     preds: dict[Task, set[Task]] = {t: set() for t in tasks}
     for t in tasks:
         if t.kind == "B":
@@ -208,13 +274,13 @@ def ordered(stages: int, micro_batches: int, before: Iterable[tuple[Task, Task]]
                                 f"(Task('F', 0, 1), Task('B', 0, 0)); got {pair!r}")
         a, b = pair
         for t in pair:
-            if t not in preds:
+            if placed(t, stages, passes) not in preds:
                 raise ScheduleError(f"{name}: {t} is not a task of {stages} stages and {micro_batches} micro-batches "
                                     "(kind F or B, stage and micro-batch counted from 0)")
         if a.stage != b.stage:
             raise ScheduleError(f"{name}: ({a}, {b}) orders tasks of two stages; the stages' own dependencies order "
                                 "those (a stage's F after the previous stage's, its B after the next stage's)")
-        preds[b].add(a)
+        preds[placed(b, stages, passes)].add(placed(a, stages, passes))
     order: list[list[Task]] = [[] for _ in range(stages)]
     end: dict[Task, float] = {}
     free = [0.0] * stages
@@ -223,21 +289,21 @@ def ordered(stages: int, micro_batches: int, before: Iterable[tuple[Task, Task]]
     for t, ps in preds.items():
         for q in ps:
             succs[q].append(t)
-    probe = Schedule(name, stages, micro_batches, ())
     allowed = [t for t in tasks if not waiting[t]]  # every in-stage predecessor has run
     while allowed:
-        ready = []  # (start, micro-batch, B first, stage, task) of the allowed tasks whose inputs are made
+        ready = []  # (start, micro-batch, B first, place, task) of the allowed tasks whose inputs are made
         for t in allowed:
             needs = probe.needs(t)
             if all(n in end for n in needs):
-                ready.append((max([free[t.stage]] + [end[n] for n in needs]), t.micro_batch, t.kind != "B", t.stage, t))
+                ready.append((max([free[probe.row(t.stage)]] + [end[n] for n in needs]), t.micro_batch,
+                              t.kind != "B", t.stage, t))
         if not ready:
             break
         start, *_, t = min(ready)
         allowed.remove(t)
         end[t] = start + (1.0 if t.kind == "F" else 2.0)
-        free[t.stage] = end[t]
-        order[t.stage].append(t)
+        free[probe.row(t.stage)] = end[t]
+        order[probe.row(t.stage)].append(t)
         for u in succs[t]:
             waiting[u] -= 1
             if not waiting[u]:
@@ -247,10 +313,9 @@ def ordered(stages: int, micro_batches: int, before: Iterable[tuple[Task, Task]]
         raise ScheduleError(f"{name}: the ordering constraints leave {len(stuck)} tasks unable to run (a cycle among "
                             f"them, or a task waiting on another stage that waits on it): "
                             f"{', '.join(map(str, stuck[:8]))}{' ...' if len(stuck) > 8 else ''}")
-    schedule = Schedule(name, stages, micro_batches, tuple(map(tuple, order)))
+    schedule = Schedule(name, places, micro_batches, tuple(map(tuple, order)), passes=passes)
     schedule.check()
     return schedule
-
 
 
 # Tie-breaks among the tasks that can start first (`interlace`): each orders (start, task,
@@ -275,7 +340,7 @@ def interlace(base: Schedule, shared: Sequence[int], duration: Callable[[Task], 
     to break ties (`_TIES`), the one whose step ends first is kept. The result is checked like
     any schedule."""
     places = base.stages + len(shared)
-    if base.shared or not all(0 <= s < places for s in shared) or len(set(shared)) != len(shared):
+    if base.shared or base.passes > 1 or not all(0 <= s < places for s in shared) or len(set(shared)) != len(shared):
         raise ScheduleError(f"{base.name}: shared places {list(shared)} do not fit a chain of {places} places")
     shared = tuple(sorted(shared))
     best = min((_list_scheduled(base, shared, duration, transfer_s, tie) for tie in _TIES), key=lambda found: found[0])

@@ -99,24 +99,27 @@ def build(schedule: Schedule, applies: Sequence[Apply] = ()) -> TaskGraph:
 
     p, m = schedule.stages, schedule.micro_batches
     source = node("source", "source")
+    backward = [schedule.has_backward(s) for s in range(p)]  # a multi-forward step's earlier passes have none
     for s in range(p):
         for k in range(m):
             node(str(Task("F", s, k)), "forward", s, k)
-            node(str(Task("B", s, k)), "backward", s, k)
+            if backward[s]:
+                node(str(Task("B", s, k)), "backward", s, k)
     for tasks in schedule.order:  # the run order on each stage's devices (a shared task's on every stage's)
         edges += [(compute(a), compute(b)) for a, b in zip(tasks, tasks[1:])]
     for k in range(m):
         edges.append((source, compute(Task("F", 0, k))))  # the micro-batch is fed to stage 0
         for s in range(p):
-            edges.append((compute(Task("F", s, k)), compute(Task("B", s, k))))  # saved activations
+            if backward[s]:
+                edges.append((compute(Task("F", s, k)), compute(Task("B", s, k))))  # saved activations
             if s + 1 < p:
-                for kind, src, dst in (("F", s, s + 1), ("B", s + 1, s)):
+                for kind, src, dst in (("F", s, s + 1), ("B", s + 1, s))[:1 + backward[s]]:
                     what = "activations" if kind == "F" else "gradients"
                     send = node(f"send {what} {k}: {src}→{dst}", "send", src, k)
                     recv = node(f"recv {what} {k}: {src}→{dst}", "recv", dst, k)
                     edges += [(compute(Task(kind, src, k)), send), (send, recv), (recv, compute(Task(kind, dst, k)))]
-    done = []  # per stage: its last task, after which its sums are whole
-    for s in range(p):
+    done = []  # per place with a backward: its last task, after which its sums are whole
+    for s in filter(backward.__getitem__, range(p)):
         last = compute(Task("B", s, m - 1)) if m == 1 else None
         for k in range(m if m > 1 else 0):  # several micro-batches: sum each one's gradients in order
             acc = node(f"accumulate {k}@{s}", "accumulate", s, k)
@@ -125,14 +128,15 @@ def build(schedule: Schedule, applies: Sequence[Apply] = ()) -> TaskGraph:
                 edges.append((last, acc))
             last = acc
         done.append(last)
-    applies = list(applies) or [Apply(-1, 0, tuple(range(p)), ())]  # once per step, on the whole mesh
+    places = {s: j for j, s in enumerate(filter(backward.__getitem__, range(p)))}  # → its `done`
+    applies = list(applies) or [Apply(-1, 0, tuple(places), ())]  # once per step, on the whole mesh
     for a in applies:
         node(a.name, "apply", a.stage)
     sink = node("sink", "sink")
     edges += [(d, sink) for d in done]
     for a in applies:
         i = at[a.name]
-        edges += [(done[s], i) for s in a.sums_from] + [(at[_apply_name(s, w)], i) for s, w in a.reads]
+        edges += [(done[places[s]], i) for s in a.sums_from] + [(at[_apply_name(s, w)], i) for s, w in a.reads]
         edges += [(i, sink)] + ([(source, i)] if not a.sums_from and not a.reads else [])
     graph = TaskGraph(tuple(nodes), tuple(edges), schedule.name)
     graph.order()  # acyclic, or ScheduleError

@@ -248,7 +248,8 @@ def forward_ops(graph: Graph, loss: int) -> set[int]:
     return forward
 
 
-def forward_stage_graph(graph: Graph, loss: int, apart: dict[int, int] | None = None
+def forward_stage_graph(graph: Graph, loss: int, apart: dict[int, int] | None = None,
+                        leave_out: frozenset[int] = frozenset(), repeats: dict[int, int] | None = None
                         ) -> tuple[StageGraph, dict[int, int]]:
     """The forward pass of a train step as a stage graph, and each forward op's node: the ops the
     loss (value id) depends on, coarsened by the backbone's segments (each opened by a critical
@@ -256,8 +257,10 @@ def forward_stage_graph(graph: Graph, loss: int, apart: dict[int, int] | None = 
     the bytes of the values one segment reads from another (a value read twice, once). `apart`:
     op → a label (the stage the user assigns it, `constraints.SHARED` for every device); ops of
     one segment with other labels are other nodes, so an assignment moves its ops and what they
-    feed in their segment (a stage's rather than every device's), nothing before them."""
-    forward = forward_ops(graph, loss)
+    feed in their segment (a stage's rather than every device's), nothing before them.
+    `leave_out`: forward ops the stager does not see (a multi-forward step's earlier passes,
+    `passes`); `repeats`: op → how many times it runs per micro-batch (its compute counts so)."""
+    forward = forward_ops(graph, loss) - leave_out
     producer = {r: n.id for n in graph.nodes for r in n.results}
     segment = backbone(graph).segment
     label = dict(apart or {})
@@ -281,7 +284,7 @@ def forward_stage_graph(graph: Graph, loss: int, apart: dict[int, int] | None = 
     compute = [0.0] * len(node_of_segment)
     names = [""] * len(node_of_segment)
     for i in sorted(forward):
-        compute[node[i]] += graph.nodes[i].flops
+        compute[node[i]] += graph.nodes[i].flops * (repeats or {}).get(i, 1)
         names[node[i]] = names[node[i]] or graph.nodes[i].name
     for i in forward:  # a loop is never cut: say so where it is what cannot be balanced
         if graph.nodes[i].op == "stablehlo.while":
