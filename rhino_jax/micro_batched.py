@@ -242,7 +242,8 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         self._step, self._parts, self._graphs = step, parts, (compute_graph, apply_graph)
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.programs = {"compute_gradients": compute_plan, "apply_gradients": apply_plan}
-        self.plan = dataclasses.replace(_summary(compute_plan, apply_plan, k, compute_graph, self.named_on, self._trees),
+        summary = _summary(compute_plan, apply_plan, k, compute_graph, self.named_on, self._trees)
+        self.plan = dataclasses.replace(summary,
                                         programs=self.programs, target=target)
         self._compiled: MicroBatchedCompiled | None = None
 

@@ -362,7 +362,8 @@ class PipelinedLowered(SeveralProgramsLowered):
         fed = set(ag.fed_back())
         made = {v: (prog, plan) for prog, _, plan in self._applies for v in prog.outputs}
         return [(self._named(made[v][0].stage), made[v][1].output_specs[made[v][0].outputs.index(v)]) if k in fed
-                else (self.named_on, ShardingSpec.replicated(len(ag.values[v].shape))) for k, v in enumerate(ag.outputs)]
+                else (self.named_on, ShardingSpec.replicated(len(ag.values[v].shape)))
+                for k, v in enumerate(ag.outputs)]
 
     def _stage_plan(self, s: int) -> StagePlan:
         cg, plans, sub = self._step.compute_graph, self._programs, self.meshes[s]

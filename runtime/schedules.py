@@ -50,7 +50,8 @@ class Task:
     forward_pass: int = 0  # a multi-forward step's pass of an F task (users' tasks; places number them inside)
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.micro_batch}@{self.stage}" + (f" pass {self.forward_pass}" if self.forward_pass else "")
+        of_pass = f" pass {self.forward_pass}" if self.forward_pass else ""
+        return f"{self.kind}{self.micro_batch}@{self.stage}{of_pass}"
 
 
 def placed(task: Task, stages: int, passes: int) -> Task:

@@ -29,9 +29,9 @@ from ..hlo_passes.stages import fold, layer_of
 @dataclass(frozen=True)
 class Passes:
     count: int  # forward passes per micro-batch (1: an ordinary step)
-    tied: dict[int, int] = field(default_factory=dict)  # an earlier pass's op of a repeated layer → its last-pass twin
+    tied: dict[int, int] = field(default_factory=dict)  # an earlier pass's op of a repeated layer → its twin
     earlier: frozenset[int] = frozenset()  # the earlier passes' ops (tied, or going with their inputs): not staged
-    repeats: dict[int, int] = field(default_factory=dict)  # a last-pass op of a repeated layer → the passes running it
+    repeats: dict[int, int] = field(default_factory=dict)  # a last-pass op of a repeated layer → its passes
     pass_of: dict[int, int] = field(default_factory=dict)  # an op of a repeated layer → its pass
     layers: tuple[str, ...] = ()  # the repeated layers, runs of numbered names folded (`stages.fold`)
 
