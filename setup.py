@@ -21,13 +21,15 @@ setup(
     },
     # The jax range whose internals hlo_passes/jax_internals.py (SUPPORTED_JAX) was checked against.
     install_requires=["jax>=0.10.2,<0.13", "jaxlib>=0.10.2,<0.13", "numpy", "scipy", "ortools>=9.15", "networkx"],
-    # Test-only: the user code the tests parallelize (Flax linen/NNX, Optax, Equinox; Orbax for the
-    # checkpoints users save the plan's state with), versions that
-    # run on jax 0.10 through 0.12; jax's CUDA plugin, which compiles for described GPUs without one
-    # (rj.gpu_topology; no CUDA toolkit: about 340 MB), where jax 0.11 and newer run. Its version must
-    # be jaxlib's: the newest of both in range is the same release.
-    extras_require={"test": ["pytest", "flax>=0.12,<0.13", "optax>=0.2.8,<0.3", "equinox>=0.13,<0.14",
-                             "orbax-checkpoint>=0.12,<0.13",
+    # Test-only: pytest-xdist, which runs the suite in a process per core (`-n auto`: one process
+    # of 8 emulated devices is mostly single-threaded Python and XLA compiles); the user code the
+    # tests parallelize (Flax linen/NNX, Optax, Equinox; Orbax for the checkpoints users save the
+    # plan's state with), versions that run on jax 0.10 through 0.12; jax's CUDA plugin, which
+    # compiles for described GPUs without one (rj.gpu_topology; no CUDA toolkit: about 340 MB),
+    # where jax 0.11 and newer run. Its version must be jaxlib's: the newest of both in range is
+    # the same release.
+    extras_require={"test": ["pytest", "pytest-xdist>=3", "flax>=0.12,<0.13", "optax>=0.2.8,<0.3",
+                             "equinox>=0.13,<0.14", "orbax-checkpoint>=0.12,<0.13",
                              "jax-cuda12-plugin>=0.11,<0.13; python_version >= '3.12' and sys_platform == 'linux'"],
                     "bench": ["matplotlib"]},
 )

@@ -1,5 +1,5 @@
 """8 emulated CPU devices for every test; set before jax is imported anywhere. Fixtures several
-test files share."""
+test files share. How many processes `pytest -n auto` (pytest-xdist) runs the suite in."""
 import os
 
 import pytest
@@ -25,3 +25,14 @@ def solves_out_of_time(monkeypatch):
     passes during the build is a `SolverError`, `levels.Deadline.check`.)"""
     from rhino_jax.search import levels
     monkeypatch.setattr(levels.Deadline, "left", lambda self: 0.0)
+
+
+# A worker holds 8 emulated devices and XLA's compiles: about 3 GiB at its peak.
+WORKER_GIB = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, as many as the machine's memory holds (at most 8): a
+    64-core machine would otherwise start 64 workers of 8 devices each."""
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return max(1, min(len(os.sched_getaffinity(0)), int(memory_gib // WORKER_GIB), 8))
