@@ -112,11 +112,13 @@ def hlo_cost_analysis(hlo_text: str, device: jax.Device) -> Any:
 
 def compile_replacing_module(lowered: jax.stages.Lowered, module: ir.Module,
                              in_shardings: Sequence[NamedSharding],
-                             out_shardings: Sequence[NamedSharding]) -> jax.stages.Compiled:
-    """Compile `module` in place of `lowered`'s own, with these input and output shardings; the
-    arguments, donation and device assignment stay `lowered`'s. `lowered` itself is left as it was
-    (jax caches lowerings, and a lowering keeps the first executable it compiled), so we edit a
-    copy of its `Lowering`."""
+                             out_shardings: Sequence[NamedSharding],
+                             compiler_options: dict | None = None) -> jax.stages.Compiled:
+    """Compile `module` in place of `lowered`'s own, with these input and output shardings and
+    XLA's `compiler_options` (as `jax.stages.Lowered.compile` takes them); the arguments, donation
+    and device assignment stay `lowered`'s. `lowered` itself is left as it was (jax caches
+    lowerings, and a lowering keeps the first executable it compiled), so we edit a copy of its
+    `Lowering`."""
     try:
         original = lowered._lowering
         args = original.compile_args
@@ -133,4 +135,4 @@ def compile_replacing_module(lowered: jax.stages.Lowered, module: ir.Module,
                                   lowered._in_types, lowered._out_types)
     except (AttributeError, TypeError) as e:
         raise _unsupported("jax.stages.Lowered", e) from e
-    return mine.compile()
+    return mine.compile(compiler_options=compiler_options)

@@ -239,17 +239,21 @@ class Lowered:
     def args_info(self):
         return self._step.lowered.args_info
 
-    def compile(self) -> Compiled:
-        if self._compiled is None:
-            module = rewrite_pass.rewrite(copy_module(self._step.module), self.graph, self.plan.value_specs,
-                                          self.plan.read_specs, self.plan.read_paths, self.plan.arg_specs,
-                                          self.plan.output_specs,
-                                          self.plan.mesh_axes)
-            ins = jax.tree.leaves(self.plan.input_shardings)
-            outs = jax.tree.leaves(self.plan.output_shardings)
-            executable = compile_module(self._step.lowered, module, ins, outs)
-            self._compiled = Compiled(self, executable)
-        return self._compiled
+    def compile(self, compiler_options: dict | None = None) -> Compiled:
+        """The plan's program compiled by XLA; `compiler_options`: XLA's options, as
+        `jax.stages.Lowered.compile` takes them (e.g. {"xla_gpu_enable_latency_hiding_scheduler":
+        False}). Compiled once without options; with them, anew at each call, as jax does."""
+        if compiler_options is None and self._compiled is not None:
+            return self._compiled
+        module = rewrite_pass.rewrite(copy_module(self._step.module), self.graph, self.plan.value_specs,
+                                      self.plan.read_specs, self.plan.read_paths, self.plan.arg_specs,
+                                      self.plan.output_specs, self.plan.mesh_axes)
+        ins = jax.tree.leaves(self.plan.input_shardings)
+        outs = jax.tree.leaves(self.plan.output_shardings)
+        compiled = Compiled(self, compile_module(self._step.lowered, module, ins, outs, compiler_options))
+        if compiler_options is None:
+            self._compiled = compiled
+        return compiled
 
 
 class Parallelized:

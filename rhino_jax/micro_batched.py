@@ -129,6 +129,18 @@ class SeveralProgramsLowered:
     _step: SplitStep
     _trees: tuple
     plan: Plan
+    _compiled: "SeveralPrograms | None" = None
+    _compile_with: Callable[[dict | None], "SeveralPrograms"]  # the step's programs compiled with these options
+
+    def compile(self, compiler_options: dict | None = None) -> "SeveralPrograms":
+        """Every program compiled by XLA; `compiler_options`: XLA's options for each of them, as
+        `jax.stages.Lowered.compile` takes them. Compiled once without options; with them, anew
+        at each call, as jax does."""
+        if compiler_options is not None:
+            return self._compile_with(compiler_options)
+        if self._compiled is None:
+            self._compiled = self._compile_with(None)
+        return self._compiled
 
     def _several(self, what: str) -> NotImplementedError:
         return NotImplementedError(f"{what}: this step runs as several programs ({type(self).__name__}); compile it "
@@ -245,12 +257,9 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         summary = _summary(compute_plan, apply_plan, k, compute_graph, self.named_on, self._trees)
         self.plan = dataclasses.replace(summary,
                                         programs=self.programs, target=target)
-        self._compiled: MicroBatchedCompiled | None = None
 
-    def compile(self) -> "MicroBatchedCompiled":
-        if self._compiled is None:
-            self._compiled = MicroBatchedCompiled(self)
-        return self._compiled
+    def _compile_with(self, compiler_options: dict | None) -> "MicroBatchedCompiled":
+        return MicroBatchedCompiled(self, compiler_options)
 
 
 def program_plan(name: str, target: PlanTarget, given: Plan | None, search: Callable[[], Plan]) -> Plan:
@@ -298,14 +307,15 @@ def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mes
 class MicroBatchedCompiled(SeveralPrograms):
     """The two programs compiled; call it like the step (same pytrees, the whole batch)."""
 
-    def __init__(self, lowered: MicroBatchedLowered):
+    def __init__(self, lowered: MicroBatchedLowered, compiler_options: dict | None = None):
         self._lowered, self.plan = lowered, lowered.plan
         mesh = lowered.mesh
         compute_plan, apply_plan = lowered.programs["compute_gradients"], lowered.programs["apply_gradients"]
         compute_graph, apply_graph = lowered._graphs
-        self._compute = _compile(lowered._parts.compute, compute_graph, compute_plan, mesh)
+        self._compute = _compile(lowered._parts.compute, compute_graph, compute_plan, mesh,
+                                 compiler_options=compiler_options)
         self._apply = _compile(lowered._parts.apply, apply_graph, apply_plan, mesh, lowered._step.donated,
-                               returned_on=lowered.named_on)
+                               returned_on=lowered.named_on, compiler_options=compiler_options)
         self._add = jax.jit(lambda a, b: [x + y for x, y in zip(a, b)], out_shardings=named(mesh, compute_plan.output_specs),
                             donate_argnums=0)
         self._compute_in = named(mesh, compute_plan.arg_specs)
@@ -339,16 +349,18 @@ class MicroBatchedCompiled(SeveralPrograms):
 
 
 def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int] = (),
-             returned_on: Mesh | None = None) -> jax.stages.Compiled:
-    """A program of the step with its plan's shardings, compiled for the mesh; its results named
-    on `returned_on` (the user's mesh of the same devices) where given. A donated argument
-    (positions `donated`) is overwritten by the output the graph pairs it with (`Arg.donated_to`)
-    where the plan gives both one layout, as the search does when it knew of the donation."""
+             returned_on: Mesh | None = None, compiler_options: dict | None = None) -> jax.stages.Compiled:
+    """A program of the step with its plan's shardings, compiled for the mesh with XLA's
+    `compiler_options`; its results named on `returned_on` (the user's mesh of the same devices)
+    where given. A donated argument (positions `donated`) is overwritten by the output the graph
+    pairs it with (`Arg.donated_to`) where the plan gives both one layout, as the search does when
+    it knew of the donation."""
     aliases = {a.index: a.donated_to for a in graph.args if a.index in donated and a.donated_to is not None
                and plan.arg_specs[a.index] == plan.output_specs[a.donated_to]}
     rewritten = rewrite_pass.rewrite(copy_module(module), graph, plan.value_specs, plan.read_specs, plan.read_paths,
                                      plan.arg_specs, plan.output_specs, plan.mesh_axes)
     aval = lambda v: jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype)  # noqa: E731
     return compile_program(rewritten, [aval(a.value) for a in graph.args], [aval(v) for v in graph.outputs],
-                           named(mesh, plan.arg_specs), named(returned_on or mesh, plan.output_specs), aliases)
+                           named(mesh, plan.arg_specs), named(returned_on or mesh, plan.output_specs), aliases,
+                           compiler_options)
 

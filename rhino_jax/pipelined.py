@@ -312,7 +312,6 @@ class PipelinedLowered(SeveralProgramsLowered):
         self.apply_tasks = _apply_tasks(self._applies, self._home, len(cg.args))
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.plan = dataclasses.replace(self._summary(staged), placement=place, target=target)
-        self._compiled: PipelinedCompiled | None = None
 
     def _together(self, s: int) -> tuple[int, ...]:
         """The places that run on place s's devices: every device's places, a stage's passes, or s alone."""
@@ -427,10 +426,8 @@ class PipelinedLowered(SeveralProgramsLowered):
             input_shardings=call_tree(self._trees[0], _named(layouts)),
             output_shardings=jax.tree.unflatten(self._trees[1], _named(outputs)))
 
-    def compile(self) -> "PipelinedCompiled":
-        if self._compiled is None:
-            self._compiled = PipelinedCompiled(self)
-        return self._compiled
+    def _compile_with(self, compiler_options: dict | None) -> "PipelinedCompiled":
+        return PipelinedCompiled(self, compiler_options)
 
 
 def _state_copies(cg: Graph, roles) -> dict[tuple, int]:
@@ -742,17 +739,19 @@ def _loss_sum(cg) -> int:
 class PipelinedCompiled(SeveralPrograms):
     """The stage programs and apply-gradients' programs compiled; call it like the step."""
 
-    def __init__(self, lowered: PipelinedLowered):
+    def __init__(self, lowered: PipelinedLowered, compiler_options: dict | None = None):
         self._lowered, self.plan = lowered, lowered.plan
         self._run = {}
         for key, (prog, graph, plan) in lowered._programs.items():
             sub = lowered.meshes[prog.stage]
-            self._run[key] = (prog, _compile(prog.module, graph, plan, sub), named(sub, plan.arg_specs))
+            self._run[key] = (prog, _compile(prog.module, graph, plan, sub, compiler_options=compiler_options),
+                              named(sub, plan.arg_specs))
         self._apply = {}  # the task graph's name of each apply-gradients program → the program
         for task, (prog, graph, plan) in zip(lowered.apply_tasks, lowered._applies):
             sub = lowered.meshes[prog.stage]
             donated = tuple(a.index for a in graph.args if a.donated_to is not None)
-            self._apply[task.name] = (prog, _compile(prog.module, graph, plan, sub, donated),
+            self._apply[task.name] = (prog, _compile(prog.module, graph, plan, sub, donated,
+                                                     compiler_options=compiler_options),
                                       named(sub, plan.arg_specs))
         self._add = jax.jit(lambda a, b: a + b)
         self._stage_of = {v: prog.stage for prog, _, _ in lowered._programs.values() for v in prog.outputs}

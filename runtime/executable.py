@@ -15,8 +15,8 @@ from jax.extend.mlir import ir
 from jax.sharding import NamedSharding
 
 from rhino_jax.hlo_passes import module as mod
-# compile_module(lowered, module, in_shardings, out_shardings): `module` compiled in place of
-# `lowered`'s own, `lowered` (maybe jax's cached one) left as it was.
+# compile_module(lowered, module, in_shardings, out_shardings, compiler_options=None): `module`
+# compiled in place of `lowered`'s own, `lowered` (maybe jax's cached one) left as it was.
 from rhino_jax.hlo_passes.jax_internals import compile_replacing_module as compile_module
 
 __all__ = ["compile_module", "compile_program"]
@@ -24,8 +24,8 @@ __all__ = ["compile_module", "compile_program"]
 
 def compile_program(module: ir.Module, in_avals: Sequence[jax.ShapeDtypeStruct],
                     out_avals: Sequence[jax.ShapeDtypeStruct], in_shardings: Sequence[NamedSharding],
-                    out_shardings: Sequence[NamedSharding], aliases: Mapping[int, int] | None = None
-                    ) -> jax.stages.Compiled:
+                    out_shardings: Sequence[NamedSharding], aliases: Mapping[int, int] | None = None,
+                    compiler_options: dict | None = None) -> jax.stages.Compiled:
     """Compile a module of ours that no jax function lowers to (a part of a step,
     `hlo_passes.split`): `compile_module` on the lowering of a stand-in with its signature.
     The compiled program takes and returns flat tuples of arrays. `aliases`: argument i → the
@@ -38,4 +38,4 @@ def compile_program(module: ir.Module, in_avals: Sequence[jax.ShapeDtypeStruct],
                        donate_argnums=tuple(aliases))
     if aliases:
         mod.set_aliases(module, aliases)
-    return compile_module(stand_in.lower(*in_avals), module, in_shardings, out_shardings)
+    return compile_module(stand_in.lower(*in_avals), module, in_shardings, out_shardings, compiler_options)

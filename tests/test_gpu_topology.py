@@ -121,6 +121,27 @@ def test_a_described_micro_batched_step_is_not_called():
         compiled(*jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), args))
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_compile_hands_xlas_options_to_every_program(micro_batches):
+    """`compile(compiler_options=...)` as jax's `Lowered.compile`: with Triton GEMMs off, every
+    program of the step (one, or compute and apply-gradients) calls cuBLAS for its GEMMs; without
+    options the step compiles once, as before; an unknown option is XLA's error."""
+    step, args = _mlp()
+    mesh = rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))
+    lowered = rj.parallelize(step, mesh=mesh, num_micro_batches=micro_batches).lower(*args)
+
+    def texts(compiled) -> list[str]:
+        return [p.as_text() for p in getattr(compiled, "programs", {"": compiled}).values()]
+
+    assert lowered.compile() is lowered.compile()
+    assert not any("__cublas" in t for t in texts(lowered.compile()))
+    library = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
+    assert library is not lowered.compile()
+    assert 'custom_call_target="__cublas' in texts(library)[0]  # the step, or its compute-gradients
+    with pytest.raises(Exception, match="No such compile option: 'xla_no_such_option'"):
+        lowered.compile(compiler_options={"xla_no_such_option": True})
+
+
 def test_a_pipeline_over_two_described_hosts_prices_its_moves_between_them():
     """Stage moves are planned over the hosts the described devices' processes are (device ids
     past those of this machine's backend once raised KeyError)."""
