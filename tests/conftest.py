@@ -35,4 +35,5 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core, as many as the machine's memory holds (at most 8): a
     64-core machine would otherwise start 64 workers of 8 devices each."""
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return max(1, min(len(os.sched_getaffinity(0)), int(memory_gib // WORKER_GIB), 8))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, int(memory_gib // WORKER_GIB), 8))

@@ -123,9 +123,10 @@ def test_a_described_micro_batched_step_is_not_called():
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_compile_hands_xlas_options_to_every_program(micro_batches):
-    """`compile(compiler_options=...)` as jax's `Lowered.compile`: with Triton GEMMs off, every
-    program of the step (one, or compute and apply-gradients) calls cuBLAS for its GEMMs; without
-    options the step compiles once, as before; an unknown option is XLA's error."""
+    """`compile(compiler_options=...)` as jax's `Lowered.compile`, for the step's one program or
+    each of a micro-batched step's: with Triton GEMMs off the GEMMs (in the step, or in
+    compute-gradients) are cuBLAS calls; an unknown option is XLA's error; without options the
+    step compiles once, as before."""
     step, args = _mlp()
     mesh = rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))
     lowered = rj.parallelize(step, mesh=mesh, num_micro_batches=micro_batches).lower(*args)
