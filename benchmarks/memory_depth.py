@@ -11,8 +11,9 @@ python -m benchmarks.memory_depth [--layers 4 8 16] [--out benchmarks/]
     should add its saved input alone (its [8, 2048, 8192] bf16 activations: 0.25 GiB).
 
 python -m benchmarks.memory_depth --layers 4 8 16 80 --variants scan
-    the plans whose label has "scan" at 80 layers too (the loop of 80 layers takes 46 min a
-    compile: `benchmarks.scale --compile`), the other rows kept from memory_depth.json.
+    the plans whose label has "scan" at 80 layers too, the other rows kept from memory_depth.json
+    (`--layers 32 80 --variants "rhino_jax, loop"`: rhino_jax's plan of the loop, 2-6 min a
+    compile).
 
 A hand plan compiles in about 20 s; rhino_jax's plan adds its search (under a minute here).
 """
@@ -33,7 +34,8 @@ VARIANTS = [
     ("FSDP, loop, no latency-hiding scheduler", "FSDP", False, {"xla_gpu_enable_latency_hiding_scheduler": False}),
     ("FSDP, scan over layers", "FSDP", True, {}),
     ("FSDP, scan, no latency-hiding scheduler", "FSDP", True, {"xla_gpu_enable_latency_hiding_scheduler": False}),
-    ("rhino_jax, loop of layers", "rhino_jax", False, {}),
+    # the scheduler named: compile() would otherwise drop it past 80 GiB (`runtime.executable`)
+    ("rhino_jax, loop of layers", "rhino_jax", False, {"xla_gpu_enable_latency_hiding_scheduler": True}),
     ("rhino_jax, loop, no latency-hiding scheduler", "rhino_jax", False,
      {"xla_gpu_enable_latency_hiding_scheduler": False}),
     ("rhino_jax, scan over layers", "rhino_jax", True, {}),
@@ -91,13 +93,14 @@ def main(argv=None) -> None:
     parser.add_argument("--limit-s", type=float, default=100.0, help="rhino_jax's solver_time_limit_s")
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
     parser.add_argument("--render-only", action="store_true", help="rewrite memory_depth.md from its json")
-    parser.add_argument("--variants", nargs="+", help="rerun the plans whose label contains one of these (the "
-                        "others kept from memory_depth.json)")
+    parser.add_argument("--variants", nargs="+", help="rerun the plans whose label contains one of these at "
+                        "--layers (the other rows kept from memory_depth.json)")
     args = parser.parse_args(argv)
     saved = args.out / "memory_depth.json"
     chosen = [v for v in VARIANTS if not args.variants or any(w in v[0] for w in args.variants)]
+    rerun = {(v[0], n) for v in chosen for n in args.layers}
     rows = [r for r in (json.loads(saved.read_text()) if saved.exists() and (args.render_only or args.variants) else [])
-            if args.render_only or r["label"] not in [v[0] for v in chosen]]
+            if args.render_only or (r["label"], r["layers"]) not in rerun]
     for label, plan, scan, options in [] if args.render_only else chosen:
         for layers in args.layers:
             try:

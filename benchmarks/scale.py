@@ -103,11 +103,11 @@ CASES = [
 ]
 
 
-def llama_step(shape: Shape, scan: bool = False):
+def llama_step(shape: Shape, scan: bool = False, seq: int = SEQ):
     """(train_step, init_shapes) for a Llama-2 decoder: RMSNorm, rotary positions, grouped-query
-    attention, SwiGLU, untied head; AdamW on f32 parameters, bf16 compute. `scan`: the layers'
-    parameters stacked on a leading axis and run by `jax.lax.scan` (as MaxText writes them)
-    rather than a Python loop of layers."""
+    attention, SwiGLU, untied head; AdamW on f32 parameters, bf16 compute; sequences of `seq`
+    tokens. `scan`: the layers' parameters stacked on a leading axis and run by `jax.lax.scan`
+    (as MaxText writes them) rather than a Python loop of layers."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -180,7 +180,7 @@ def llama_step(shape: Shape, scan: bool = False):
     def shapes(batch: int):
         params = params_shapes()
         opt_state = jax.eval_shape(optimizer.init, params)
-        return params, opt_state, jax.ShapeDtypeStruct((batch, SEQ + 1), jnp.int32)
+        return params, opt_state, jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
 
     return train_step, shapes
 
@@ -256,22 +256,32 @@ def compile_hand(step, args, mesh, method: str, donate: bool = False, options: d
 
 
 def compile_and_price(step, args, mesh, lowered) -> dict:
-    """The plan and each hand plan compiled for the described GPUs, priced from their GPU HLO:
-    {name: (seconds, GiB per device as XLA's buffer assignment counts it)} or the error."""
+    """The plan and each hand plan compiled for the described GPUs, the state donated as in
+    training, priced from their GPU HLO: {name: (seconds, GiB per device as XLA's buffer
+    assignment counts it, how it was compiled)} or the error. rhino_jax's plan is compiled as
+    `compile()` compiles it: without XLA's latency-hiding scheduler where that schedule does not
+    fit 80 GiB (`runtime.executable.compile_module`)."""
+    import warnings
+
+    import rhino_jax as rj
     from rhino_jax.hlo_passes.compiled_cost import price_compiled
     out = {}
 
-    def priced(compiled) -> tuple[float, float]:
+    def priced(compiled, note: str = "") -> tuple[float, float, str]:
         cost = price_compiled(compiled, "8x-h100", "bfloat16")
-        return cost.total_s, cost.memory.total / GIB
+        return cost.total_s, cost.memory.total / GIB, note
 
     try:
-        out["rhino_jax"] = priced(lowered.compile()._executable)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", rj.CompiledMemoryWarning)
+            compiled = lowered.compile()._executable
+        out["rhino_jax"] = priced(compiled, " ".join(str(w.message) for w in said
+                                                     if issubclass(w.category, rj.CompiledMemoryWarning)))
     except Exception as e:  # noqa: BLE001 (recorded, the hand plans go on)
         out["rhino_jax"] = f"{type(e).__name__}: {e}"[:300]
     for method in HAND:
         try:
-            out[method] = priced(compile_hand(step, args, mesh, method))
+            out[method] = priced(compile_hand(step, args, mesh, method, donate=True))
         except Exception as e:  # noqa: BLE001
             out[method] = f"{type(e).__name__}: {e}"[:300]
     return out
@@ -294,7 +304,7 @@ def run_case(case: Case, limit_s: float, compile_plans: bool = False) -> dict:
     args = shapes(PER_DEVICE * case.devices)
     parallel = rj.parallelize(step, mesh=mesh, cluster="8x-h100", opt_level="O2", memory_limit_bytes=80 * GIB,
                               solver_time_limit_s=limit_s, pipeline=case.pipeline,
-                              num_micro_batches=case.micro_batches)
+                              num_micro_batches=case.micro_batches, donate_argnums=(0, 1))
     t0 = time.perf_counter()
     jax.jit(step).lower(*args)  # what tracing and lowering alone take (the search lowers once more)
     lower_s = time.perf_counter() - t0
@@ -377,6 +387,10 @@ def table(rows: list[dict]) -> str:
             cells = [f"{got[k][0]:.3f} s, {got[k][1]:.1f} GiB" if isinstance(got[k], list) else f"failed: {got[k][:80]}"
                      for k in ("rhino_jax", *HAND)]
             cells[0] += f" (predicted {r['result']['step_s']:.3f} s, {r['result']['gib_per_device']:.1f} GiB)"
+            said = got["rhino_jax"][2] if isinstance(got["rhino_jax"], list) and len(got["rhino_jax"]) > 2 else ""
+            cells[0] += ("; compiled without the latency-hiding scheduler" if "compiled without it" in said
+                         else "; does not fit, with or without the latency-hiding scheduler" if "not fit" in said
+                         else "")
             cells[1:] = [c + (f" (state {state[k]:.1f} GiB > 80)" if state[k] > 80 else "") for c, k in zip(cells[1:], HAND)]
             hands = [got[k][0] for k in HAND if isinstance(got[k], list) and state[k] <= 80]
             ratio = (f"{got['rhino_jax'][0] / min(hands):.2f}" if hands and isinstance(got["rhino_jax"], list)

@@ -5,7 +5,7 @@ from rhino_jax.search.cluster import A100_8X, H100_8X, H200_8X, M8_V100, Cluster
 from .annotate import annotate
 from .constraints import coshard, op_assign, op_order, op_trans
 from .api import Compiled, Lowered, Parallelized, parallelize
-from .errors import (ConstraintError, HostCallbackError, MemoryLimitError, MeshError, NoFeasibleMeshError, RhinoError,
+from .errors import (CompiledMemoryWarning, ConstraintError, HostCallbackError, MemoryLimitError, MeshError, NoFeasibleMeshError, RhinoError,
                      ShardingPinError, SolverError, SolverTimeLimitWarning, TracedCallWarning)
 from .explain import diff
 from .gpu_topology import DescribedDeviceError, gpu_topology
@@ -17,6 +17,6 @@ __all__ = [
     "Parallelized", "Cluster", "M8_V100", "H100_8X", "H200_8X", "A100_8X", "RhinoError", "ShardingPinError",
     "SolverError", "MeshError", "SolverTimeLimitWarning", "NoFeasibleMeshError", "MemoryLimitError",
     "DescribedDeviceError", "MeshCandidate", "TracedCallWarning", "diff", "op_trans", "op_assign", "op_order", "coshard", "Task",
-    "ConstraintError", "HostCallbackError",
+    "ConstraintError", "HostCallbackError", "CompiledMemoryWarning",
 ]
 __version__ = "0.1.0"

@@ -44,7 +44,7 @@ from .controller import choose
 from .micro_batched import MicroBatchedLowered
 from .multiprocess import agree
 from .pipelined import PipelinedLowered
-from .options import Options
+from .options import Options, device_memory
 from .plan import Plan
 from .plan_target import PlanTarget
 
@@ -204,6 +204,9 @@ class Lowered:
     mesh: Mesh
     _step: LoweredStep
     _signature: tuple
+    # The bytes a device may hold (`options.device_memory`): a GPU compile past it is compiled
+    # again without XLA's latency-hiding scheduler (`runtime.executable.compile_module`).
+    memory_limit_bytes: int
     _compiled: Compiled | None = None
 
     def as_text(self, dialect: str | None = None) -> str:
@@ -242,7 +245,9 @@ class Lowered:
     def compile(self, compiler_options: dict | None = None) -> Compiled:
         """The plan's program compiled by XLA; `compiler_options`: XLA's options, as
         `jax.stages.Lowered.compile` takes them (e.g. {"xla_gpu_enable_latency_hiding_scheduler":
-        False}). Compiled once without options; with them, anew at each call, as jax does."""
+        False}). Compiled once without options; with them, anew at each call, as jax does. For
+        GPUs, a program that XLA's latency-hiding scheduler takes past `memory_limit_bytes` is
+        compiled without it, unless `compiler_options` names it (`rj.CompiledMemoryWarning`)."""
         if compiler_options is None and self._compiled is not None:
             return self._compiled
         module = rewrite_pass.rewrite(copy_module(self._step.module), self.graph, self.plan.value_specs,
@@ -250,7 +255,8 @@ class Lowered:
                                       self.plan.output_specs, self.plan.mesh_axes)
         ins = jax.tree.leaves(self.plan.input_shardings)
         outs = jax.tree.leaves(self.plan.output_shardings)
-        compiled = Compiled(self, compile_module(self._step.lowered, module, ins, outs, compiler_options))
+        compiled = Compiled(self, compile_module(self._step.lowered, module, ins, outs, compiler_options,
+                                                 self.memory_limit_bytes))
         if compiler_options is None:
             self._compiled = compiled
         return compiled
@@ -348,7 +354,7 @@ class Parallelized:
                                    # explain searches again later, under the limit, not in this step's share
                                    search_inputs=SearchInputs(graph, mesh, dataclasses.replace(options,
                                                                                                search_until=None)))
-        return Lowered(plan, graph, mesh, step, key)
+        return Lowered(plan, graph, mesh, step, key, device_memory(options, mesh.devices.flat))
 
     def __call__(self, *args, **kwargs):
         dyn_args, dyn_kwargs, static = self.arguments.split(args, kwargs)

@@ -17,10 +17,9 @@ import warnings
 from dataclasses import dataclass
 
 from rhino_jax.search import interrupt, progress
-from rhino_jax.search.cluster import get_cluster
 
 from .errors import MemoryLimitError, MeshError, RhinoError
-from .options import budget_of, within
+from .options import budget_of, device_memory, within
 
 
 def candidates(options, first_axis: int) -> list:
@@ -61,7 +60,7 @@ def choose(parallelized, call, key):
     if parallelized.mesh is None:
         raise MeshError("pipeline='auto' needs a mesh: pass mesh=rj.device_mesh(...)")
     options = parallelized.options
-    limit = options.memory_limit_bytes or get_cluster(options.cluster, list(parallelized.mesh.devices.flat)).memory_per_device
+    limit = device_memory(options, parallelized.mesh.devices.flat)
     with interrupt.session():
         tried, errors = _lower_candidates(parallelized, call, key, limit)
         return _choose(tried, errors, options, limit, interrupt.pressed())

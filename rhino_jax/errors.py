@@ -30,6 +30,11 @@ class SolverInterruptedWarning(UserWarning):
     """The search was interrupted (Ctrl-C); the plan is the best found so far."""
 
 
+class CompiledMemoryWarning(UserWarning):
+    """XLA's GPU compile of a plan needs more memory per device than the plan was searched for:
+    it was compiled again without the latency-hiding scheduler, or it does not fit at all."""
+
+
 class TracedCallWarning(UserWarning):
     """A parallelized step was called inside a jax transformation (jax.jit, grad, vmap,
     eval_shape): it is traced as written, without its plan."""

@@ -34,7 +34,7 @@ from .arguments import Call, call_tree, donated_leaves
 from .errors import MeshError
 from .gpu_topology import refuse_described
 from .mesh_search import plan_on
-from .options import Options, budget_of, within
+from .options import Options, budget_of, device_memory, within
 from .plan import Plan, PlanCost
 from .plan_target import PlanTarget
 
@@ -250,6 +250,7 @@ class MicroBatchedLowered(SeveralProgramsLowered):
             apply_graph, compute_graph, compute_plan))
         apply_plan = plan("apply_gradients", parts.apply, apply_graph, APPLY_WEIGHT)
         self.mesh, self.k, self._signature, self.cluster = mesh, k, signature, cluster
+        self.memory_limit_bytes = device_memory(options, mesh.devices.flat)
         self.named_on = named_on or mesh
         self._step, self._parts, self._graphs = step, parts, (compute_graph, apply_graph)
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
@@ -312,10 +313,12 @@ class MicroBatchedCompiled(SeveralPrograms):
         mesh = lowered.mesh
         compute_plan, apply_plan = lowered.programs["compute_gradients"], lowered.programs["apply_gradients"]
         compute_graph, apply_graph = lowered._graphs
+        limit = lowered.memory_limit_bytes
         self._compute = _compile(lowered._parts.compute, compute_graph, compute_plan, mesh,
-                                 compiler_options=compiler_options)
+                                 compiler_options=compiler_options, memory_limit_bytes=limit)
         self._apply = _compile(lowered._parts.apply, apply_graph, apply_plan, mesh, lowered._step.donated,
-                               returned_on=lowered.named_on, compiler_options=compiler_options)
+                               returned_on=lowered.named_on, compiler_options=compiler_options,
+                               memory_limit_bytes=limit)
         self._add = jax.jit(lambda a, b: [x + y for x, y in zip(a, b)], out_shardings=named(mesh, compute_plan.output_specs),
                             donate_argnums=0)
         self._compute_in = named(mesh, compute_plan.arg_specs)
@@ -349,9 +352,11 @@ class MicroBatchedCompiled(SeveralPrograms):
 
 
 def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int] = (),
-             returned_on: Mesh | None = None, compiler_options: dict | None = None) -> jax.stages.Compiled:
+             returned_on: Mesh | None = None, compiler_options: dict | None = None,
+             memory_limit_bytes: int | None = None) -> jax.stages.Compiled:
     """A program of the step with its plan's shardings, compiled for the mesh with XLA's
-    `compiler_options`; its results named on `returned_on` (the user's mesh of the same devices)
+    `compiler_options`, within `memory_limit_bytes` where XLA's GPU schedule allows
+    (`runtime.executable.compile_module`); its results named on `returned_on` (the user's mesh of the same devices)
     where given. A donated argument (positions `donated`) is overwritten by the output the graph
     pairs it with (`Arg.donated_to`) where the plan gives both one layout, as the search does when
     it knew of the donation."""
@@ -362,5 +367,5 @@ def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int
     aval = lambda v: jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype)  # noqa: E731
     return compile_program(rewritten, [aval(a.value) for a in graph.args], [aval(v) for v in graph.outputs],
                            named(mesh, plan.arg_specs), named(returned_on or mesh, plan.output_specs), aliases,
-                           compiler_options)
+                           compiler_options, memory_limit_bytes)
 

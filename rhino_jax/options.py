@@ -115,3 +115,9 @@ def budget_of(options: Options, weight: float) -> Budget:
     """The time limit of `options` shared by searches of total `weight`; ending where the share
     `options` is ends (`within`), not `solver_time_limit_s` after the set-up before them."""
     return Budget(options.solver_time_limit_s, weight, until=options.search_until)
+
+
+def device_memory(options: Options, devices) -> int:
+    """The bytes a device may hold: `memory_limit_bytes`, else the cluster's `memory_per_device`
+    (the preset `options.cluster` names, else the one `devices` are of)."""
+    return options.memory_limit_bytes or get_cluster(options.cluster, list(devices)).memory_per_device

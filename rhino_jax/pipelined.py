@@ -62,7 +62,7 @@ from .mesh_search import plan_on
 from .arguments import Call, call_tree
 from .micro_batched import (APPLY_WEIGHT, SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of,
                             named, program_plan, split_step)
-from .options import Options, budget_of, seconds_left, within
+from .options import Options, budget_of, device_memory, seconds_left, within
 from .plan import Plan, PlanCost, StagePlan, place_name, program_name
 from .plan_target import PlanTarget, PlanTargetError
 
@@ -220,6 +220,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         axes = [dict(zip(mesh.axis_names, sub.devices.shape)) for sub in meshes]
         topology = [MeshTopology.from_mesh(sub, cluster) for sub in meshes]
         self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
+        self.memory_limit_bytes = device_memory(options, mesh.devices.flat)
         self.named_on = named_on or mesh
         self._step, self._place, self.shared = step, place, tuple(shared)
         base = self.schedule = _schedule(options, p, k, given, self.passes)
@@ -744,14 +745,16 @@ class PipelinedCompiled(SeveralPrograms):
         self._run = {}
         for key, (prog, graph, plan) in lowered._programs.items():
             sub = lowered.meshes[prog.stage]
-            self._run[key] = (prog, _compile(prog.module, graph, plan, sub, compiler_options=compiler_options),
+            self._run[key] = (prog, _compile(prog.module, graph, plan, sub, compiler_options=compiler_options,
+                                             memory_limit_bytes=lowered.memory_limit_bytes),
                               named(sub, plan.arg_specs))
         self._apply = {}  # the task graph's name of each apply-gradients program → the program
         for task, (prog, graph, plan) in zip(lowered.apply_tasks, lowered._applies):
             sub = lowered.meshes[prog.stage]
             donated = tuple(a.index for a in graph.args if a.donated_to is not None)
             self._apply[task.name] = (prog, _compile(prog.module, graph, plan, sub, donated,
-                                                     compiler_options=compiler_options),
+                                                     compiler_options=compiler_options,
+                                                     memory_limit_bytes=lowered.memory_limit_bytes),
                                       named(sub, plan.arg_specs))
         self._add = jax.jit(lambda a, b: a + b)
         self._stage_of = {v: prog.stage for prog, _, _ in lowered._programs.values() for v in prog.outputs}

@@ -1,12 +1,21 @@
-"""Compile a rewritten module for the mesh with XLA's SPMD partitioner.
+"""Compile a rewritten module for the mesh with XLA's SPMD partitioner, within the devices' memory.
 
 jax has no public entry point that compiles a StableHLO module we edited, so we hand the
 module to the `Lowered` that jax built for the same function: its arguments, donation and
 device assignment already match; only the module and the input/output shardings change.
 That step uses jax internals, kept with the others in `hlo_passes.jax_internals`.
+
+On GPUs, XLA's latency-hiding scheduler may hold buffers far longer than the program's order
+does, to overlap collectives with compute: it runs each layer's weight-gradient GEMMs late,
+next to the optimizer update, so their inputs stay live across many layers (a 70B loop of 32
+layers compiles to 114.6 GiB per device with it, 63.1 without; `benchmarks/memory_depth.md`).
+The search prices the program's order, so a plan it fits to the memory limit can compile past
+it. `compile_module` checks XLA's own memory analysis against the limit and, where the caller
+left the scheduler to XLA, compiles again without it.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -14,18 +23,64 @@ import jax.numpy as jnp
 from jax.extend.mlir import ir
 from jax.sharding import NamedSharding
 
+from rhino_jax.errors import CompiledMemoryWarning
 from rhino_jax.hlo_passes import module as mod
-# compile_module(lowered, module, in_shardings, out_shardings, compiler_options=None): `module`
-# compiled in place of `lowered`'s own, `lowered` (maybe jax's cached one) left as it was.
-from rhino_jax.hlo_passes.jax_internals import compile_replacing_module as compile_module
+from rhino_jax.hlo_passes.compiled_cost import program_device
+from rhino_jax.hlo_passes.hlo_stats import compiled_memory
+from rhino_jax.hlo_passes.jax_internals import compile_replacing_module
 
-__all__ = ["compile_module", "compile_program"]
+__all__ = ["compile_module", "compile_program", "LATENCY_HIDING"]
+
+LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
+GIB = 1 << 30
+
+
+def compile_module(lowered: jax.stages.Lowered, module: ir.Module, in_shardings: Sequence[NamedSharding],
+                   out_shardings: Sequence[NamedSharding], compiler_options: dict | None = None,
+                   memory_limit_bytes: int | None = None) -> jax.stages.Compiled:
+    """`module` compiled in place of `lowered`'s own (`lowered`, maybe jax's cached one, left as
+    it was), with XLA's `compiler_options`. For GPUs, when the program needs more than
+    `memory_limit_bytes` per device (XLA's memory analysis: arguments, outputs and temporaries)
+    and `compiler_options` leaves the latency-hiding scheduler to XLA, it is compiled again
+    without the scheduler and the smaller program kept; a `CompiledMemoryWarning` says so, or
+    that neither fits. A program that fits, or is for CPUs, is compiled once."""
+    compiled = compile_replacing_module(lowered, module, in_shardings, out_shardings, compiler_options)
+    if memory_limit_bytes is None or program_device(compiled).platform != "gpu":
+        return compiled
+    needs = compiled_memory(compiled).total
+    if needs <= memory_limit_bytes:
+        return compiled
+    limit = f"{memory_limit_bytes / GIB:.1f} GiB per device (memory_limit_bytes, else the cluster's memory_per_device)"
+    if LATENCY_HIDING in (compiler_options or {}):
+        _warn_too_big(needs, limit, f"with compiler_options {{{LATENCY_HIDING!r}: {compiler_options[LATENCY_HIDING]}}}")
+        return compiled
+    tight = compile_replacing_module(lowered, module, in_shardings, out_shardings,
+                                     dict(compiler_options or {}, **{LATENCY_HIDING: False}))
+    tight_needs = compiled_memory(tight).total
+    if tight_needs > memory_limit_bytes:
+        _warn_too_big(min(needs, tight_needs), limit, "with or without XLA's latency-hiding scheduler")
+        return tight if tight_needs < needs else compiled
+    warnings.warn(
+        f"XLA's latency-hiding scheduler made this program need {needs / GIB:.2f} GiB per device, over the limit of "
+        f"{limit}; compiled without it, it needs {tight_needs / GIB:.2f} GiB, and its collectives overlap less with "
+        f"compute. To keep the scheduler, pass compiler_options={{{LATENCY_HIDING!r}: True}} to compile().",
+        CompiledMemoryWarning, stacklevel=3)
+    return tight
+
+
+def _warn_too_big(needs: int, limit: str, how: str) -> None:
+    warnings.warn(
+        f"XLA's compile of this plan needs {needs / GIB:.2f} GiB per device {how}, more than the limit of {limit}: "
+        "it will not fit on these devices. Lower memory_limit_bytes (the search then keeps more state split), "
+        "use more devices, or num_micro_batches / pipeline for less activation memory.",
+        CompiledMemoryWarning, stacklevel=4)
 
 
 def compile_program(module: ir.Module, in_avals: Sequence[jax.ShapeDtypeStruct],
                     out_avals: Sequence[jax.ShapeDtypeStruct], in_shardings: Sequence[NamedSharding],
                     out_shardings: Sequence[NamedSharding], aliases: Mapping[int, int] | None = None,
-                    compiler_options: dict | None = None) -> jax.stages.Compiled:
+                    compiler_options: dict | None = None, memory_limit_bytes: int | None = None
+                    ) -> jax.stages.Compiled:
     """Compile a module of ours that no jax function lowers to (a part of a step,
     `hlo_passes.split`): `compile_module` on the lowering of a stand-in with its signature.
     The compiled program takes and returns flat tuples of arrays. `aliases`: argument i → the
@@ -38,4 +93,5 @@ def compile_program(module: ir.Module, in_avals: Sequence[jax.ShapeDtypeStruct],
                        donate_argnums=tuple(aliases))
     if aliases:
         mod.set_aliases(module, aliases)
-    return compile_module(stand_in.lower(*in_avals), module, in_shardings, out_shardings, compiler_options)
+    return compile_module(stand_in.lower(*in_avals), module, in_shardings, out_shardings, compiler_options,
+                          memory_limit_bytes)

@@ -170,3 +170,34 @@ def test_a_scanned_attentions_hoisted_mask_is_not_carried_at_the_global_batch(me
     assert f"[{batch},{heads},{seq},{seq}]" not in compiled.as_text()
     ratio = compiled.memory.total / lowered.plan.cost.memory_bytes
     assert 0.85 <= ratio <= 1.15, f"compiled / predicted memory {ratio:.2f}"
+
+
+@pytest.mark.parametrize("micro_batches, batch, limit_mib", [(1, 16, 22), (2, 32, 20)])
+def test_a_plan_the_latency_hiding_scheduler_takes_past_the_limit_is_compiled_without_it(micro_batches, batch,
+                                                                                          limit_mib):
+    """XLA's GPU latency-hiding scheduler runs each layer's weight-gradient GEMMs late, beside the
+    optimizer update, and keeps their inputs live across layers: this 4-layer Llama-style step,
+    planned at about 16 MiB per device, compiles to about 26 MiB with the scheduler and 18.5
+    without (with 2 micro-batches, its compute-gradients program: 23 and 14.5). Under the limit,
+    compile() keeps the programs that fit and says what they gave up; asked for the scheduler, it
+    keeps the scheduler's programs and says that one does not fit. On CPUs nothing is compiled
+    twice (`test_memory_limit::test_a_cpu_compile_is_not_held_to_the_limit`)."""
+    from benchmarks.scale import Shape, llama_step
+    from rhino_jax.hlo_passes.hlo_stats import compiled_memory
+    from rhino_jax.runtime.executable import LATENCY_HIDING
+
+    def biggest(compiled) -> int:
+        programs = getattr(compiled, "programs", {"step": compiled})
+        return max(compiled_memory(getattr(p, "_executable", p)).total for p in programs.values())
+
+    step, shapes = llama_step(Shape(128, 4, 1, 1, 320, vocab=1024), seq=128)
+    limit = limit_mib << 20
+    lowered = rj.parallelize(step, mesh=_mesh("8"), memory_limit_bytes=limit, donate_argnums=(0, 1),
+                             num_micro_batches=micro_batches, progress=False).lower(*shapes(batch))
+    assert lowered.plan.cost.memory_bytes <= limit
+    with pytest.warns(rj.CompiledMemoryWarning, match="compiled without it"):
+        compiled = lowered.compile()
+    assert biggest(compiled) <= limit
+    with pytest.warns(rj.CompiledMemoryWarning, match="will not fit"):
+        scheduled = lowered.compile(compiler_options={LATENCY_HIDING: True})
+    assert biggest(scheduled) > limit, "the scheduler's program is the one that did not fit"

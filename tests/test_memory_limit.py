@@ -137,3 +137,21 @@ def test_predicted_memory_tracks_compiled(baseline):
     predicted, actual = lowered.plan.cost.memory_bytes, compiled.memory.total
     assert actual / 1.3 <= predicted <= actual * 1.3, (predicted, actual)
     assert "memory: predicted" in compiled.report()
+
+
+def test_a_cpu_compile_is_not_held_to_the_limit():
+    """XLA's CPU compiler schedules and buffers unlike a GPU's (its memory analysis says little of
+    a GPU's), so a CPU program over the limit is kept as compiled, without a
+    `CompiledMemoryWarning`; a GPU's is compiled again without the latency-hiding scheduler
+    (`test_gpu_fidelity::test_a_plan_the_latency_hiding_scheduler_takes_past_the_limit_is_compiled_without_it`)."""
+    from benchmarks.scale import Shape, llama_step
+
+    step, shapes = llama_step(Shape(128, 4, 1, 1, 320, vocab=1024), seq=128)
+    limit = 10 << 20
+    lowered = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), memory_limit_bytes=limit,
+                             donate_argnums=(0, 1), progress=False).lower(*shapes(16))
+    assert lowered.plan.cost.memory_bytes <= limit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rj.CompiledMemoryWarning)
+        compiled = lowered.compile()
+    assert compiled.memory.total > limit, "XLA's CPU program is over the limit"
