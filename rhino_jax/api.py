@@ -26,7 +26,7 @@ from rhino_jax.hlo_passes.hlo_stats import CollectiveStats, CompiledMemory, coll
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
-from rhino_jax.runtime.executable import Weights, compile_module
+from rhino_jax.runtime.executable import compile_module
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import BACKENDS, get_cluster
 from rhino_jax.search.constraints import CoShard, OpAssign, check_matched
@@ -256,8 +256,7 @@ class Lowered:
         ins = jax.tree.leaves(self.plan.input_shardings)
         outs = jax.tree.leaves(self.plan.output_shardings)
         compiled = Compiled(self, compile_module(self._step.lowered, module, ins, outs, compiler_options,
-                                                 self.memory_limit_bytes,
-                                                 Weights.of(self.plan.arg_roles, self.plan.arg_specs)))
+                                                 self.memory_limit_bytes))
         if compiler_options is None:
             self._compiled = compiled
         return compiled
