@@ -5,8 +5,9 @@ from rhino_jax.search.cluster import A100_8X, H100_8X, H200_8X, M8_V100, Cluster
 from .annotate import annotate
 from .constraints import coshard, op_assign, op_order, op_trans
 from .api import Compiled, Lowered, Parallelized, parallelize
-from .errors import (CompiledMemoryWarning, ConstraintError, HostCallbackError, MemoryLimitError, MeshError, NoFeasibleMeshError, RhinoError,
-                     ShardingPinError, SolverError, SolverTimeLimitWarning, TracedCallWarning)
+from .errors import (CompiledMemoryWarning, ConstraintError, HostCallbackError, MemoryLimitError, MeshError,
+                     NoFeasibleMeshError, RhinoError, ShardingPinError, SolverError, SolverTimeLimitWarning,
+                     TracedCallWarning)
 from .explain import diff
 from .gpu_topology import DescribedDeviceError, gpu_topology
 from .mesh import device_mesh

@@ -356,8 +356,8 @@ def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int
              memory_limit_bytes: int | None = None) -> jax.stages.Compiled:
     """A program of the step with its plan's shardings, compiled for the mesh with XLA's
     `compiler_options`, within `memory_limit_bytes` where XLA's GPU schedule allows
-    (`runtime.executable.compile_module`); its results named on `returned_on` (the user's mesh of the same devices)
-    where given. A donated argument (positions `donated`) is overwritten by the output the graph
+    (`runtime.executable.compile_module`); its results named on `returned_on` (the user's mesh
+    of the same devices) where given. A donated argument (positions `donated`) is overwritten by the output the graph
     pairs it with (`Arg.donated_to`) where the plan gives both one layout, as the search does when
     it knew of the donation."""
     aliases = {a.index: a.donated_to for a in graph.args if a.index in donated and a.donated_to is not None
