@@ -96,7 +96,8 @@ def table(rows: list[dict], depths: list[int]) -> str:
                 kept = re.search(r"kept: (.*?)\.", r.get("kept", ""))
                 cells.append(f"{r['temp_gib']:.1f} ({total}" + (f"; predicted {r['predicted_gib']:.1f}"
                                                                 if "predicted_gib" in r else "")
-                             + (f"; {kept.group(1)}" if kept else "") + ")")
+                             + (f"; {kept.group(1)}" if kept else "")
+                             + ("; does not fit" if "will not fit" in r.get("kept", "") else "") + ")")
         ok = sorted(n for n in depths if n in got and "error" not in got[n])
         growth = (f"{(got[ok[-1]]['temp_gib'] - got[ok[0]]['temp_gib']) / (ok[-1] - ok[0]):.2f}" if len(ok) > 1
                   else "")

@@ -65,7 +65,7 @@ def compile_module(lowered: jax.stages.Lowered, module: ir.Module, in_shardings:
                 f"pass compiler_options={{{LATENCY_HIDING!r}: True}} to compile().")
     else:
         said = (f"XLA's compile of this plan does not fit the limit of {limit} ({steps}); kept: {how}. It will "
-                "not fit on these devices: lower memory_limit_bytes (the search then keeps more state split), use "
+                "not fit on these devices: lower memory_limit_bytes (the search then plans for less memory), use "
                 "more devices, or num_micro_batches / pipeline for less activation memory.")
     warnings.warn(said, CompiledMemoryWarning, stacklevel=3)
     return kept
