@@ -11,8 +11,8 @@ python -m benchmarks.memory_depth [--layers 4 8 16] [--out benchmarks/]
     should add its saved input alone (its [8, 2048, 8192] bf16 activations: 0.25 GiB).
 
 rhino_jax's plan is compiled as planned (no memory limit at compile), and as `compile()` makes
-it: compiled again with remedies while XLA's program is over 80 GiB (`runtime.executable`); the
-row names the remedy kept.
+it: compiled again without the latency-hiding scheduler where XLA's program is over 80 GiB
+(`runtime.executable`); the row names the program kept.
 
 python -m benchmarks.memory_depth --layers 4 8 16 80 --variants scan
     the plans whose label has "scan" at 80 layers too, the other rows kept from memory_depth.json
@@ -27,10 +27,10 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import re
 import sys
 import time
-import warnings
+
+from benchmarks.scale import kept_note
 
 HERE = pathlib.Path(__file__).parent
 GIB = 1 << 30
@@ -45,8 +45,8 @@ VARIANTS = [
     ("rhino_jax, loop, no latency-hiding scheduler", "rhino_jax", False,
      {"xla_gpu_enable_latency_hiding_scheduler": False}),
     ("rhino_jax, scan over layers", "rhino_jax", True, {}),
-    # None: as compile() makes it (recompiled with remedies while over 80 GiB); the rows above are
-    # compiled as planned
+    # None: as compile() makes it (compiled again where over 80 GiB); the rows above are compiled
+    # as planned
     ("rhino_jax, loop, as compile() makes it", "rhino_jax", False, None),
 ]
 
@@ -54,7 +54,7 @@ VARIANTS = [
 def compiled_temp(plan: str, layers: int, scan: bool, options: dict, limit_s: float) -> dict:
     """One compile for the described 32 x 8 H100s: XLA's memory analysis, in GiB per device."""
     import rhino_jax as rj
-    from benchmarks.scale import compile_hand, llama_step, model_shape
+    from benchmarks.scale import compile_as_users_do, compile_hand, llama_step, model_shape
     from rhino_jax.hlo_passes.hlo_stats import compiled_memory
 
     devices = rj.gpu_topology("h100", hosts=MESH[0], devices_per_host=MESH[1])
@@ -68,10 +68,7 @@ def compiled_temp(plan: str, layers: int, scan: bool, options: dict, limit_s: fl
                                  solver_time_limit_s=limit_s, donate_argnums=(0, 1)).lower(*args)
         out["predicted_gib"] = lowered.plan.cost.memory_bytes / GIB
         if options is None:
-            with warnings.catch_warnings(record=True) as said:
-                warnings.simplefilter("always", rj.CompiledMemoryWarning)
-                compiled = lowered.compile()._executable
-            out["kept"] = " ".join(str(w.message) for w in said if issubclass(w.category, rj.CompiledMemoryWarning))
+            compiled, out["kept"] = compile_as_users_do(lowered)
         else:  # no memory limit: no remedies
             compiled = dataclasses.replace(lowered, memory_limit_bytes=None).compile(options or None)._executable
     else:
@@ -93,11 +90,10 @@ def table(rows: list[dict], depths: list[int]) -> str:
                 cells.append(f"failed: {r['error'][:60]}" if r else "")
             else:
                 total = f"{r['total_gib']:.1f}" if "total_gib" in r else "?"
-                kept = re.search(r"kept: (.*?)\.", r.get("kept", ""))
+                note = kept_note(r.get("kept", ""))
                 cells.append(f"{r['temp_gib']:.1f} ({total}" + (f"; predicted {r['predicted_gib']:.1f}"
                                                                 if "predicted_gib" in r else "")
-                             + (f"; {kept.group(1)}" if kept else "")
-                             + ("; does not fit" if "will not fit" in r.get("kept", "") else "") + ")")
+                             + (f"; {note}" if note else "") + ")")
         ok = sorted(n for n in depths if n in got and "error" not in got[n])
         growth = (f"{(got[ok[-1]]['temp_gib'] - got[ok[0]]['temp_gib']) / (ok[-1] - ok[0]):.2f}" if len(ok) > 1
                   else "")

@@ -256,15 +256,29 @@ def compile_hand(step, args, mesh, method: str, donate: bool = False, options: d
                    donate_argnums=(0, 1) if donate else ()).lower(*args).compile(compiler_options=options)
 
 
+def compile_as_users_do(lowered):
+    """`lowered.compile()`'s executable, and what its `rj.CompiledMemoryWarning`s said ("" if none)."""
+    import warnings
+
+    import rhino_jax as rj
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", rj.CompiledMemoryWarning)
+        compiled = lowered.compile()._executable
+    return compiled, " ".join(str(w.message) for w in said if issubclass(w.category, rj.CompiledMemoryWarning))
+
+
+def kept_note(said: str) -> str:
+    """What a `CompiledMemoryWarning` says `compile()` kept, for a table cell ("" if nothing was said)."""
+    kept = re.search(r"kept: (.*?)\.", said)
+    return (f"kept: {kept.group(1)}" if kept else "") + ("; does not fit" if "will not fit" in said else "")
+
+
 def compile_and_price(step, args, mesh, lowered) -> dict:
     """The plan and each hand plan compiled for the described GPUs, the state donated as in
     training, priced from their GPU HLO: {name: (seconds, GiB per device as XLA's buffer
     assignment counts it, how it was compiled)} or the error. rhino_jax's plan is compiled as
     `compile()` compiles it: without XLA's latency-hiding scheduler where that schedule does not
     fit 80 GiB (`runtime.executable.compile_module`)."""
-    import warnings
-
-    import rhino_jax as rj
     from rhino_jax.hlo_passes.compiled_cost import price_compiled
     out = {}
 
@@ -273,11 +287,7 @@ def compile_and_price(step, args, mesh, lowered) -> dict:
         return cost.total_s, cost.memory.total / GIB, note
 
     try:
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always", rj.CompiledMemoryWarning)
-            compiled = lowered.compile()._executable
-        out["rhino_jax"] = priced(compiled, " ".join(str(w.message) for w in said
-                                                     if issubclass(w.category, rj.CompiledMemoryWarning)))
+        out["rhino_jax"] = priced(*compile_as_users_do(lowered))
     except Exception as e:  # noqa: BLE001 (recorded, the hand plans go on)
         out["rhino_jax"] = f"{type(e).__name__}: {e}"[:300]
     for method in HAND:
@@ -391,9 +401,7 @@ def table(rows: list[dict]) -> str:
                      for k in ("rhino_jax", *HAND)]
             cells[0] += f" (predicted {r['result']['step_s']:.3f} s, {r['result']['gib_per_device']:.1f} GiB)"
             said = got["rhino_jax"][2] if isinstance(got["rhino_jax"], list) and len(got["rhino_jax"]) > 2 else ""
-            kept = re.search(r"kept: (.*?)\.", said)
-            cells[0] += (f"; compiled again, kept: {kept.group(1)}" if kept else "") + (
-                " (does not fit)" if "will not fit" in said else "")
+            cells[0] += f"; compiled again, {kept_note(said)}" if said else ""
             cells[1:] = [c + (f" (state {state[k]:.1f} GiB > 80)" if state[k] > 80 else "") for c, k in zip(cells[1:], HAND)]
             hands = [got[k][0] for k in HAND if isinstance(got[k], list) and state[k] <= 80]
             ratio = (f"{got['rhino_jax'][0] / min(hands):.2f}" if hands and isinstance(got["rhino_jax"], list)
