@@ -11,8 +11,8 @@ python -m benchmarks.memory_depth [--layers 4 8 16] [--out benchmarks/]
     should add its saved input alone (its [8, 2048, 8192] bf16 activations: 0.25 GiB).
 
 rhino_jax's plan is compiled as planned (no memory limit at compile), and as `compile()` makes
-it: compiled again without the latency-hiding scheduler where XLA's program is over 80 GiB
-(`runtime.executable`); the row names the program kept.
+it: compiled again where XLA's program is over 80 GiB, tied to the program's order, then also
+without the latency-hiding scheduler (`runtime.executable`); the row names the program kept.
 
 python -m benchmarks.memory_depth --layers 4 8 16 80 --variants scan
     the plans whose label has "scan" at 80 layers too, the other rows kept from memory_depth.json

@@ -104,16 +104,16 @@ CASES = [
 ]
 
 
-def llama_step(shape: Shape, scan: bool = False, seq: int = SEQ):
+def llama_step(shape: Shape, scan: bool = False, seq: int = SEQ, compute: str = "bfloat16"):
     """(train_step, init_shapes) for a Llama-2 decoder: RMSNorm, rotary positions, grouped-query
-    attention, SwiGLU, untied head; AdamW on f32 parameters, bf16 compute; sequences of `seq`
-    tokens. `scan`: the layers' parameters stacked on a leading axis and run by `jax.lax.scan`
-    (as MaxText writes them) rather than a Python loop of layers."""
+    attention, SwiGLU, untied head; AdamW on f32 parameters, `compute` (bf16) compute; sequences
+    of `seq` tokens. `scan`: the layers' parameters stacked on a leading axis and run by
+    `jax.lax.scan` (as MaxText writes them) rather than a Python loop of layers."""
     import jax
     import jax.numpy as jnp
     import optax
 
-    dh, bf = shape.head_dim, jnp.bfloat16
+    dh, bf = shape.head_dim, jnp.dtype(compute)
 
     def rms(x, w):
         x32 = x.astype(jnp.float32)
@@ -277,8 +277,8 @@ def compile_and_price(step, args, mesh, lowered) -> dict:
     """The plan and each hand plan compiled for the described GPUs, the state donated as in
     training, priced from their GPU HLO: {name: (seconds, GiB per device as XLA's buffer
     assignment counts it, how it was compiled)} or the error. rhino_jax's plan is compiled as
-    `compile()` compiles it: without XLA's latency-hiding scheduler where that schedule does not
-    fit 80 GiB (`runtime.executable.compile_module`)."""
+    `compile()` compiles it: where XLA's schedule does not fit 80 GiB, tied to the program's
+    order, then also without XLA's latency-hiding scheduler (`runtime.executable.compile_module`)."""
     from rhino_jax.hlo_passes.compiled_cost import price_compiled
     out = {}
 

@@ -26,7 +26,7 @@ from rhino_jax.hlo_passes.hlo_stats import CollectiveStats, CompiledMemory, coll
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
-from rhino_jax.runtime.executable import compile_module
+from rhino_jax.runtime.executable import Weights, compile_module
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import BACKENDS, get_cluster
 from rhino_jax.search.constraints import CoShard, OpAssign, check_matched
@@ -205,7 +205,8 @@ class Lowered:
     _step: LoweredStep
     _signature: tuple
     # The bytes a device may hold (`options.device_memory`): a GPU compile past it is compiled
-    # again without XLA's latency-hiding scheduler (`runtime.executable.compile_module`).
+    # again, tied to the program's order, then without XLA's latency-hiding scheduler
+    # (`runtime.executable.compile_module`).
     memory_limit_bytes: int
     _compiled: Compiled | None = None
 
@@ -246,8 +247,9 @@ class Lowered:
         """The plan's program compiled by XLA; `compiler_options`: XLA's options, as
         `jax.stages.Lowered.compile` takes them (e.g. {"xla_gpu_enable_latency_hiding_scheduler":
         False}). Compiled once without options; with them, anew at each call, as jax does. For
-        GPUs, a program that XLA's latency-hiding scheduler takes past `memory_limit_bytes` is
-        compiled without it, unless `compiler_options` names it (`rj.CompiledMemoryWarning`)."""
+        GPUs, a program that XLA's schedule takes past `memory_limit_bytes` is compiled again
+        tied to the program's order, then also without the latency-hiding scheduler unless
+        `compiler_options` names it (`rj.CompiledMemoryWarning`)."""
         if compiler_options is None and self._compiled is not None:
             return self._compiled
         module = rewrite_pass.rewrite(copy_module(self._step.module), self.graph, self.plan.value_specs,
@@ -256,7 +258,8 @@ class Lowered:
         ins = jax.tree.leaves(self.plan.input_shardings)
         outs = jax.tree.leaves(self.plan.output_shardings)
         compiled = Compiled(self, compile_module(self._step.lowered, module, ins, outs, compiler_options,
-                                                 self.memory_limit_bytes))
+                                                 self.memory_limit_bytes,
+                                                 Weights.of(self.plan.arg_roles, self.plan.arg_specs)))
         if compiler_options is None:
             self._compiled = compiled
         return compiled

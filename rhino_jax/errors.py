@@ -32,7 +32,8 @@ class SolverInterruptedWarning(UserWarning):
 
 class CompiledMemoryWarning(UserWarning):
     """XLA's GPU compile of a plan needs more memory per device than the plan was searched for:
-    it was compiled again without the latency-hiding scheduler, or it does not fit at all."""
+    it was compiled again, tied to the program's order (then also without the latency-hiding
+    scheduler), or it does not fit at all."""
 
 
 class TracedCallWarning(UserWarning):

@@ -25,7 +25,7 @@ from rhino_jax.hlo_passes.compiled_cost import price_compiled
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
-from rhino_jax.runtime.executable import compile_program
+from rhino_jax.runtime.executable import Weights, compile_program
 from rhino_jax.search import interrupt
 from rhino_jax.search.cluster import MeshTopology, get_cluster
 from rhino_jax.search.constraints import check_matched
@@ -367,5 +367,5 @@ def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int
     aval = lambda v: jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype)  # noqa: E731
     return compile_program(rewritten, [aval(a.value) for a in graph.args], [aval(v) for v in graph.outputs],
                            named(mesh, plan.arg_specs), named(returned_on or mesh, plan.output_specs), aliases,
-                           compiler_options, memory_limit_bytes)
+                           compiler_options, memory_limit_bytes, Weights.of(plan.arg_roles, plan.arg_specs))
 

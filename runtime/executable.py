@@ -5,18 +5,20 @@ module to the `Lowered` that jax built for the same function: its arguments, don
 device assignment already match; only the module and the input/output shardings change.
 That step uses jax internals, kept with the others in `hlo_passes.jax_internals`.
 
-XLA's latency-hiding scheduler may hold buffers far longer than the program's order does, to
-overlap collectives with compute: it runs each layer's weight-gradient GEMMs late, beside the
-optimizer update, so their inputs stay live across many layers (a 70B loop of 32 layers
-compiles to 114.6 GiB per device with it, 63.1 without; `benchmarks/memory_depth.md`). The
-search prices the program's order, so a plan it fits to the memory limit can compile past it.
-`compile_module` checks XLA's own memory analysis against the limit and, where the caller left
-the scheduler to XLA, compiles again without it.
+XLA's GPU schedule can hold buffers far longer than the program's order, which the search
+prices, so a plan fitted to the memory limit can compile past it. Its memory scheduler gathers
+every split weight as early as it can, at the program's start, and its latency-hiding scheduler
+runs each layer's weight-gradient GEMMs late, beside the optimizer update, so their inputs stay
+live across layers (`hlo_passes.program_order`: a 70B-wide loop of 16 layers, planned at 24.8
+GiB per device, compiles to 123 GiB). `compile_module` checks XLA's own memory analysis against
+the limit and compiles again with remedies, in turn, until the program fits: the program tied
+to its order by optimization barriers, then also without the latency-hiding scheduler.
 """
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -28,41 +30,61 @@ from rhino_jax.hlo_passes import module as mod
 from rhino_jax.hlo_passes.compiled_cost import program_device
 from rhino_jax.hlo_passes.hlo_stats import compiled_memory
 from rhino_jax.hlo_passes.jax_internals import compile_replacing_module
+from rhino_jax.hlo_passes.program_order import tie_to_program_order
 
-__all__ = ["compile_module", "compile_program", "LATENCY_HIDING"]
+__all__ = ["compile_module", "compile_program", "Weights", "LATENCY_HIDING"]
 
 LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
 GIB = 1 << 30
 
 
+@dataclass(frozen=True)
+class Weights:
+    """A program's parameters, by position among its array arguments, and those its plan splits:
+    the reads `compile_module` may tie to the layer before (`hlo_passes.program_order`)."""
+
+    parameters: tuple[int, ...] = ()
+    split: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, roles: Sequence[str], specs: Sequence) -> "Weights":
+        """From a plan's `arg_roles` and `arg_specs`."""
+        parameters = tuple(i for i, role in enumerate(roles) if role == "parameter")
+        return cls(parameters, tuple(i for i in parameters if not specs[i].is_replicated()))
+
+
 def compile_module(lowered: jax.stages.Lowered, module: ir.Module, in_shardings: Sequence[NamedSharding],
                    out_shardings: Sequence[NamedSharding], compiler_options: dict | None = None,
-                   memory_limit_bytes: int | None = None) -> jax.stages.Compiled:
+                   memory_limit_bytes: int | None = None, weights: Weights = Weights()) -> jax.stages.Compiled:
     """`module` compiled in place of `lowered`'s own (`lowered`, maybe jax's cached one, left as
-    it was), with XLA's `compiler_options`. For GPUs, when the program needs more than
-    `memory_limit_bytes` per device (XLA's memory analysis: arguments, outputs and temporaries)
-    and `compiler_options` leave the latency-hiding scheduler to XLA, it is compiled again
-    without it; the program that fits is kept, else the smaller, and a `CompiledMemoryWarning`
-    says which, or that neither fits. A program that fits, or is for CPUs, is compiled once."""
+    it was), with XLA's `compiler_options`. For GPUs, while the program needs more than
+    `memory_limit_bytes` per device (XLA's memory analysis: arguments, outputs and temporaries),
+    it is compiled again with one more remedy: tied to the program's order
+    (`hlo_passes.program_order`; `weights`: the parameters whose reads may be tied), then,
+    unless `compiler_options` names it, also without XLA's latency-hiding scheduler. The first
+    program that fits is kept, else the smallest; a `CompiledMemoryWarning` says what was done,
+    or that none fits. A program that fits at once, or is for CPUs, is compiled once, as planned."""
     compiled = compile_replacing_module(lowered, module, in_shardings, out_shardings, compiler_options)
     if memory_limit_bytes is None or program_device(compiled).platform != "gpu":
         return compiled
     tried = [("as planned", compiled, compiled_memory(compiled).total)]
     if tried[0][2] <= memory_limit_bytes:
         return compiled
-    if LATENCY_HIDING not in (compiler_options or {}):
-        how = f"{LATENCY_HIDING}=False"
-        program = compile_replacing_module(lowered, module, in_shardings, out_shardings,
-                                           dict(compiler_options or {}, **{LATENCY_HIDING: False}))
+    for how, (remedied, options) in _remedies(module, compiler_options, weights):
+        program = compile_replacing_module(lowered, remedied, in_shardings, out_shardings, options)
         tried.append((how, program, compiled_memory(program).total))
+        if tried[-1][2] <= memory_limit_bytes:
+            break
     fits = [t for t in tried if t[2] <= memory_limit_bytes]
     how, kept, _ = fits[0] if fits else min(tried, key=lambda t: t[2])
-    steps = "; ".join(f"{h}: {n / GIB:.2f} GiB" for h, _, n in tried)
-    limit = f"{memory_limit_bytes / GIB:.2f} GiB per device (memory_limit_bytes, else the cluster's memory_per_device)"
+    steps = "; ".join(f"{h}: {_size(n)}" for h, _, n in tried)
+    limit = f"{_size(memory_limit_bytes)} per device (memory_limit_bytes, else the cluster's memory_per_device)"
     if fits:
-        said = (f"XLA's latency-hiding scheduler took this program past the limit of {limit}, so it was compiled "
-                f"again ({steps}); kept: {how}. Its collectives overlap less with compute; to keep the scheduler, "
-                f"pass compiler_options={{{LATENCY_HIDING!r}: True}} to compile().")
+        said = (f"XLA's GPU schedule of this program went past the limit of {limit}, so it was compiled again "
+                f"({steps}); kept: {how}.")
+        if LATENCY_HIDING in how:
+            said += (" Its collectives overlap less with compute; to keep the scheduler, pass "
+                     f"compiler_options={{{LATENCY_HIDING!r}: True}} to compile().")
     else:
         said = (f"XLA's compile of this plan does not fit the limit of {limit} ({steps}); kept: {how}. It will "
                 "not fit on these devices: lower memory_limit_bytes (the search then plans for less memory), use "
@@ -71,11 +93,30 @@ def compile_module(lowered: jax.stages.Lowered, module: ir.Module, in_shardings:
     return kept
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _remedies(module: ir.Module, compiler_options: dict | None,
+              weights: Weights) -> Iterator[tuple[str, tuple[ir.Module, dict]]]:
+    """(what it is, (module, compiler options)) of each next try, each adding to the one before:
+    the program tied to its order, then no latency-hiding scheduler (unless the caller's options
+    name it)."""
+    options, tied = dict(compiler_options or {}), mod.copy_module(module)
+    if tie_to_program_order(tied, weights.parameters, weights.split):
+        yield "tied to the program's order", (tied, options)
+    else:
+        tied = None
+    if LATENCY_HIDING not in options:
+        yield (f"{'and ' if tied is not None else ''}{LATENCY_HIDING}=False",
+               (tied or module, dict(options, **{LATENCY_HIDING: False})))
+
+
 def compile_program(module: ir.Module, in_avals: Sequence[jax.ShapeDtypeStruct],
                     out_avals: Sequence[jax.ShapeDtypeStruct], in_shardings: Sequence[NamedSharding],
                     out_shardings: Sequence[NamedSharding], aliases: Mapping[int, int] | None = None,
-                    compiler_options: dict | None = None, memory_limit_bytes: int | None = None
-                    ) -> jax.stages.Compiled:
+                    compiler_options: dict | None = None, memory_limit_bytes: int | None = None,
+                    weights: Weights = Weights()) -> jax.stages.Compiled:
     """Compile a module of ours that no jax function lowers to (a part of a step,
     `hlo_passes.split`): `compile_module` on the lowering of a stand-in with its signature.
     The compiled program takes and returns flat tuples of arrays. `aliases`: argument i → the
@@ -89,4 +130,4 @@ def compile_program(module: ir.Module, in_avals: Sequence[jax.ShapeDtypeStruct],
     if aliases:
         mod.set_aliases(module, aliases)
     return compile_module(stand_in.lower(*in_avals), module, in_shardings, out_shardings, compiler_options,
-                          memory_limit_bytes)
+                          memory_limit_bytes, weights)
