@@ -17,7 +17,7 @@ without the latency-hiding scheduler (`runtime.executable`); the row names the p
 python -m benchmarks.memory_depth --layers 4 8 16 80 --variants scan
     the plans whose label has "scan" at 80 layers too, the other rows kept from memory_depth.json
     (`--layers 32 80 --variants "rhino_jax, loop"`: rhino_jax's plan of the loop, 2-6 min a
-    compile).
+    compile; `--layers 4 8 16 32 80 --variants tied`: that plan tied to its order).
 
 A hand plan compiles in about 20 s; rhino_jax's plan adds its search (under a minute here).
 """
@@ -48,6 +48,8 @@ VARIANTS = [
     # None: as compile() makes it (compiled again where over 80 GiB); the rows above are compiled
     # as planned
     ("rhino_jax, loop, as compile() makes it", "rhino_jax", False, None),
+    # compiled tied to the program's order (`hlo_passes.program_order`) whatever its memory
+    ("rhino_jax, loop, tied to the program's order", "rhino_jax tied", False, {}),
 ]
 
 
@@ -63,11 +65,13 @@ def compiled_temp(plan: str, layers: int, scan: bool, options: dict, limit_s: fl
     args = shapes(8 * MESH[0] * MESH[1])
     start = time.perf_counter()
     out = {}
-    if plan == "rhino_jax":
+    if plan.startswith("rhino_jax"):
         lowered = rj.parallelize(step, mesh=mesh, cluster="8x-h100", memory_limit_bytes=80 * GIB,
                                  solver_time_limit_s=limit_s, donate_argnums=(0, 1)).lower(*args)
         out["predicted_gib"] = lowered.plan.cost.memory_bytes / GIB
-        if options is None:
+        if plan == "rhino_jax tied":
+            compiled = _compiled_tied(lowered, options)
+        elif options is None:
             compiled, out["kept"] = compile_as_users_do(lowered)
         else:  # no memory limit: no remedies
             compiled = dataclasses.replace(lowered, memory_limit_bytes=None).compile(options or None)._executable
@@ -76,6 +80,19 @@ def compiled_temp(plan: str, layers: int, scan: bool, options: dict, limit_s: fl
     memory = compiled_memory(compiled)
     return dict(out, temp_gib=memory.temp_bytes / GIB, argument_gib=memory.argument_bytes / GIB,
                 total_gib=memory.total / GIB, seconds=time.perf_counter() - start)
+
+
+def _compiled_tied(lowered, options: dict):
+    """rhino_jax's program tied to its order, compiled with `options` (no memory limit)."""
+    import jax
+
+    from rhino_jax.hlo_passes.jax_internals import compile_replacing_module
+    from rhino_jax.runtime.executable import Weights, tied_to_order
+
+    plan = lowered.plan
+    module = tied_to_order(lowered._rewritten(), Weights.of(plan.arg_roles, plan.arg_specs))
+    return compile_replacing_module(lowered._step.lowered, module, jax.tree.leaves(plan.input_shardings),
+                                    jax.tree.leaves(plan.output_shardings), options or None)
 
 
 def table(rows: list[dict], depths: list[int]) -> str:

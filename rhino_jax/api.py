@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.extend.mlir import ir
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
@@ -243,6 +244,12 @@ class Lowered:
     def args_info(self):
         return self._step.lowered.args_info
 
+    def _rewritten(self) -> ir.Module:
+        """The step's module with the plan's shardings, for XLA's partitioner (a copy)."""
+        return rewrite_pass.rewrite(copy_module(self._step.module), self.graph, self.plan.value_specs,
+                                    self.plan.read_specs, self.plan.read_paths, self.plan.arg_specs,
+                                    self.plan.output_specs, self.plan.mesh_axes)
+
     def compile(self, compiler_options: dict | None = None) -> Compiled:
         """The plan's program compiled by XLA; `compiler_options`: XLA's options, as
         `jax.stages.Lowered.compile` takes them (e.g. {"xla_gpu_enable_latency_hiding_scheduler":
@@ -252,12 +259,9 @@ class Lowered:
         `compiler_options` names it (`rj.CompiledMemoryWarning`)."""
         if compiler_options is None and self._compiled is not None:
             return self._compiled
-        module = rewrite_pass.rewrite(copy_module(self._step.module), self.graph, self.plan.value_specs,
-                                      self.plan.read_specs, self.plan.read_paths, self.plan.arg_specs,
-                                      self.plan.output_specs, self.plan.mesh_axes)
         ins = jax.tree.leaves(self.plan.input_shardings)
         outs = jax.tree.leaves(self.plan.output_shardings)
-        compiled = Compiled(self, compile_module(self._step.lowered, module, ins, outs, compiler_options,
+        compiled = Compiled(self, compile_module(self._step.lowered, self._rewritten(), ins, outs, compiler_options,
                                                  self.memory_limit_bytes,
                                                  Weights.of(self.plan.arg_roles, self.plan.arg_specs)))
         if compiler_options is None:

@@ -32,7 +32,7 @@ from rhino_jax.hlo_passes.hlo_stats import compiled_memory
 from rhino_jax.hlo_passes.jax_internals import compile_replacing_module
 from rhino_jax.hlo_passes.program_order import tie_to_program_order
 
-__all__ = ["compile_module", "compile_program", "Weights", "LATENCY_HIDING"]
+__all__ = ["compile_module", "compile_program", "tied_to_order", "Weights", "LATENCY_HIDING"]
 
 LATENCY_HIDING = "xla_gpu_enable_latency_hiding_scheduler"
 GIB = 1 << 30
@@ -93,6 +93,13 @@ def compile_module(lowered: jax.stages.Lowered, module: ir.Module, in_shardings:
     return kept
 
 
+def tied_to_order(module: ir.Module, weights: Weights) -> ir.Module | None:
+    """A copy of `module` tied to its program's order (`hlo_passes.program_order`; `weights`: the
+    parameters whose reads may be tied), or None where there is nothing to tie."""
+    tied = mod.copy_module(module)
+    return tied if tie_to_program_order(tied, weights.parameters, weights.split) else None
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
@@ -102,11 +109,9 @@ def _remedies(module: ir.Module, compiler_options: dict | None,
     """(what it is, (module, compiler options)) of each next try, each adding to the one before:
     the program tied to its order, then no latency-hiding scheduler (unless the caller's options
     name it)."""
-    options, tied = dict(compiler_options or {}), mod.copy_module(module)
-    if tie_to_program_order(tied, weights.parameters, weights.split):
+    options, tied = dict(compiler_options or {}), tied_to_order(module, weights)
+    if tied is not None:
         yield "tied to the program's order", (tied, options)
-    else:
-        tied = None
     if LATENCY_HIDING not in options:
         yield (f"{'and ' if tied is not None else ''}{LATENCY_HIDING}=False",
                (tied or module, dict(options, **{LATENCY_HIDING: False})))

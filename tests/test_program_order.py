@@ -9,7 +9,6 @@ from jax.extend.mlir import ir
 import rhino_jax as rj
 from benchmarks.scale import Shape, llama_step
 from rhino_jax.hlo_passes import module as mod
-from rhino_jax.hlo_passes import rewrite as rewrite_pass
 from rhino_jax.hlo_passes.jax_internals import compile_replacing_module
 from rhino_jax.hlo_passes.program_order import LATE_SLACK, tie_to_program_order
 from rhino_jax.runtime.executable import Weights
@@ -99,8 +98,7 @@ def test_tied_program_waits_as_planned_and_keeps_the_numbers():
     plan = lowered.plan
     weights = Weights.of(plan.arg_roles, plan.arg_specs)
     assert len(weights.split) > 20, "the layers' weights are split"
-    module = rewrite_pass.rewrite(mod.copy_module(lowered._step.module), lowered.graph, plan.value_specs,
-                                  plan.read_specs, plan.read_paths, plan.arg_specs, plan.output_specs, plan.mesh_axes)
+    module = lowered._rewritten()
     tied = mod.copy_module(module)
     count = tie_to_program_order(tied, weights.parameters, weights.split)
     tied.operation.verify()
@@ -129,8 +127,7 @@ def test_a_program_with_no_split_weights_ties_only_its_late_matmuls():
     lowered = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), progress=False).lower(*shapes(16))
     plan = lowered.plan
     weights = Weights.of(plan.arg_roles, plan.arg_specs)
-    module = rewrite_pass.rewrite(mod.copy_module(lowered._step.module), lowered.graph, plan.value_specs,
-                                  plan.read_specs, plan.read_paths, plan.arg_specs, plan.output_specs, plan.mesh_axes)
+    module = lowered._rewritten()
     count = tie_to_program_order(module, weights.parameters, ())
     module.operation.verify()
     assert count == len(_late_ties(module)) > 0
