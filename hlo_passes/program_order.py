@@ -7,11 +7,12 @@ XLA's GPU schedulers reorder a training step in two ways that the priced peak do
   program's start (a 70B loop of 80 layers held 128 GiB of gathered bf16 weights);
 - the latency-hiding scheduler runs late what no matmul waits for: the weight-gradient GEMMs
   and the reshards after them move next to the optimizer update, and their inputs (activations
-  gathered for them, 2 GiB each at 70B width) stay live across layers (16 layers of that width
-  compiled to 123 GiB per device, against 24.8 planned).
+  gathered for them, 2 GiB each at 70B width) stay live across layers.
+A 70B-wide loop of 80 layers, planned at 55.7 GiB per device, so compiled to 573 GiB; tied,
+42.8 (`benchmarks/memory_depth.md`).
 Barriers order both. XLA keeps them through scheduling (its GPU pipeline removes them after,
 with `OptimizationBarrierExpander` in the post-scheduling passes), and a barrier passes values
-through unchanged, so the numbers stay the same:
+through unchanged (the numbers change only where XLA fuses around it otherwise, by rounding):
 - a matmul group's weight chain (its convert, layouts and the gather the partitioner makes of
   them) starts from the weights passed through a barrier with the activation that the group
   before reads: gathered while that group computes, one group ahead, as hand FSDP prefetches;

@@ -9,8 +9,8 @@ XLA's GPU schedule can hold buffers far longer than the program's order, which t
 prices, so a plan fitted to the memory limit can compile past it. Its memory scheduler gathers
 every split weight as early as it can, at the program's start, and its latency-hiding scheduler
 runs each layer's weight-gradient GEMMs late, beside the optimizer update, so their inputs stay
-live across layers (`hlo_passes.program_order`: a 70B-wide loop of 16 layers, planned at 24.8
-GiB per device, compiles to 123 GiB). `compile_module` checks XLA's own memory analysis against
+live across layers (`hlo_passes.program_order`: a 70B-wide loop of 80 layers, planned at 55.7
+GiB per device, compiles to 573 GiB; `benchmarks/memory_depth.md`). `compile_module` checks XLA's own memory analysis against
 the limit and compiles again with remedies, in turn, until the program fits: the program tied
 to its order by optimization barriers, then also without the latency-hiding scheduler.
 """
