@@ -10,9 +10,10 @@ prices, so a plan fitted to the memory limit can compile past it. Its memory sch
 every split weight as early as it can, at the program's start, and its latency-hiding scheduler
 runs each layer's weight-gradient GEMMs late, beside the optimizer update, so their inputs stay
 live across layers (`hlo_passes.program_order`: a 70B-wide loop of 80 layers, planned at 55.7
-GiB per device, compiles to 573 GiB; `benchmarks/memory_depth.md`). `compile_module` checks XLA's own memory analysis against
-the limit and compiles again with remedies, in turn, until the program fits: the program tied
-to its order by optimization barriers, then also without the latency-hiding scheduler.
+GiB per device, compiles to 573 GiB; `benchmarks/memory_depth.md`). `compile_module` checks
+XLA's own memory analysis against the limit and compiles again with remedies, in turn, until
+the program fits: the program tied to its order by optimization barriers, then also without
+the latency-hiding scheduler.
 """
 from __future__ import annotations
 
