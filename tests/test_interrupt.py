@@ -97,7 +97,13 @@ def test_a_real_ctrl_c_stops_the_solver_process(monkeypatch, backend):
 
     monkeypatch.setattr(solver_process, "solve", ctrl_c_during_branch_and_bound)
     problem = _random_problem(1000)
-    solution = ilp.solve(problem, backend, time_limit_s=60)
+    # A process started in the background (`pytest ... &`) inherits SIGINT ignored; Ctrl-C reaches
+    # a foreground one, which has Python's handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        solution = ilp.solve(problem, backend, time_limit_s=60)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert solution.status == "interrupted" and killed and killed[0] is not None
     _no_solver_left(killed[0])
     assert len(solution.choice) == len(problem.costs)
