@@ -140,7 +140,7 @@ def _tie_group(readers: list[ir.Operation], act: ir.Value | None, kind: dict, or
 def _tie_late_results(block: ir.Block) -> int:
     """Make each late matmul (one from whose results no matmul is reached: a weight gradient)
     finish, with the reshards that follow it, before the matmul `LATE_SLACK` + 1 places later on
-    the chain (those from which one is) reads its activation."""
+    the chain (the matmuls from which a matmul is reached) reads its first operand."""
     ops, order = _body(block)
     reaches = [False] * len(ops)  # whether a matmul is reached from op i's results
     for i in range(len(ops) - 1, -1, -1):
@@ -158,7 +158,7 @@ def _tie_late_results(block: ir.Block) -> int:
         result = _followed(late.result)
         if order[_top(result.owner)] > after[LATE_SLACK]:
             result = late.result  # its reshard sits after the waiting matmul: tie the GEMM alone
-        act = waiting.operands[0]
+        act = waiting.operands[0]  # its activation, or whatever it reads first: it waits either way
         barrier = _barrier([result, act], waiting)
         passed = barrier.results[1]
         layout = _layout(act)
