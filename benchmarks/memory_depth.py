@@ -90,7 +90,8 @@ def _compiled_tied(lowered, options: dict):
     from rhino_jax.runtime.executable import Weights, tied_to_order
 
     plan = lowered.plan
-    module = tied_to_order(lowered._rewritten(), Weights.of(plan.arg_roles, plan.arg_specs))
+    rewritten = lowered._rewritten()
+    module = tied_to_order(rewritten, Weights.of(plan.arg_roles, plan.arg_specs)) or rewritten  # None: nothing to tie
     return compile_replacing_module(lowered._step.lowered, module, jax.tree.leaves(plan.input_shardings),
                                     jax.tree.leaves(plan.output_shardings), options or None)
 
