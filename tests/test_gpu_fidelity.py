@@ -211,3 +211,23 @@ def test_a_plan_xlas_gpu_schedule_takes_past_the_limit_is_tied_to_its_order(micr
                       match=f"tied to the program's order: .*; and {LATENCY_HIDING}=False: .*will not fit"):
         smallest = lowered.compile(compiler_options={})  # options: compiled anew, not the cached program
     assert biggest(smallest) > limit // 2
+
+
+def test_a_deep_steps_weight_gradients_are_counted_reduced_where_they_are_made():
+    """XLA's partitioner sums a weight gradient's partial products in the GEMM that makes them
+    (a reduce-scatter right after it), so each layer's gradient waits for the optimizer split,
+    not whole. Counted whole until the optimizer read it, the 6-layer step below was predicted at
+    95 MiB per device where XLA, in the program's order, makes 80; a 32-layer 70B-wide step at
+    79.5 GiB where XLA makes 37 (benchmarks/memory_depth.md)."""
+    from benchmarks.scale import Shape, llama_step
+
+    step, shapes = llama_step(Shape(512, 6, 4, 2, 1024, vocab=1024), seq=32)
+    lowered = rj.parallelize(step, mesh=_mesh("8"), memory_limit_bytes=100 << 20, donate_argnums=(0, 1),
+                             progress=False).lower(*shapes(8))
+    assert any(s.dims[0] == ("data",) for s, role in zip(lowered.plan.arg_specs, lowered.plan.arg_roles)
+               if role == "parameter" and s.dims), "some weights are split: their gradients are reduce-scattered"
+    lowered.memory_limit_bytes = 85 << 20  # under XLA's own schedule (92 MiB): compile() ties it to its order
+    with pytest.warns(rj.CompiledMemoryWarning, match="kept: tied to the program's order"):
+        compiled = lowered.compile()
+    ratio = compiled.memory.total / lowered.plan.cost.memory_bytes
+    assert 0.9 <= ratio <= 1.15, f"compiled / predicted memory {ratio:.2f}"
