@@ -17,6 +17,11 @@ compare on what XLA really built:
   in 1/group slices is priced as the reduce-scatter GPU XLA makes of it
   (`CompiledCollective.scattered`); the CPU compiler keeps the pair.
 
+- overlap: the scheduled program replayed on a compute stream and a collective stream
+  (`timeline`: each async collective runs from its start to its done under the kernels XLA
+  placed between them), with the same prices per kernel and per collective. `total_s` stays the
+  serial sum; `overlapped_s` is the replayed step, `exposed_comm_s` its communication not hidden.
+
 Pricing a CPU-compiled program for a GPU cluster inherits the CPU compiler's choices (e.g. bf16
 dots are computed in f32 and fusions differ), the same for every plan priced.
 """
@@ -35,21 +40,24 @@ from .hlo_stats import (
     _REF_RE,
     COLLECTIVE_KINDS,
     CollectiveStats,
+    CompiledCollective,
     CompiledMemory,
     collective_stats,
     compiled_memory,
     library_flops,
 )
 from .jax_internals import hlo_cost_analysis
-from .kernels import parseable, program_kernels
+from .kernels import Kernel, parseable, program_kernels
+from .timeline import CollectiveExposure, Timeline, timeline
 
-__all__ = ["CompiledCost", "price_compiled", "price_collectives", "program_device", "dot_dtype",
-           "xla_cost_analysis"]
+__all__ = ["CompiledCost", "price_compiled", "price_collectives", "collective_seconds", "replay", "program_device",
+           "dot_dtype", "xla_cost_analysis"]
 
 
 @dataclass(frozen=True)
 class CompiledCost:
-    """Per-device time of one step of a compiled program on a cluster (no compute/comm overlap)."""
+    """Per-device time of one step of a compiled program on a cluster: `total_s` with no
+    compute/comm overlap, `overlapped_s` as XLA's schedule overlaps them."""
 
     compute_s: float
     comm_s: float
@@ -63,10 +71,14 @@ class CompiledCost:
     unknown_trip_loops: int = 0  # while loops XLA gave no trip count: their bodies are priced once
     kernels: int = 0  # distinct kernel instructions priced
     kernel_runs: int = 0  # kernels run per step (loop bodies' per trip), each charged the cluster's kernel_launch_s
+    overlapped_s: float = 0.0  # the step replayed on a compute and a collective stream (`timeline.Timeline.step_s`)
+    exposed_comm_s: float = 0.0  # of overlapped_s, the time compute waited on collectives
+    exposure: tuple[CollectiveExposure, ...] = ()  # per collective instruction, the most exposed first
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
         d["memory"] = dict(self.memory.__dict__, total=self.memory.total)
+        d["exposure"] = [dict(c.__dict__) for c in self.exposure]
         return d
 
 
@@ -158,44 +170,63 @@ def _num_partitions(text: str) -> int:
     return int(m.group(1)) if m else 1
 
 
-def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int) -> dict[str, float]:
-    """Seconds per step per collective kind: `Collective.time` on a one-axis topology of the
-    group's size, over the intra-host link when the group's devices (or a permute's pairs) lie
-    in one host, else the inter-host one, shared by the groups that cross a host at once."""
-    out = {k: 0.0 for k in COLLECTIVE_KINDS}
+def collective_seconds(c: CompiledCollective, cluster: Cluster, num_devices: int) -> dict[str, float]:
+    """Seconds of one execution of `c`, by the kind it runs as: `Collective.time` on a one-axis
+    topology of the group's size, over the intra-host link when the group's devices (or a
+    permute's pairs) lie in one host, else the inter-host one, shared by the groups that cross a
+    host at once."""
+    permute = c.kind == "collective-permute"
+    n = 2 if permute else c.group_size
+    if n <= 0:
+        raise ValueError(f"collective {c.name!r} ({c.kind}) has no readable replica group size; "
+                         "cannot price it (see hlo_stats._group_size for the forms understood)")
     combiner = combiner_for(cluster.backend)
-    for c in stats.collectives:
-        permute = c.kind == "collective-permute"
-        n = 2 if permute else c.group_size
-        if n <= 0:
-            raise ValueError(f"collective {c.name!r} ({c.kind}) has no readable replica group size; "
-                             "cannot price it (see hlo_stats._group_size for the forms understood)")
-        per_host = cluster.devices_per_host
-        # Device i lies on host i // devices_per_host. A group (its first replica group, or a
-        # permute's pairs) crosses the hosts it touches; when the text lists neither, a group is
-        # taken as consecutive devices and a permute's pairs as anywhere in the program.
-        if permute:
-            crosses = any(a // per_host != b // per_host for a, b in c.pairs) if c.pairs else num_devices > per_host
-            hosts = 2 if crosses else 1  # pairs across hosts: one per device, all sharing the host's network
-        else:
-            hosts = len({d // per_host for d in c.group}) if c.group else -(-n // per_host)
-        intra = hosts == 1
-        topo = MeshTopology(("group",), (n,),
-                            (cluster.intra_host_bandwidth if intra else cluster.inter_host_bandwidth,),
-                            (cluster.intra_host_latency if intra else cluster.inter_host_latency,),
-                            cluster.collective_launch_s, combiner=combiner, hosts_spanned=(hosts,),
-                            host_devices=min(num_devices, cluster.devices_per_host))
-        # The program is compiled: each op is priced as it stands (family 1, no combining left to
-        # predict), once per execution (loop trips, `CompiledCollective.executions`). An
-        # all-reduce read only in 1/group slices runs as a reduce-scatter where the backend
-        # forms them (a CPU-compiled program priced for a GPU cluster); the rest of a combined
-        # one stays an all-reduce.
-        parts = [(c.kind, c.bytes)]
-        if c.scattered and not combiner.reduce_scatter_as_all_reduce:
-            parts = [(k, b) for k, b in (("all-reduce", c.bytes - c.scattered), ("reduce-scatter", c.scattered)) if b]
-        for kind, nbytes in parts:
-            out[kind] += c.executions * Collective(kind, ("group",), nbytes).time(topo, pairwise=permute)
+    per_host = cluster.devices_per_host
+    # Device i lies on host i // devices_per_host. A group (its first replica group, or a
+    # permute's pairs) crosses the hosts it touches; when the text lists neither, a group is
+    # taken as consecutive devices and a permute's pairs as anywhere in the program.
+    if permute:
+        crosses = any(a // per_host != b // per_host for a, b in c.pairs) if c.pairs else num_devices > per_host
+        hosts = 2 if crosses else 1  # pairs across hosts: one per device, all sharing the host's network
+    else:
+        hosts = len({d // per_host for d in c.group}) if c.group else -(-n // per_host)
+    intra = hosts == 1
+    topo = MeshTopology(("group",), (n,),
+                        (cluster.intra_host_bandwidth if intra else cluster.inter_host_bandwidth,),
+                        (cluster.intra_host_latency if intra else cluster.inter_host_latency,),
+                        cluster.collective_launch_s, combiner=combiner, hosts_spanned=(hosts,),
+                        host_devices=min(num_devices, cluster.devices_per_host))
+    # The program is compiled: each op is priced as it stands (family 1, no combining left to
+    # predict). An all-reduce read only in 1/group slices runs as a reduce-scatter where the
+    # backend forms them (a CPU-compiled program priced for a GPU cluster); the rest of a
+    # combined one stays an all-reduce.
+    parts = [(c.kind, c.bytes)]
+    if c.scattered and not combiner.reduce_scatter_as_all_reduce:
+        parts = [(k, b) for k, b in (("all-reduce", c.bytes - c.scattered), ("reduce-scatter", c.scattered)) if b]
+    out: dict[str, float] = {}
+    for kind, nbytes in parts:
+        out[kind] = out.get(kind, 0.0) + Collective(kind, ("group",), nbytes).time(topo, pairwise=permute)
     return out
+
+
+def price_collectives(stats: CollectiveStats, cluster: Cluster, num_devices: int) -> dict[str, float]:
+    """Seconds per step per collective kind: each collective at `collective_seconds`, once per
+    execution (loop trips, `CompiledCollective.executions`)."""
+    out = {k: 0.0 for k in COLLECTIVE_KINDS}
+    for c in stats.collectives:
+        for kind, seconds in collective_seconds(c, cluster, num_devices).items():
+            out[kind] += c.executions * seconds
+    return out
+
+
+def replay(text: str, kernels: tuple[Kernel, ...], stats: CollectiveStats, cluster: Cluster, dtype: str) -> Timeline:
+    """The program `text` replayed on a compute and a collective stream (`timeline.timeline`) at
+    the prices `price_compiled` sums: each kernel run at its roofline plus `kernel_launch_s`,
+    each collective execution at `collective_seconds`."""
+    devices = _num_partitions(text)
+    rate, bandwidth = cluster.flops(dtype), cluster.memory_bandwidth
+    return timeline(text, {k.name: k.run_seconds(rate, bandwidth) + cluster.kernel_launch_s for k in kernels},
+                    {c.name: sum(collective_seconds(c, cluster, devices).values()) for c in stats.collectives})
 
 
 # ------------------------------------------------------------------------------ entry point
@@ -205,7 +236,8 @@ def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype:
     """Price a `jax.stages.Compiled` (anything with `as_text` and `memory_analysis`) on `cluster` (a `Cluster` or preset name; None: m8-v100).
 
     Compute is each kernel at its own roofline (`kernels.Kernel.seconds`) plus the cluster's
-    `kernel_launch_s` per kernel run. `dtype` picks the FLOP rate (`cluster.flops(dtype)`); None
+    `kernel_launch_s` per kernel run; the overlapped step replays those kernels and collectives
+    in the program's schedule (`replay`). `dtype` picks the FLOP rate (`cluster.flops(dtype)`); None
     reads it from the program: the operand type of its largest dot (`dot_dtype`)."""
     cluster = get_cluster(cluster)
     text = compiled.as_text()
@@ -217,9 +249,11 @@ def price_compiled(compiled: Any, cluster: "Cluster | str | None" = None, dtype:
     stats = collective_stats(text)
     comm = price_collectives(stats, cluster, _num_partitions(text))
     comm_s = sum(comm.values())
+    replayed = replay(text, kernels, stats, cluster, dtype)
     return CompiledCost(compute_s=compute, comm_s=comm_s, total_s=compute + comm_s, dtype=dtype,
                         flops=sum(k.runs * k.flops for k in kernels),
                         bytes_accessed=sum(k.runs * k.bytes_accessed for k in kernels),
                         collectives=stats.by_kind(), comm_by_kind=comm, memory=compiled_memory(compiled),
                         unknown_trip_loops=sum(lp.trip_count is None for lp in module.loops), kernels=len(kernels),
-                        kernel_runs=runs)
+                        kernel_runs=runs, overlapped_s=replayed.step_s, exposed_comm_s=replayed.exposed_comm_s,
+                        exposure=replayed.collectives)

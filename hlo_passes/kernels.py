@@ -66,9 +66,13 @@ class Kernel:
     flops: float  # per run
     bytes_accessed: float  # per run
 
+    def run_seconds(self, flop_rate: float, bandwidth: float) -> float:
+        """Its time per run at its own roofline."""
+        return max(self.flops / flop_rate, self.bytes_accessed / bandwidth)
+
     def seconds(self, flop_rate: float, bandwidth: float) -> float:
         """Its time per step at its own roofline."""
-        return self.runs * max(self.flops / flop_rate, self.bytes_accessed / bandwidth)
+        return self.runs * self.run_seconds(flop_rate, bandwidth)
 
 
 def parseable(text: str) -> str:

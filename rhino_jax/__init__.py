@@ -7,7 +7,7 @@ from .constraints import coshard, op_assign, op_order, op_trans
 from .api import Compiled, Lowered, Parallelized, parallelize
 from .errors import (CompiledMemoryWarning, ConstraintError, HostCallbackError, MemoryLimitError, MeshError,
                      NoFeasibleMeshError, RhinoError, ShardingPinError, SolverError, SolverTimeLimitWarning,
-                     TracedCallWarning)
+                     TracedCallWarning, UnscheduledProgramWarning)
 from .explain import diff
 from .gpu_topology import DescribedDeviceError, gpu_topology
 from .mesh import device_mesh
@@ -18,6 +18,6 @@ __all__ = [
     "Parallelized", "Cluster", "M8_V100", "H100_8X", "H200_8X", "A100_8X", "RhinoError", "ShardingPinError",
     "SolverError", "MeshError", "SolverTimeLimitWarning", "NoFeasibleMeshError", "MemoryLimitError",
     "DescribedDeviceError", "MeshCandidate", "TracedCallWarning", "diff", "op_trans", "op_assign", "op_order", "coshard", "Task",
-    "ConstraintError", "HostCallbackError", "CompiledMemoryWarning",
+    "ConstraintError", "HostCallbackError", "CompiledMemoryWarning", "UnscheduledProgramWarning",
 ]
 __version__ = "0.1.0"

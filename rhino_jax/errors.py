@@ -36,6 +36,11 @@ class CompiledMemoryWarning(UserWarning):
     scheduler), or it does not fit at all."""
 
 
+class UnscheduledProgramWarning(UserWarning):
+    """An HLO module priced as a timeline carries no schedule (no `is_scheduled=true`): its
+    instructions are in no running order, so it is priced serially, no communication overlapped."""
+
+
 class TracedCallWarning(UserWarning):
     """A parallelized step was called inside a jax transformation (jax.jit, grad, vmap,
     eval_shape): it is traced as written, without its plan."""
