@@ -14,7 +14,9 @@ layout is the same in all three):
 A third, an MLIR context with jax's dialects (`ir_context`), is made from public calls, but relies
 on what `Lowered.compiler_ir` returns, which jax leaves unspecified. A fourth swaps one primitive's
 lowering while a step is lowered (`top_k_lowered_as_sort`): jax registers lowerings in a private
-table.
+table. A fifth, the PRNG implementation of a typed key's dtype (`key_impl_of`): jax gives it of a
+key array only (`jax.random.key_impl`), and a program's result is known by its dtype before it is
+made.
 
 Each lookup that fails raises `UnsupportedJaxError` naming the jax range rhino_jax supports;
 tests/test_jax_versions.py exercises every one, so a jax that lays them out differently fails
@@ -54,6 +56,15 @@ def _private(module: str, name: str) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise _unsupported(f"{module}.{name}", e) from e
+
+
+def key_impl_of(dtype: Any) -> Any:
+    """The PRNG implementation of a typed key's dtype (`key<fry>`), as `jax.random.wrap_key_data`
+    takes it: to return a program's key data as the typed key the step returns."""
+    impl = getattr(dtype, "_impl", None)
+    if impl is None:
+        raise _unsupported(f"the PRNG key dtype {dtype}", AttributeError("_impl"))
+    return impl
 
 
 @contextlib.contextmanager

@@ -13,7 +13,8 @@ boundary is the first aggregates: made from per-example values by a summing op (
 a matmul or convolution over the batch dim, scatter-add), or coming out of a loop. Then:
 - compute-gradients (CG): the micro-batch program up to the boundary, with the whole batch's
   constants (a mean's 1/B, its cotangent) put in place of the micro-batch's, so that each
-  micro-batch computes exactly its share of the whole program's sums;
+  micro-batch computes exactly its share of the whole program's sums, and its iotas along the
+  batch (positions, random bits' counters) count from its first example (`batch_positions`);
 - apply-gradients (AG): the whole-batch program from the boundary on.
 A loss averaged over a count taken from the batch (the tokens a mask keeps) scales every
 example's gradient by 1/count, a sum over the whole batch: the backward pass is linear in it, so
@@ -29,8 +30,8 @@ from jax.extend.mlir import ir
 
 from rhino_jax.errors import StagingError
 
+from . import batch_positions, scaling
 from . import module as mod
-from . import scaling
 from .graph import Graph, slots
 from .split import extract
 
@@ -174,7 +175,9 @@ def split(whole_module: ir.Module, whole: Graph, micro_module: ir.Module, micro:
     """The boundary and the two programs of a step lowered for the whole batch and for one
     micro-batch (`boundary`)."""
     cut, scale = boundary(whole, micro)
-    compute = extract(_with_whole_constants(micro_module, whole_module, micro), micro, [], cut,
+    micro_module = _with_whole_constants(micro_module, whole_module, micro)
+    batch_positions.mark(micro_module, micro, batch_positions.find(whole, micro, micro_module, _batch(whole)))
+    compute = extract(micro_module, micro, [], cut,
                       (lambda table, _: scaling.unit_scale(table, scale)) if scale else None)
 
     def rescale(table: dict, arguments: dict) -> None:

@@ -64,8 +64,15 @@ def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int], shared: fr
     producer = {r: n.id for n in graph.nodes for r in n.results}
     last = max(forward_stage.values(), default=0)
     out: dict[int, tuple[str, int]] = {}
+    loop = loop_of(graph)
     for n in graph.nodes:
-        _check_not_in_loop(n)
+        _check_not_in_conditional(n)
+        if n.id in loop:  # a loop runs whole in one program: its body and exit go with its entry
+            out[n.id] = out[loop[n.id]]
+            if n.id in forward and forward_stage[n.id] != out[n.id][1]:
+                raise StagingError(f"pipeline stages cannot cut through a loop yet ({n.name or n.op} is in a loop's "
+                                   "body): unroll the layers (a Python loop, or nn.scan/lax.scan unroll)")
+            continue
         if n.id in forward:
             out[n.id] = ("F", forward_stage[n.id])
             continue
@@ -113,7 +120,10 @@ def assign_apply(graph: Graph, home: Mapping[int, int]) -> dict[int, tuple[str, 
 
     later, pure = [], set()  # ops placed after the others; of those, ops reading only arguments and constants
     for n in graph.nodes:
-        _check_not_in_loop(n)
+        _check_not_in_conditional(n)
+        if n.trips > 1 or "loop_trips" in n.attrs:
+            raise StagingError(f"the optimizer update runs a loop ({n.name or n.op}), which pipeline stages cannot "
+                               "place yet; take the loop out of the update, or use pipeline='off'")
         votes: dict[int, int] = {}
         for o in n.operands:
             if o in at:
@@ -147,10 +157,20 @@ def assign_apply(graph: Graph, home: Mapping[int, int]) -> dict[int, tuple[str, 
     return {i: ("A", stage[i], wave[i]) for i in stage}
 
 
-def _check_not_in_loop(n) -> None:
-    if n.trips > 1 or "loop_trips" in n.attrs:
-        raise StagingError("pipeline stages cannot cut through a loop yet: unroll the layers "
-                           f"({n.name or n.op} is in a loop's body)")
+def loop_of(graph: Graph) -> dict[int, int]:
+    """Each op inside a loop (its body's ops and its exit, which makes the loop's results) → the
+    op that enters the loop (an inner loop's entry is itself inside the outer loop). A loop's ops
+    follow its entry in program order up to its exit, which names the entry (`loop_entry`)."""
+    out: dict[int, int] = {}
+    for n in graph.nodes:
+        if "loop_entry" in n.attrs:
+            entry = n.attrs["loop_entry"]
+            for i in range(entry + 1, n.id + 1):
+                out.setdefault(i, out.get(entry, entry))
+    return out
+
+
+def _check_not_in_conditional(n) -> None:
     if "branch" in n.attrs or "branches" in n.attrs:
         raise StagingError("pipeline stages cannot cut through a conditional (lax.cond, lax.switch; optax.MultiSteps "
                            f"uses one) yet: {n.name or n.op} is in one. Take it out of the step, or use pipeline='off'")

@@ -30,7 +30,7 @@ from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_module
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import BACKENDS, get_cluster
-from rhino_jax.search.constraints import CoShard, OpAssign, check_matched
+from rhino_jax.search.constraints import CoShard, OpAssign, check_matched, check_parts
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
 from .constraints import OpOrder
@@ -45,7 +45,7 @@ from .controller import choose
 from .micro_batched import MicroBatchedLowered
 from .multiprocess import agree
 from .pipelined import PipelinedLowered
-from .options import Options, device_memory
+from .options import Options, device_memory, naming_the_closest
 from .plan import Plan
 from .plan_target import PlanTarget
 
@@ -300,6 +300,8 @@ class Parallelized:
         key = _signature(call)
         lowered = self._cache.get(key)
         if lowered is None:
+            check_parts(self.options.constraints, len(self.devices or jax.devices()) if self.mesh is None
+                        else self.mesh.size)
             if key in self._cut_short:
                 warnings.warn("Ctrl-C cut the last search for these arguments short, and its plan was used once: "
                               "searching again in full (to keep a plan instead, save it, plan.save(path), and pass "
@@ -391,10 +393,12 @@ class Parallelized:
         return self._fn(*args, **kwargs)
 
 
+@naming_the_closest
 def parallelize(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh | None = None,
                 devices: Sequence | None = None,
                 opt_level: str = "O2", memory_limit_bytes: int | None = None, cluster=None,
-                num_micro_batches: int = 1, pipeline: str | int = "off", schedule: str = "1f1b",
+                num_micro_batches: int = 1, pipeline: str | int = "off", schedule: str | None = None,
+                accumulation_dtype: str | None = "float32",
                 donate_argnums: int | Sequence[int] | None = None,
                 static_argnums: int | Sequence[int] | None = None,
                 static_argnames: str | Sequence[str] | None = None, solver: str = "HIGHS",
@@ -432,15 +436,27 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh | None 
     arguments may be split along, into how many parts, or not at all), `rj.op_assign(...)` (the
     pipeline stage of the named forward ops), `rj.op_order(...)` (the pipeline's schedule as
     ordering pairs of tasks) and `rj.coshard(...)` (the named ops run in chunks one after
-    another, for memory); one that names nothing, leaves an op no strategy, asks for stages of
+    another, for memory); one that names nothing, has a dim past the result of all it names or a
+    number of parts no split of the devices makes, leaves an op no strategy, asks for stages of
     an SPMD plan or chunks no dim of the named ops divides is a `ConstraintError`.
+
+    `accumulation_dtype`: with micro-batches, the dtype their parts of a bf16 or f16 sum (a
+    gradient) are added up in: "float32" (the default; the running sums' memory is priced so) or
+    None, the sum's own dtype (half the memory, k roundings where the whole batch rounds once).
+
+    `schedule`: a pipeline's ("1f1b", the default, "gpipe" or "eager-1f1b"); given without a
+    pipeline (`pipeline="off"` or 1), it would order nothing, and is a ValueError.
 
     `plan`: a saved plan (`Plan.load(path)`, or the path) to run without a search; it must have
     been made for this step and mesh (`Plan.check_matches`: PlanTargetError otherwise), and is
     given with the mesh, micro-batches, stages and schedule it was made for."""
-    options = Options(opt_level, memory_limit_bytes, cluster, num_micro_batches, pipeline, schedule,
-                      solver, solver_time_limit_s, axis_names, search_workers, strided_specs, progress,
-                      () if constraints is None else constraints)
+    options = Options(opt_level, memory_limit_bytes, cluster, num_micro_batches, pipeline, accumulation_dtype,
+                      "1f1b" if schedule is None else schedule, solver, solver_time_limit_s, axis_names,
+                      search_workers, strided_specs, progress, () if constraints is None else constraints)
+    if schedule is not None and options.pipeline in ("off", 1):
+        raise ValueError(f"schedule={schedule!r} orders the tasks of pipeline stages, and pipeline="
+                         f"{options.pipeline!r} makes none: pass pipeline=N (N >= 2 stages, with num_micro_batches "
+                         ">= 2) or pipeline='auto', or drop schedule")
     if mesh is None and devices is None:
         mesh = context_mesh()  # jax.set_mesh's, as jax.jit takes it
     if isinstance(mesh, AbstractMesh):

@@ -28,7 +28,7 @@ from .api import parallelize
 from .errors import RhinoError
 from .gpu_topology import GPUS, gpu_topology
 from .mesh import device_mesh
-from .plan import Plan
+from .plan import Plan, check_writable
 
 DEFAULT_AXES = ("data", "model", "extra")  # as parallelize(mesh=None) names enumerated meshes
 
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory-limit-gib", type=float, help="per-device memory the plan must fit, in GiB")
     plan.add_argument("--micro-batches", type=int, default=1, help="number of micro-batches (default 1)")
     plan.add_argument("--pipeline", default="off", help="off, auto or a number of stages (default off)")
-    plan.add_argument("--schedule", default="1f1b", help="1f1b, gpipe or eager-1f1b (default 1f1b)")
+    plan.add_argument("--schedule", help="1f1b, gpipe or eager-1f1b (default 1f1b)")
     plan.add_argument("--donate", help="positions of arguments the step may overwrite, e.g. 0,1")
     plan.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
     plan.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
@@ -99,6 +99,7 @@ def _quiet_stdout() -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    _writable(args.out)
     if args.cpu_devices is not None and args.topology is not None:
         raise UsageError("--cpu-devices and --topology both give the devices to plan for; pass one")
     if args.cpu_devices is not None:
@@ -137,6 +138,14 @@ def _plan(args: argparse.Namespace) -> int:
     plan.save(args.out)
     print(f"\nplan written to {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB)")
     return 0
+
+
+def _writable(out: str) -> None:
+    """Refuse an --out the plan file cannot be written to before the search, not after it."""
+    try:
+        check_writable(out)
+    except OSError as e:
+        raise UsageError(f"--out {out}: {e.strerror}; give the path of a file in a directory you may write") from None
 
 
 def _described(text: str) -> list:

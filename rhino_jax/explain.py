@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from rhino_jax.search.strategies import tensor_specs
 from .errors import RhinoError, UnknownTensorError
 from .mesh_search import plan_on
 from .options import Options
-from .plan import Plan, PlanCost, PlannedCollective, mesh_label
+from .plan import Plan, PlanCost, PlannedCollective, as_plan, mesh_label
 
 
 @dataclass(frozen=True)
@@ -361,10 +362,11 @@ class PlanDiff:
         return self.text
 
 
-def diff(a: Plan, b: Plan) -> PlanDiff:
-    """The arguments two plans of one step lay out differently, and what b costs more than a
-    (step, compute, communication, memory, collectives as XLA combines them). ValueError for
-    plans of different steps (other arguments)."""
+def diff(a: Plan | str | os.PathLike, b: Plan | str | os.PathLike) -> PlanDiff:
+    """The arguments two plans of one step (each a Plan or the path of a saved one) lay out
+    differently, and what b costs more than a (step, compute, communication, memory, collectives
+    as XLA combines them). ValueError for plans of different steps (other arguments)."""
+    a, b = as_plan(a, "a of rj.diff(a, b)"), as_plan(b, "b of rj.diff(a, b)")
     for what, x, y in (("argument paths", a.arg_paths, b.arg_paths), ("argument shapes", a.arg_shapes, b.arg_shapes),
                        ("argument dtypes", a.arg_dtypes, b.arg_dtypes)):
         if tuple(x) != tuple(y):

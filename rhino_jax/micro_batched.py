@@ -13,16 +13,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rhino_jax.hlo_passes import micro_batch
+from rhino_jax.hlo_passes import batch_positions, micro_batch
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
 from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.compiled_cost import price_compiled
 from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.jax_internals import key_impl_of
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_program
@@ -43,7 +45,16 @@ def micro_batch_args(args, roles: Sequence[str], k: int, paths: Sequence[str]) -
     """The flat arguments of each of k micro-batches: batch leaves cut along their first dim."""
     leaves = jax.tree.leaves(args)
     for x, role, path in zip(leaves, roles, paths):
-        if role == "batch" and (not np.ndim(x) or np.shape(x)[0] % k):
+        if role != "batch":
+            continue
+        if not np.ndim(x):
+            raise MeshError(f"{path} is a scalar in the batch (an argument named batch, inputs, labels, ..., or the "
+                            f"step's last): num_micro_batches={k} cuts every leaf of the batch along its first dim, "
+                            "the examples'. Pass the scalar in another argument, or as a static one")
+        if np.shape(x)[0] == 0:
+            raise MeshError(f"{path} holds no examples (shape {np.shape(x)}); pass a batch of at least "
+                            f"num_micro_batches={k} examples")
+        if np.shape(x)[0] % k:
             raise MeshError(f"num_micro_batches={k} does not divide the batch dim of {path} (shape {np.shape(x)}); "
                             "use a number of micro-batches that divides the batch size")
     return [[_piece(x, i, k) if role == "batch" else x for x, role in zip(leaves, roles)] for i in range(k)]
@@ -54,7 +65,37 @@ def micro_batches_of(lowered, args: tuple, kwargs: dict) -> list[list]:
     tree, given = lowered._trees[0], jax.tree.structure((args, kwargs))
     if given != tree:
         raise TypeError(f"function compiled for arguments of structure {tree}, called with {given}")
-    return micro_batch_args((args, kwargs), lowered.plan.arg_roles, lowered.k, lowered.plan.arg_paths)
+    return micro_batch_args(flat_call(args, kwargs), lowered.plan.arg_roles, lowered.k, lowered.plan.arg_paths)
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None) or np.float32, jax.dtypes.prng_key)
+
+
+def flat_call(args: tuple, kwargs: dict) -> list:
+    """A call's leaves as the step's programs take them: a typed PRNG key as its key data (the
+    uint32 words jax lowers it to)."""
+    return [jax.random.key_data(x) if _is_key(x) else x for x in jax.tree.leaves((args, kwargs))]
+
+
+def accumulated(dtype, accumulate: str | None) -> np.dtype:
+    """The dtype micro-batches' parts of a sum of `dtype` are added up in: `accumulate` (the
+    option `accumulation_dtype`) for a narrower float (bf16, f16), so that the sum is rounded to
+    `dtype` once, as the whole batch's is, not once per micro-batch; else `dtype`."""
+    dtype = np.dtype(dtype)
+    if accumulate is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        return dtype
+    return max(dtype, np.dtype(accumulate), key=lambda d: d.itemsize)
+
+
+def summed_bytes(nbytes: int, dtype, accumulate: str | None) -> int:
+    """The bytes of a running sum of `nbytes` of `dtype`, held in its accumulation dtype."""
+    return nbytes * accumulated(dtype, accumulate).itemsize // np.dtype(dtype).itemsize
+
+
+def add_up(total, part):
+    """A running sum with one more micro-batch's part: the sum in its accumulation dtype."""
+    return total + part.astype(total.dtype)
 
 
 def named(mesh: Mesh, specs) -> list[NamedSharding]:
@@ -161,6 +202,13 @@ class SeveralProgramsLowered:
     def out_tree(self):
         return self._trees[1]
 
+    def returned(self, leaves: Sequence) -> Any:
+        """The step's result from its programs' flat results: a typed PRNG key the step returns
+        wrapped back from its key data."""
+        info = jax.tree.leaves(self._step.whole.lowered.out_info)
+        return jax.tree.unflatten(self._trees[1], [
+            jax.random.wrap_key_data(x, impl=key_impl_of(i.dtype)) if _is_key(i) else x for x, i in zip(leaves, info)])
+
     @property
     def out_info(self):
         """The result's shapes, dtypes and the plan's shardings, in the result's structure."""
@@ -255,7 +303,8 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         self._step, self._parts, self._graphs = step, parts, (compute_graph, apply_graph)
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.programs = {"compute_gradients": compute_plan, "apply_gradients": apply_plan}
-        summary = _summary(compute_plan, apply_plan, k, compute_graph, self.named_on, self._trees)
+        self.accumulate = options.accumulation_dtype
+        summary = _summary(compute_plan, apply_plan, k, compute_graph, self.named_on, self._trees, self.accumulate)
         self.plan = dataclasses.replace(summary,
                                         programs=self.programs, target=target)
 
@@ -283,13 +332,16 @@ def _same_layouts(apply_graph: Graph, compute_graph: Graph, compute_plan: Plan) 
     return tuple(pins)
 
 
-def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mesh, trees) -> Plan:
+def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mesh, trees,
+             accumulate: str | None) -> Plan:
     """One Plan for the step: apply-gradients' (the step's arguments and outputs), its cost k
     compute-gradients and one apply, the batch in compute-gradients' layout (per micro-batch);
-    compute-gradients' memory counts the running sums beside it. The per-value layouts stay with
-    the programs' plans (`programs`), not repeated here (a saved plan would hold them twice)."""
+    compute-gradients' memory counts the running sums beside it, in their accumulation dtype. The
+    per-value layouts stay with the programs' plans (`programs`), not repeated here (a saved plan
+    would hold them twice)."""
     c, a = compute.cost, apply.cost
-    sums = sum(compute_graph.values[v].nbytes // s.shard_factor(compute.mesh_axes)
+    sums = sum(summed_bytes(compute_graph.values[v].nbytes, compute_graph.values[v].dtype, accumulate)
+               // s.shard_factor(compute.mesh_axes)
                for v, s in zip(compute_graph.outputs, compute.output_specs))
     cost = PlanCost(k * c.compute_s + a.compute_s, k * c.comm_s + a.comm_s, k * c.total_s + a.total_s,
                     max(c.memory_bytes + sums, a.memory_bytes), k * c.hidden_s + a.hidden_s)
@@ -314,13 +366,17 @@ class MicroBatchedCompiled(SeveralPrograms):
         compute_plan, apply_plan = lowered.programs["compute_gradients"], lowered.programs["apply_gradients"]
         compute_graph, apply_graph = lowered._graphs
         limit = lowered.memory_limit_bytes
-        self._compute = _compile(lowered._parts.compute, compute_graph, compute_plan, mesh,
-                                 compiler_options=compiler_options, memory_limit_bytes=limit)
-        self._apply = _compile(lowered._parts.apply, apply_graph, apply_plan, mesh, lowered._step.donated,
-                               returned_on=lowered.named_on, compiler_options=compiler_options,
-                               memory_limit_bytes=limit)
-        self._add = jax.jit(lambda a, b: [x + y for x, y in zip(a, b)], out_shardings=named(mesh, compute_plan.output_specs),
-                            donate_argnums=0)
+        self._compute, self._index = _compile(lowered._parts.compute, compute_graph, compute_plan, mesh,
+                                              compiler_options=compiler_options, memory_limit_bytes=limit)
+        self._apply, _ = _compile(lowered._parts.apply, apply_graph, apply_plan, mesh, lowered._step.donated,
+                                  returned_on=lowered.named_on, compiler_options=compiler_options,
+                                  memory_limit_bytes=limit)
+        sums = named(mesh, compute_plan.output_specs)
+        wide = [accumulated(compute_graph.values[v].dtype, lowered.accumulate) for v in compute_graph.outputs]
+        self._start = jax.jit(lambda b: [x.astype(d) for x, d in zip(b, wide)], out_shardings=sums)
+        self._add = jax.jit(lambda a, b: [add_up(x, y) for x, y in zip(a, b)], out_shardings=sums, donate_argnums=0)
+        narrow = [compute_graph.values[v].dtype for v in compute_graph.outputs]
+        self._end = jax.jit(lambda a: [x.astype(d) for x, d in zip(a, narrow)], out_shardings=sums)
         self._compute_in = named(mesh, compute_plan.arg_specs)
         self._apply_in = named(mesh, apply_plan.arg_specs)
         self.programs = {"compute_gradients": self._compute, "apply_gradients": self._apply}
@@ -329,13 +385,13 @@ class MicroBatchedCompiled(SeveralPrograms):
         low = self._lowered
         refuse_described(low.mesh)
         total = None
-        for flat in micro_batches_of(low, args, kwargs):
-            part = self._compute(*jax.device_put(flat, self._compute_in))
-            total = list(part) if total is None else self._add(total, list(part))
-        whole = jax.tree.leaves((args, kwargs))
+        for i, flat in enumerate(micro_batches_of(low, args, kwargs)):
+            part = self._compute(*with_index(jax.device_put(flat, self._compute_in), self._index, i))
+            total = self._start(list(part)) if total is None else self._add(total, list(part))
+        whole = flat_call(args, kwargs)
         n = len(whole)
-        out = self._apply(*jax.device_put(whole, self._apply_in[:n]), *total)
-        return jax.tree.unflatten(low._trees[1], list(out))
+        out = self._apply(*jax.device_put(whole, self._apply_in[:n]), *self._end(total))
+        return low.returned(out)
 
     def compiled_step_s(self, cluster=None) -> float:
         """The step's time with both programs priced from what XLA compiled
@@ -353,19 +409,30 @@ class MicroBatchedCompiled(SeveralPrograms):
 
 def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int] = (),
              returned_on: Mesh | None = None, compiler_options: dict | None = None,
-             memory_limit_bytes: int | None = None) -> jax.stages.Compiled:
+             memory_limit_bytes: int | None = None) -> tuple[jax.stages.Compiled, NamedSharding | None]:
     """A program of the step with its plan's shardings, compiled for the mesh with XLA's
     `compiler_options`, within `memory_limit_bytes` where XLA's GPU schedule allows
     (`runtime.executable.compile_module`); its results named on `returned_on` (the user's mesh
     of the same devices) where given. A donated argument (positions `donated`) is overwritten by the output the graph
     pairs it with (`Arg.donated_to`) where the plan gives both one layout, as the search does when
-    it knew of the donation."""
+    it knew of the donation. With the program, the layout of the micro-batch's index it takes
+    last where it counts positions along the batch (`batch_positions`), else None."""
     aliases = {a.index: a.donated_to for a in graph.args if a.index in donated and a.donated_to is not None
                and plan.arg_specs[a.index] == plan.output_specs[a.donated_to]}
     rewritten = rewrite_pass.rewrite(copy_module(module), graph, plan.value_specs, plan.read_specs, plan.read_paths,
                                      plan.arg_specs, plan.output_specs, plan.mesh_axes)
     aval = lambda v: jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype)  # noqa: E731
-    return compile_program(rewritten, [aval(a.value) for a in graph.args], [aval(v) for v in graph.outputs],
-                           named(mesh, plan.arg_specs), named(returned_on or mesh, plan.output_specs), aliases,
-                           compiler_options, memory_limit_bytes, Weights.of(plan.arg_roles, plan.arg_specs))
+    in_avals, in_shardings = [aval(a.value) for a in graph.args], named(mesh, plan.arg_specs)
+    index = NamedSharding(mesh, PartitionSpec()) if batch_positions.with_micro_batch_index(rewritten) else None
+    if index is not None:
+        in_avals.append(jax.ShapeDtypeStruct((), np.int32))
+        in_shardings.append(index)
+    compiled = compile_program(rewritten, in_avals, [aval(v) for v in graph.outputs], in_shardings,
+                               named(returned_on or mesh, plan.output_specs), aliases, compiler_options,
+                               memory_limit_bytes, Weights.of(plan.arg_roles, plan.arg_specs))
+    return compiled, index
 
+
+def with_index(args: list, index: NamedSharding | None, micro_batch: int) -> list:
+    """A micro-batch program's arguments, with the micro-batch's index last where it takes one."""
+    return args if index is None else [*args, jax.device_put(np.int32(micro_batch), index)]

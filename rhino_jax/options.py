@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rhino_jax.search.cluster import Cluster, get_cluster
@@ -23,6 +27,8 @@ class Options:
     cluster: Cluster | str | None = None
     num_micro_batches: int = 1
     pipeline: str | int = "off"
+    # The dtype micro-batches' low-precision sums (bf16, f16 gradients) are added up in; None: their own.
+    accumulation_dtype: str | None = "float32"
     schedule: str = "1f1b"
     solver: str = "HIGHS"
     solver_time_limit_s: float = 60.0
@@ -57,6 +63,9 @@ class Options:
         if isinstance(self.num_micro_batches, bool) or not isinstance(self.num_micro_batches, int) \
                 or self.num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be an int >= 1, got {self.num_micro_batches!r}")
+        if self.accumulation_dtype not in (None, "float32", "float64"):
+            raise ValueError("accumulation_dtype must be 'float32' (the default), 'float64' or None (the gradients' "
+                             f"own dtype), got {self.accumulation_dtype!r}")
         if self.memory_limit_bytes is not None and (isinstance(self.memory_limit_bytes, bool) or not isinstance(
                 self.memory_limit_bytes, int) or self.memory_limit_bytes <= 0):
             raise ValueError(f"memory_limit_bytes must be a positive int (bytes per device) or None, "
@@ -92,6 +101,23 @@ class Options:
                                                 or self.search_workers < 0):
             raise ValueError("search_workers must be None (automatic) or an int >= 0, "
                              f"got {self.search_workers!r}")
+
+
+def naming_the_closest(fn: Callable) -> Callable:
+    """`fn` refusing a keyword it does not take with a TypeError that names its closest keyword
+    (a typo such as `num_microbatches=4` is otherwise Python's bare "unexpected keyword"); its
+    signature, as help() and inspect show it, stays `fn`'s."""
+    names = list(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        unknown = [name for name in kwargs if name not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {unknown[0]!r}: "
+                            + (f"did you mean {close[0]!r}?" if close else f"its keywords are {', '.join(names)}"))
+        return fn(*args, **kwargs)
+    return checked
 
 
 def within(options: Options, budget: Budget, weight: float, what: str) -> Options:

@@ -61,7 +61,8 @@ from .gpu_topology import refuse_described
 from .mesh_search import plan_on
 from .arguments import Call, call_tree
 from .micro_batched import (APPLY_WEIGHT, SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of,
-                            named, program_plan, split_step)
+                            accumulated, add_up, flat_call, named, program_plan, split_step, summed_bytes,
+                            with_index)
 from .options import Options, budget_of, device_memory, seconds_left, within
 from .plan import Plan, PlanCost, StagePlan, place_name, program_name
 from .plan_target import PlanTarget, PlanTargetError
@@ -220,6 +221,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         axes = [dict(zip(mesh.axis_names, sub.devices.shape)) for sub in meshes]
         topology = [MeshTopology.from_mesh(sub, cluster) for sub in meshes]
         self.mesh, self.meshes, self.k, self._signature, self.cluster = mesh, meshes, k, signature, cluster
+        self.accumulate = options.accumulation_dtype
         self.memory_limit_bytes = device_memory(options, mesh.devices.flat)
         self.named_on = named_on or mesh
         self._step, self._place, self.shared = step, place, tuple(shared)
@@ -373,7 +375,7 @@ class PipelinedLowered(SeveralProgramsLowered):
                          tuple(int(d.id) for d in sub.devices.flat), stage_programs.layers(cg, forward_ops),
                          plans["F", s][2], plans["B", s][2] if ("B", s) in plans else None,
                          self.schedule.in_flight()[s], _held_bytes(plans, s, sub),
-                         _summed_bytes(plans, s, sub, set(cg.outputs)), self._kept_bytes(s),
+                         _summed_bytes(plans, s, sub, set(cg.outputs), self.accumulate), self._kept_bytes(s),
                          sum(plan.cost.total_s for plan in mine),
                          max((plan.cost.memory_bytes for plan in mine), default=0), s in self.shared)
 
@@ -716,15 +718,18 @@ def _held_bytes(plans, s: int, mesh: Mesh) -> int:
     return _output_bytes(plans["F", s], mesh, set(plans["B", s][0].inputs)) if ("B", s) in plans else 0
 
 
-def _summed_bytes(plans, s: int, mesh: Mesh, sums: set[int]) -> int:
-    """Per device, the running sums (gradients, loss) stage s adds its micro-batches' into."""
-    return sum(_output_bytes(plans[kind, s], mesh, sums) for kind in ("F", "B") if (kind, s) in plans)
+def _summed_bytes(plans, s: int, mesh: Mesh, sums: set[int], accumulate: str | None) -> int:
+    """Per device, the running sums (gradients, loss) stage s adds its micro-batches' into, in
+    their accumulation dtype."""
+    return sum(_output_bytes(plans[kind, s], mesh, sums, accumulate) for kind in ("F", "B") if (kind, s) in plans)
 
 
-def _output_bytes(planned, mesh: Mesh, wanted: set[int]) -> int:
+def _output_bytes(planned, mesh: Mesh, wanted: set[int], accumulate: str | None = None) -> int:
+    """Per device, the results of a program that `wanted` names; held as running sums in
+    `accumulate`'s dtype where given (`micro_batched.summed_bytes`)."""
     program, graph, plan = planned
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    return sum(local_bytes(graph, out, spec, sizes)
+    return sum(summed_bytes(local_bytes(graph, out, spec, sizes), graph.values[out].dtype, accumulate)
                for v, out, spec in zip(program.outputs, graph.outputs, plan.output_specs) if v in wanted)
 
 
@@ -742,21 +747,23 @@ class PipelinedCompiled(SeveralPrograms):
 
     def __init__(self, lowered: PipelinedLowered, compiler_options: dict | None = None):
         self._lowered, self.plan = lowered, lowered.plan
-        self._run = {}
+        self._run, self._index = {}, {}  # a stage program's index layout: it counts positions along the batch
         for key, (prog, graph, plan) in lowered._programs.items():
             sub = lowered.meshes[prog.stage]
-            self._run[key] = (prog, _compile(prog.module, graph, plan, sub, compiler_options=compiler_options,
-                                             memory_limit_bytes=lowered.memory_limit_bytes),
-                              named(sub, plan.arg_specs))
+            run, self._index[key] = _compile(prog.module, graph, plan, sub, compiler_options=compiler_options,
+                                             memory_limit_bytes=lowered.memory_limit_bytes)
+            self._run[key] = (prog, run, named(sub, plan.arg_specs))
         self._apply = {}  # the task graph's name of each apply-gradients program → the program
         for task, (prog, graph, plan) in zip(lowered.apply_tasks, lowered._applies):
             sub = lowered.meshes[prog.stage]
             donated = tuple(a.index for a in graph.args if a.donated_to is not None)
-            self._apply[task.name] = (prog, _compile(prog.module, graph, plan, sub, donated,
-                                                     compiler_options=compiler_options,
-                                                     memory_limit_bytes=lowered.memory_limit_bytes),
-                                      named(sub, plan.arg_specs))
-        self._add = jax.jit(lambda a, b: a + b)
+            run, _ = _compile(prog.module, graph, plan, sub, donated, compiler_options=compiler_options,
+                              memory_limit_bytes=lowered.memory_limit_bytes)
+            self._apply[task.name] = (prog, run, named(sub, plan.arg_specs))
+        self._add = jax.jit(add_up)
+        cg = lowered._step.compute_graph  # each sum added up in its accumulation dtype, handed on in its own
+        self._wide = {v: accumulated(cg.values[v].dtype, lowered.accumulate) for v in cg.outputs}
+        self._narrow = lambda sums, v: sums[v].astype(cg.values[v].dtype)
         self._stage_of = {v: prog.stage for prog, _, _ in lowered._programs.values() for v in prog.outputs}
         self.programs = {program_name(kind, stage): run
                          for (kind, stage), (_, run, _) in sorted(self._run.items(), key=lambda kv: kv[0][::-1])}
@@ -779,7 +786,7 @@ class PipelinedCompiled(SeveralPrograms):
         low = self._lowered
         refuse_described(low.mesh)
         micro = micro_batches_of(low, args, kwargs)
-        whole = jax.tree.leaves((args, kwargs))
+        whole = flat_call(args, kwargs)
         cg = low._step.compute_graph
         n, sums_of = len(cg.args), set(cg.outputs)
         made: dict[tuple[int, int], jax.Array] = {}  # (micro-batch, value) → array
@@ -797,25 +804,26 @@ class PipelinedCompiled(SeveralPrograms):
 
         for task in task_graph.build(low.schedule, low.apply_tasks).order():
             if task.kind in ("forward", "backward"):
-                prog, run, shardings = self._run["F" if task.kind == "forward" else "B", task.stage]
+                kind = "F" if task.kind == "forward" else "B"
+                prog, run, shardings = self._run[kind, task.stage]
                 ins = [put(i, task.micro_batch, sharding) for i, sharding in zip(prog.args, shardings)]
                 for v, sharding in zip(prog.inputs, shardings[len(prog.args):]):  # by cross-mesh resharding
                     key = (self._stage_of[v], task.stage, v, prog.kind)
                     ins.append(self._to(made[task.micro_batch, v], sharding, low.transfers.get(key)))
-                outs = run(*ins)
+                outs = run(*with_index(ins, self._index[kind, task.stage], task.micro_batch))
                 for v, out in zip(prog.outputs, outs):
                     made[task.micro_batch, v] = out
                     if v in sums_of:
-                        sums[v] = out if v not in sums else self._add(sums[v], out)
+                        sums[v] = self._add(sums[v], out) if v in sums else out.astype(self._wide[v])
             elif task.kind == "apply":
                 prog, run, shardings = self._apply[task.name]
-                ins = [put(i, None, sharding) if i < n else self._to(sums[cg.outputs[i - n]], sharding)
+                ins = [put(i, None, sharding) if i < n else self._to(self._narrow(sums, cg.outputs[i - n]), sharding)
                        for i, sharding in zip(prog.args, shardings)]
                 ins += [self._to(applied[v], sharding) for v, sharding in zip(prog.inputs, shardings[len(prog.args):])]
                 applied.update(zip(prog.outputs, run(*ins)))
         returned = jax.tree.leaves(low.plan.output_shardings)
-        return jax.tree.unflatten(low._trees[1], [self._to(applied[v], sharding) for v, sharding
-                                                  in zip(low._step.apply_graph.outputs, returned)])
+        return low.returned([self._to(applied[v], sharding) for v, sharding
+                             in zip(low._step.apply_graph.outputs, returned)])
 
     def compiled_step_s(self, cluster=None) -> float:
         """The step's time with each program priced from what XLA compiled (`compiled_cost.

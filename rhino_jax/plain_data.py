@@ -8,19 +8,38 @@ typed `object` holds a live value (a jax sharding) and is not written; it comes
 back as its default. Free-form values (a field typed `dict` or `Any`, e.g. search statistics)
 are written as they are where JSON keeps their type, and tagged where it would not: a tuple is
 {"__tuple__": [...]}, a non-finite float {"__float__": "nan"}, a rhino_jax dataclass
-{"__dataclass__": "module:Name", "fields": {...}}.
+{"__dataclass__": "module:Name", "fields": {...}}. Loading refuses a value not in the form its
+type is written in, naming where it is (`PlainDataError`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import importlib
+import json
 import math
 import types
 import typing
 from typing import Any
 
 import numpy as np
+
+
+class PlainDataError(ValueError):
+    """Data that `to_plain` does not write for its type; `where` leads to it from the top (field
+    names, keys, list positions), so that the error names the place to change in the file."""
+
+    def __init__(self, why: str, where: tuple[str | int, ...] = ()):
+        super().__init__(why, where)
+        self.why, self.where = why, where
+
+    def __str__(self) -> str:
+        return f"{location(self.where)}: {self.why}" if self.where else self.why
+
+
+def location(where: tuple[str | int, ...]) -> str:
+    """A place in the data as a reader finds it in the file: arg_specs[5].dims[0]."""
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in where).lstrip(".")
 
 
 @functools.cache
@@ -55,7 +74,9 @@ def to_plain(value, hint=Any):
 
 
 def from_plain(hint, data):
-    """The value of type `hint` that `to_plain` wrote as `data`."""
+    """The value of type `hint` that `to_plain` wrote as `data`. PlainDataError, saying where, for
+    data `to_plain` does not write: a hand-edited file fails here, not later in a wrong value (a
+    string where a list belongs would be split into its characters)."""
     if data is None:
         return None
     if hint is Any or hint is dict:
@@ -66,30 +87,64 @@ def from_plain(hint, data):
     if dataclasses.is_dataclass(hint):
         return _dataclass_from_plain(hint, data)
     if origin is tuple:
-        return tuple(from_plain(h, v) for v, h in zip(data, _item_hints(args, len(data))))
+        _expect(data, list)
+        hints = _item_hints(args, len(data))
+        if len(hints) != len(data):
+            raise PlainDataError(f"expected a list of {len(hints)} items, found {len(data)}")
+        return tuple(_within(i, h, v) for i, (v, h) in enumerate(zip(data, hints)))
     if origin is dict:
         key, val = args
-        pairs = data.items() if key is str else data
-        return {from_plain(key, k): from_plain(val, v) for k, v in pairs}
-    if hint in (int, float, bool, str):
-        return hint(data)
+        if key is str:
+            _expect(data, dict)
+            return {k: _within(k, val, v) for k, v in data.items()}
+        _expect(data, list)
+        return dict(_within(i, tuple[key, val], pair) for i, pair in enumerate(data))
+    if hint in _JSON_FORMS:
+        _expect(data, hint)
+        try:
+            return hint(data)
+        except ValueError:  # a float written as a string is "nan", "inf" or "-inf"
+            raise PlainDataError(f"expected a number, found the string {json.dumps(data)}") from None
     raise TypeError(f"no plain form for a field typed {hint}")
 
 
+def _within(key: str | int, hint, data):
+    """`from_plain` of the part of the data at `key`, an error in it located there."""
+    try:
+        return from_plain(hint, data)
+    except PlainDataError as e:
+        raise PlainDataError(e.why, (key, *e.where)) from None
+
+
+# The JSON types `to_plain` writes for a field typed list (a tuple), dict or scalar; a float is
+# written as a string when it is not finite ("nan").
+_JSON_FORMS = {list: (list,), dict: (dict,), str: (str,), bool: (bool,), int: (int,), float: (int, float, str)}
+_JSON_NAMES = {list: "a list", dict: "an object", str: "a string", bool: "true or false", int: "an integer",
+               float: "a number"}
+
+
+def _expect(data, form: type) -> None:
+    """PlainDataError unless `data` is of the JSON type written for `form` (true is no number)."""
+    if isinstance(data, _JSON_FORMS[form]) and (form is bool or not isinstance(data, bool)):
+        return
+    found = f"the string {json.dumps(data)}" if isinstance(data, str) else json.dumps(data)[:40]
+    hint = f" (as a list of one item: [{json.dumps(data)}])" if form is list and isinstance(data, str) else ""
+    raise PlainDataError(f"expected {_JSON_NAMES[form]}, found {found}{hint}")
+
+
 def _dataclass_from_plain(cls: type, data: dict):
-    if not isinstance(data, dict):
-        raise ValueError(f"expected an object for {cls.__name__}, found {type(data).__name__}")
+    _expect(data, dict)
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ValueError(f"{cls.__name__} has no field {unknown[0]!r} (the file was written by another version "
-                         "of rhino_jax?)")
+        raise PlainDataError(f"{cls.__name__} has no field {unknown[0]!r} (the file was written by another version "
+                             "of rhino_jax?)")
     missing = [n for n, f in known.items() if n not in data and _hints(cls)[n] is not object
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise ValueError(f"{cls.__name__} lacks field {missing[0]!r} (the file was written by another version "
-                         "of rhino_jax?)")
-    return cls(**{n: from_plain(_hints(cls)[n], v) for n, v in data.items()})
+        raise PlainDataError(f"{cls.__name__} lacks field {missing[0]!r} (the file was written by another version "
+                             "of rhino_jax?)")
+    return cls(**{n: _within(n, _hints(cls)[n], v) for n, v in data.items()})
 
 
 def _at_default(f: dataclasses.Field, value) -> bool:

@@ -13,6 +13,7 @@ contracted dim leaves a partial sum, which splits no result dim), into an allowe
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ class CoShard(Named):
         return f"coshard({self.where!r}, chunks={self.chunks!r})"
 
 
+@functools.cache  # a glob is matched against every op's name, several times
 def _glob(where: str) -> re.Pattern:
     """`*` any run of characters, `?` one; everything else literal (argument paths hold brackets,
     which fnmatch would read as character classes)."""
@@ -121,16 +123,24 @@ def layout_allowed(constraints, path: str, spec, sizes: dict[str, int]) -> bool:
     return all(c.allows(held, sizes) for c in constraints if isinstance(c, OpTrans) and c.matches(names))
 
 
+def named(c: Named, graph: Graph) -> list[tuple[str, tuple[int, ...]]]:
+    """The ops and arguments of `graph` that `c` names, each as the error messages call it and
+    the shape of its result (an op's largest)."""
+    ops = [(f"op {n.name!r}", max((graph.values[r].shape for r in n.results), key=len, default=()))
+           for n in graph.nodes if n.name and c.matches((n.name,))]
+    return ops + [(f"argument {a.path}", graph.values[a.value].shape)
+                  for a in graph.args if c.matches(arg_names(a.path))]
+
+
 def unmatched(constraints, graph: Graph) -> list:
     """The constraints that name no op and no argument of `graph` (the whole step's); an
     `rj.op_order` names tasks, not ops, and is not one of them."""
-    names = [n.name for n in graph.nodes if n.name] + [x for a in graph.args for x in arg_names(a.path)]
-    return [c for c in constraints if isinstance(c, Named) and not any(c.matches((n,)) for n in names)]
+    return [c for c in constraints if isinstance(c, Named) and not named(c, graph)]
 
 
 def check_matched(constraints, graph: Graph) -> None:
     """A constraint that names nothing is a typo, not a wish: refuse it, showing the names the
-    step has."""
+    step has; so is an `op_trans` dim that nothing it names has (`_check_dims`)."""
     missing = unmatched(constraints, graph)
     if missing:
         ops = [n.name for n in graph.nodes if n.name and n.op.endswith(("dot_general", "convolution"))][:3]
@@ -140,6 +150,38 @@ def check_matched(constraints, graph: Graph) -> None:
             f"plan.report() prints them ({', '.join(repr(n) for n in ops) or 'none'}); arguments by their paths "
             f"({', '.join(repr(a[0]) + ' or ' + repr(a[2]) for a in args)}). Globs use * and ?, and match the "
             "whole name: start and end with * to match inside one")
+    for c in constraints:
+        if isinstance(c, OpTrans) and c.dims is not None:
+            _check_dims(c, graph)
+
+
+def _check_dims(c: OpTrans, graph: Graph) -> None:
+    """Refuse a dim of `c` past the result of every op and argument it names: it would be
+    dropped unseen, and with all its dims so, what it names would stay whole. A glob names
+    results of several ranks (a layer's kernel and its bias), each split only along the dims it
+    has, so a dim that some of them have is kept, the others staying whole along it."""
+    what, shape = max(named(c, graph), key=lambda t: len(t[1]))
+    rank = len(shape)
+    past = [d for d in c.dims if not -rank <= d < rank]
+    if past:
+        raise ConstraintError(f"{c}: dim {past[0]} is past the result of every op and argument it names (the one "
+                              f"of most dims is {what}, of shape {shape}); give dims d with {-rank} <= d < {rank} "
+                              "(negative from the end), or replicate=True to keep what it names whole")
+
+
+def check_parts(constraints, devices: int) -> None:
+    """Refuse a number of `op_trans` parts that does not divide the step's `devices`: no split of
+    them (its mesh's, a stage's, a candidate mesh's) makes it, so beside numbers that are made it
+    would be dropped unseen. Where none is made, the search refuses the constraint at the first
+    op it leaves no strategy, naming that op."""
+    for c in constraints:
+        if not isinstance(c, OpTrans) or c.parts is None:
+            continue
+        never = [p for p in c.parts if devices % p]
+        if never and len(never) < len(c.parts):
+            made = ", ".join(str(p) for p in range(1, devices + 1) if devices % p == 0)
+            raise ConstraintError(f"{c}: no split of the step's {devices} devices is {never[0]} parts; give numbers "
+                                  f"of parts that divide {devices} ({made})")
 
 
 def apply_constraints(constraints, graph: Graph, units, topo: MeshTopology) -> dict[str, int]:

@@ -1,4 +1,6 @@
 """Every bad input gets a clear error, or a documented safe behaviour."""
+import inspect
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -114,6 +116,23 @@ def test_bad_options_and_meshes_are_rejected():
     manual = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Manual,))
     with pytest.raises(rj.MeshError, match="Manual axes .*parallelize the step outside shard_map"):
         rj.parallelize(lambda x: x, mesh=manual)
+
+
+@pytest.mark.parametrize("pipeline", ["off", 1])
+def test_a_schedule_without_a_pipeline_says_to_pass_one(pipeline):
+    mesh = rj.device_mesh((8,), ("data",))
+    with pytest.raises(ValueError, match=r"schedule='gpipe' orders the tasks of pipeline stages.*pass pipeline=N"):
+        rj.parallelize(lambda x: x, mesh=mesh, pipeline=pipeline, schedule="gpipe")
+    with pytest.raises(ValueError, match="schedule='1f1b'"):  # the default too, when given
+        rj.parallelize(lambda x: x, mesh=mesh, pipeline=pipeline, schedule="1f1b")
+    rj.parallelize(lambda x: x, mesh=mesh, pipeline=2, num_micro_batches=2, schedule="gpipe")
+
+
+def test_an_unknown_option_names_the_closest():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'num_microbatches': did you mean "
+                                        r"'num_micro_batches'\?"):
+        rj.parallelize(lambda x: x, num_microbatches=4)
+    assert "num_micro_batches" in inspect.signature(rj.parallelize).parameters  # help() shows the options
 
 
 @pytest.mark.parametrize("spec", [None, "data"])

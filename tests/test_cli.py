@@ -1,5 +1,6 @@
 """python -m rhino_jax plan MODULE:FUNCTION: plans the step, prints the report, writes a plan file that
 this process would accept for the same step; bad command lines name what to change."""
+import json
 import os
 import re
 import subprocess
@@ -9,6 +10,7 @@ import textwrap
 import pytest
 
 import rhino_jax as rj
+import rhino_jax.cli
 from rhino_jax.cli import main
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import make_mlp_train_step, mlp_example
@@ -129,6 +131,38 @@ def test_a_bad_command_line_says_what_to_change(argv, message, workdir, capsys):
 ])
 def test_an_option_rhino_jax_refuses_is_an_error_not_a_traceback(argv, message, workdir, capsys):
     assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_show_refuses_a_hand_edited_plan_file_in_one_line(workdir, capsys):
+    """As Plan.load refuses it: the file, the tensor and what to change, no traceback."""
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",))).lower(*args).plan.save(workdir / "p.json")
+    data = json.loads((workdir / "p.json").read_text())
+    i = data["arg_paths"].index("arg[0][0]['w']")
+    data["arg_specs"][i]["dims"][0] = ["model"]
+    (workdir / "p.json").write_text(json.dumps(data))
+    assert main(["show", "p.json"]) == 1
+    shown = capsys.readouterr()
+    assert shown.out == ""
+    assert shown.err == (f"rhino_jax: error: p.json: the spec of arg[0][0]['w'] at arg_specs[{i}] names the axis "
+                         "'model', which the mesh [data=8] lacks; name axes of the mesh (data)\n")
+
+
+@pytest.mark.parametrize("out,message", [
+    ("missing/plan.json", r"--out missing/plan.json: there is no directory \S*missing; give the path of a file in a "
+                          "directory you may write"),
+    (".", r"--out \.: is a directory, not a file; give the path of a file"),
+], ids=["no-directory", "a-directory"])
+def test_an_out_path_that_cannot_be_written_is_refused_before_the_search(out, message, workdir, capsys, monkeypatch):
+    def no_search(*_args, **_kwargs):
+        raise AssertionError("searched for a plan that cannot be written")
+
+    monkeypatch.setattr(rhino_jax.cli, "parallelize", no_search)
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "tiny_step:setup", "--mesh", "8", "--out", out])
+    assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert re.search(message, err), err
 

@@ -179,6 +179,42 @@ def test_a_constraint_that_leaves_no_strategy_names_the_op_and_itself(lm):
         rj.parallelize(step, mesh=_mesh(), constraints=[three], progress=False).lower(*args)
 
 
+def test_a_dim_past_the_result_of_all_a_constraint_names_is_refused(lm):
+    """dims=5 on rank-2 kernels (and their Adam moments) would keep them whole, unseen."""
+    step, args, _ = lm
+    past = rj.op_trans("*Dense_0*kernel*", dims=5)
+    with pytest.raises(rj.ConstraintError, match=r"op_trans\('\*Dense_0\*kernel\*', dims=\(5,\)\): dim 5 is past .*"
+                                                 r"argument arg\[0\]\['Block_0'\]\['Dense_0'\]\['kernel'\], of shape "
+                                                 r"\(128, 32\).*give dims d with -2 <= d < 2"):
+        rj.parallelize(step, mesh=_mesh(), constraints=[past], progress=False).lower(*args)
+
+
+def test_a_dim_that_only_some_of_what_a_glob_names_has_is_kept():
+    """A glob naming a weight matrix, its bias and the input: dims=1, the matrices' last dim, plans
+    (the bias, which has no dim 1, stays whole); dims=2, no one's, is refused."""
+    def step(w, b, x):
+        return jax.numpy.tanh(x @ w + b).sum()
+
+    args = (jax.numpy.ones((32, 64)), jax.numpy.ones((64,)), jax.numpy.ones((16, 32)))
+
+    def lower(dims):
+        return rj.parallelize(step, mesh=_mesh(), constraints=[rj.op_trans("arg[?]", dims=dims)],
+                              progress=False).lower(*args)
+
+    assert not any(lower(1).plan.input_shardings[1].spec)
+    with pytest.raises(rj.ConstraintError, match=r"dim 2 is past .*argument arg\[0\], of shape \(32, 64\)"):
+        lower(2)
+
+
+def test_a_number_of_parts_no_split_of_the_devices_makes_is_refused(lm):
+    """16 parts of 8 devices would be dropped beside 4, unseen."""
+    step, args, _ = lm
+    with pytest.raises(rj.ConstraintError, match=r"parts=\(4, 16\)\): no split of the step's 8 devices is 16 parts; "
+                                                 r"give numbers of parts that divide 8 \(1, 2, 4, 8\)"):
+        rj.parallelize(step, mesh=_mesh(), constraints=[rj.op_trans(ATTENTION, parts=(4, 16))],
+                       progress=False).lower(*args)
+
+
 def test_a_constraint_that_names_nothing_is_refused(lm):
     step, args, _ = lm
     typo = rj.op_trans("*MultiHeadAttention*", replicate=True)

@@ -111,3 +111,16 @@ def test_top_k_lowered_as_sort_gives_xla_s_top_k_and_is_undone_after():
     for want, got in zip(jax.jit(by_xla)(rows), lowered.compile()(rows)):
         np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
     assert "top_k" in jax.jit(after).lower(rows).as_text()
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_key_impl_of_a_key_dtype_wraps_its_key_data_back(impl):
+    key = jax.random.key(7, impl=impl)
+    back = jax.random.wrap_key_data(jax.random.key_data(key), impl=internals.key_impl_of(key.dtype))
+    assert back.dtype == key.dtype
+    np.testing.assert_array_equal(jax.random.key_data(back), jax.random.key_data(key))
+
+
+def test_key_impl_of_names_the_supported_range_when_a_key_dtype_has_none():
+    with pytest.raises(UnsupportedJaxError, match=r"install a jax and jaxlib in that range"):
+        internals.key_impl_of(np.dtype(np.uint32))

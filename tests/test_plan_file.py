@@ -1,7 +1,10 @@
 """Plan files: `plan.save(path)` / `rj.Plan.load(path)` give back the same plan, and a plan is
 refused, naming the difference, when the program or mesh it is checked against is not its own."""
 import dataclasses
+import errno
 import json
+import os
+import re
 
 import jax
 import pytest
@@ -92,7 +95,8 @@ def test_a_plan_that_records_no_target_is_refused():
 
 @pytest.mark.parametrize("text,message", [
     ("not json", "plan.json: Expecting value"),
-    ('{"mesh_axes": {"data": 8}}', "not a rhino_jax plan file of format 2 \\(found none\\)"),
+    ('{"mesh_axes": {"data": 8}}', 'not a rhino_jax plan file: it holds an object without a "rhino_jax_plan" format '
+                                   'entry; give a file written by Plan.save or python -m rhino_jax plan'),
     ('{"rhino_jax_plan": 2, "mesh_axes": {}, "colour": 1}', "Plan has no field 'colour'"),
     ('{"rhino_jax_plan": 2, "mesh_axes": {}}', "Plan lacks field 'cluster'"),
 ])
@@ -100,6 +104,118 @@ def test_a_file_that_is_not_a_plan_says_so(text, message, tmp_path):
     (tmp_path / "plan.json").write_text(text)
     with pytest.raises(ValueError, match=message):
         rj.Plan.load(tmp_path / "plan.json")
+
+
+@pytest.mark.parametrize("found,message", [
+    (f'"{PLAN_FORMAT}"', f'format "{PLAN_FORMAT}" where this rhino_jax reads format {PLAN_FORMAT}: no rhino_jax writes '
+                         "that; plan again"),
+    (f"{PLAN_FORMAT - 1}", f"format {PLAN_FORMAT - 1} where this rhino_jax reads format {PLAN_FORMAT}: an older "
+                           "rhino_jax wrote it; plan again"),
+    (f"{PLAN_FORMAT + 1}", f"format {PLAN_FORMAT + 1} where this rhino_jax reads format {PLAN_FORMAT}: a newer "
+                           "rhino_jax wrote it; upgrade rhino_jax to load it, or plan again"),
+], ids=["string", "older", "newer"])
+def test_a_plan_file_of_another_format_names_both_formats_and_what_to_do(found, message, tmp_path):
+    (tmp_path / "plan.json").write_text(f'{{"rhino_jax_plan": {found}, "mesh_axes": {{}}}}')
+    with pytest.raises(ValueError) as refused:
+        rj.Plan.load(tmp_path / "plan.json")
+    assert str(refused.value) == f"{tmp_path / 'plan.json'}: the plan file is of {message} with this one"
+
+
+def _edited(plan, tmp_path, edit):
+    """The path of `plan` saved, then its data changed by `edit` as a hand would change the file."""
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("dims,message", [
+    ([["nope"], []], r"names the axis 'nope', which the mesh \[data=2 × model=4\] lacks; name axes of the mesh "
+                     r"\(data, model\)"),
+    (["model", []], r'\.dims\[0\]: expected a list, found the string "model" \(as a list of one item: \["model"\]\)'),
+    ([[], [], []], r"has 3 dims for a tensor of shape \[16, 12\]; give one entry per dim, 2 in all"),
+    ([["data"], ["model", "data"]], "names the axis 'data' more than once"),
+    ([[], ["data", "model"]], r"splits dim 1 of size 12 8 ways over data\+model, but 12 is not a multiple of 8; "
+                              "split it over axes whose sizes divide 12"),
+], ids=["axis", "string", "rank", "twice", "divisor"])
+def test_a_hand_edited_spec_the_mesh_cannot_lay_out_names_the_file_and_the_tensor(dims, message, tmp_path):
+    """Refused when the file is loaded, not later as XLA's error (or, for a string, split into
+    its characters, one axis each)."""
+    step, args = make_mlp_train_step(), mlp_example((16, 12, 16), 8, abstract=True)
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    plan = rj.parallelize(step, mesh=mesh).lower(*args).plan
+    i = plan.arg_paths.index("arg[0][0]['w']")
+
+    def edit(data):
+        data["arg_specs"][i]["dims"] = dims
+
+    path = _edited(plan, tmp_path, edit)
+    with pytest.raises(ValueError, match=message) as refused:
+        rj.parallelize(step, mesh=mesh, plan=path)
+    assert str(refused.value).startswith(f"{path}: the spec of arg[0][0]['w'] at arg_specs[{i}]")
+
+
+def test_a_bad_spec_in_a_program_plan_names_where_it_lies(tmp_path):
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    plan = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")), num_micro_batches=2).lower(*args).plan
+    spec = f"the spec of {plan.programs['apply_gradients'].arg_paths[1]} at programs.apply_gradients.arg_specs[1]"
+
+    def axis(data):
+        data["programs"]["apply_gradients"]["arg_specs"][1]["dims"][0] = ["nope"]
+
+    def string(data):
+        data["programs"]["apply_gradients"]["arg_specs"][1]["dims"] = "data"
+
+    with pytest.raises(ValueError, match=re.escape(f"{spec} names the axis 'nope'")):
+        rj.Plan.load(_edited(plan, tmp_path, axis))
+    with pytest.raises(ValueError, match=re.escape(f"{spec}.dims: expected a list")):
+        rj.Plan.load(_edited(plan, tmp_path, string))
+
+
+def test_a_plan_file_with_a_spec_missing_says_which_list_is_short(tmp_path):
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    plan = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",))).lower(*args).plan
+    n = len(plan.arg_paths)
+    with pytest.raises(ValueError, match=f"arg_specs has {n - 1} entries where arg_paths names {n} tensors; give one "
+                                         "entry per tensor"):
+        rj.Plan.load(_edited(plan, tmp_path, lambda data: data["arg_specs"].pop()))
+
+
+@pytest.mark.parametrize("failure", ["disk full", "not serialisable"])
+def test_a_save_that_fails_leaves_the_plan_file_that_was_there(failure, tmp_path, monkeypatch):
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    plan = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",))).lower(*args).plan
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    before = path.read_bytes()
+    if failure == "disk full":  # the new plan written, then the disk refuses to hold it
+        def full(_fd):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "fsync", full)
+        other, raised = dataclasses.replace(plan, cluster="another"), OSError
+    else:  # a search statistic JSON cannot hold: found only while the plan is serialised
+        other, raised = dataclasses.replace(plan, search_stats=dict(plan.search_stats, bad=object())), TypeError
+    with pytest.raises(raised):
+        other.save(path)
+    assert path.read_bytes() == before
+    assert rj.Plan.load(path) == plan
+    assert os.listdir(tmp_path) == ["plan.json"]  # no temporary file left behind
+
+
+def test_diff_takes_plan_files_and_refuses_what_is_not_a_plan(tmp_path):
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    a = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",))).lower(*args).plan
+    b = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model"))).lower(*args).plan
+    a.save(tmp_path / "a.json")
+    b.save(tmp_path / "b.json")
+    assert str(rj.diff(tmp_path / "a.json", str(tmp_path / "b.json"))) == str(rj.diff(a, b))
+    assert str(rj.diff(a, tmp_path / "b.json")) == str(rj.diff(a, b))
+    with pytest.raises(TypeError, match=r"b of rj.diff\(a, b\) must be a rhino_jax.Plan or the path of a saved one, "
+                                        "got int"):
+        rj.diff(a, 42)
 
 
 def test_parallelize_records_the_target_and_runs_a_saved_plan_without_a_search(tmp_path, monkeypatch):
