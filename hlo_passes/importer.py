@@ -12,12 +12,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as shlo
 
 from . import module as mod
 from .graph import Arg, Graph, Node, Pin, Value
+from .lowering import LoweredStep
 
 _ELEMENT_TYPES = {
     "f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64",
@@ -195,6 +197,23 @@ def parse_sdy_dims(text: str) -> tuple[tuple[str, ...] | None, ...]:
         axes = tuple(re.findall(r'"([^"]+)"', d))
         dims.append(None if ("?" in d and not axes) else axes)
     return tuple(dims)
+
+
+def import_step(step: LoweredStep) -> Graph:
+    """The Graph IR of a step lowered whole (`lowering.lower_on_mesh`), its typed PRNG keys (and any
+    other leaf of an extended dtype) among its arguments and results pinned whole: jax lays such a
+    leaf out along its own dims, while the module holds its key data, whose trailing dim of words
+    the leaf lacks, so a split the search made of the key data would be one jax cannot make."""
+    graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
+    values = [a.value for a, aval in zip(graph.args, jax.tree.leaves(step.lowered.in_avals)) if _extended(aval)]
+    values += [v for v, info in zip(graph.outputs, jax.tree.leaves(step.lowered.out_info)) if _extended(info)]
+    names = dict(zip(graph.outputs, graph.output_paths)) | {a.value: a.path for a in graph.args}
+    whole = tuple(Pin(v, ((),) * len(graph.values[v].shape), names[v]) for v in dict.fromkeys(values))
+    return graph.replace(pins=graph.pins + whole) if whole else graph
+
+
+def _extended(aval) -> bool:
+    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
 
 
 def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequence[str],

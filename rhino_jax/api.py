@@ -4,7 +4,9 @@
 static values, like jit), and returns a `Lowered`; `.compile()` rewrites the module with the plan
 and compiles it with XLA's SPMD partitioner; calling `step(*args, **kwargs)` does both once per
 signature and runs it. A call whose structure, avals and static values were seen before goes
-straight to the compiled program, putting only arrays not yet in its layouts.
+straight to the compiled program, putting only arrays not yet in its layouts. A step given no
+mesh and no devices plans for the mesh `jax.set_mesh` has in effect when it is lowered or called,
+as jax.jit reads it when tracing (one plan cache per mesh); with none set, it searches mesh shapes.
 """
 from __future__ import annotations
 
@@ -18,23 +20,24 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from jax.extend.mlir import ir
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
 from rhino_jax.hlo_passes.compiled_cost import xla_cost_analysis
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.hlo_stats import CollectiveStats, CompiledMemory, collective_stats, compiled_memory
-from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.importer import import_step
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_module
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import BACKENDS, get_cluster
 from rhino_jax.search.constraints import CoShard, OpAssign, check_matched, check_parts
+from rhino_jax.search.specs import ShardingSpec
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
 from .constraints import OpOrder
-from .errors import ConstraintError, MeshError, SolverInterruptedWarning, TracedCallWarning
+from .errors import ConstraintError, LayoutError, MeshError, TracedCallWarning
 from .explain import SearchInputs
 from .gpu_topology import described_mesh, refuse_described
 from .host_callbacks import refuse_deadlocking
@@ -46,7 +49,7 @@ from .micro_batched import MicroBatchedLowered
 from .multiprocess import agree
 from .pipelined import PipelinedLowered
 from .options import Options, device_memory, naming_the_closest
-from .plan import Plan
+from .plan import Plan, spec_problem
 from .plan_target import PlanTarget
 
 
@@ -76,13 +79,28 @@ def _leaf_key(x):
     return aval if aval is not None else (type(x), np.shape(x), getattr(x, "dtype", None))
 
 
-def _interrupted(plan: Plan) -> bool:
-    """Was a search behind the plan cut short (Ctrl-C)? Its plan is the best found so far."""
-    if getattr(plan, "interrupted", False):
-        return True
-    stats = [plan.search_stats, plan.search_stats.get("compute_gradients") or {}]
-    stats += [p.search_stats for st in plan.stages for p in (st.forward, st.backward) if p]
-    return any(s.get("status") == "interrupted" for s in stats)
+def _refuse_unlaid(plan: Plan, step: LoweredStep) -> None:
+    """A LayoutError naming the first argument or result whose sharding jax cannot lay out on the
+    array the user passes or gets (its own shape: a typed PRNG key's, not its key data's), said
+    before XLA's compile, where jax would fail with an IndexError or an error naming no tensor."""
+    sides = [(plan.arg_paths, jax.tree.leaves(step.lowered.in_avals), jax.tree.leaves(plan.input_shardings)),
+             (plan.output_paths, jax.tree.leaves(step.lowered.out_info), jax.tree.leaves(plan.output_shardings))]
+    for paths, avals, shardings in sides:
+        for path, aval, sharding in zip(paths, avals, shardings):
+            why = spec_problem(_as_spec(sharding.spec, len(aval.shape)), dict(sharding.mesh.shape), aval.shape)
+            if why:
+                keep = (f"pass constraints=[rj.op_trans({path!r}, replicate=True)]" if path.startswith("arg")
+                        else "pin it in the step where it is returned, rj.annotate(x, P())")
+                raise LayoutError(f"the plan lays out {path} ({aval.dtype}{list(aval.shape)}) as "
+                                  f"P{tuple(sharding.spec)}, which jax cannot make: the spec {why}. To keep it "
+                                  f"whole, {keep}")
+
+
+def _as_spec(spec: PartitionSpec, rank: int) -> ShardingSpec:
+    """A PartitionSpec as the plan's spec of an array of `rank` dims (the dims it leaves out not
+    split); one of more entries than dims keeps them all, for `spec_problem` to refuse."""
+    dims = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec)
+    return ShardingSpec(dims + ((),) * (rank - len(dims)))
 
 
 class Compiled:
@@ -259,6 +277,7 @@ class Lowered:
         `compiler_options` names it (`rj.CompiledMemoryWarning`)."""
         if compiler_options is None and self._compiled is not None:
             return self._compiled
+        _refuse_unlaid(self.plan, self._step)
         ins = jax.tree.leaves(self.plan.input_shardings)
         outs = jax.tree.leaves(self.plan.output_shardings)
         compiled = Compiled(self, compile_module(self._step.lowered, self._rewritten(), ins, outs, compiler_options,
@@ -283,41 +302,58 @@ class Parallelized:
         self.options = options
         self.arguments = arguments  # static and donated arguments
         self.given_plan = plan  # a saved plan to run instead of searching (`parallelize(plan=...)`)
-        self._cache: dict = {}  # `_signature` → Lowered
-        self._cut_short: set = set()  # the signatures whose last search Ctrl-C stopped
+        # `_signature` → Lowered; a plan Ctrl-C cut short stays too (marked interrupted), until
+        # `clear_cache`: a call of those shapes should not stop for another long search unasked
+        self._cache: dict = {}
         self._said_traced = False  # warned of a call inside a jax transformation (`_traced`)
         self._hits: dict = {}  # (structure, static values, leaf avals) → compiled: the call's fast path
+        self._on_meshes: dict = {}  # jax.set_mesh's mesh → this step planned on it (`_in_context`)
         functools.update_wrapper(self, getattr(fn, "_fun", fn))
 
     @property
     def donate_argnums(self) -> tuple[int, ...]:
         return self.arguments.donate_argnums
 
+    def clear_cache(self) -> None:
+        """Forget every plan and compiled program, as `jax.jit(f).clear_cache()` does: the next
+        call or `lower` searches again (after a Ctrl-C cut a search short, for the full search)."""
+        self._cache.clear()
+        self._hits.clear()
+        self._on_meshes.clear()
+
+    def _in_context(self) -> "Parallelized":
+        """The step to lower or call now: given no mesh and no devices, the one planned on the mesh
+        `jax.set_mesh` has in effect, as jax.jit reads it when tracing (kept per mesh, each with its
+        own plans); else, or with no mesh set, this one."""
+        if self.user_mesh is not None or self.devices is not None:
+            return self
+        mesh = context_mesh()
+        if mesh is None:
+            return self
+        if mesh not in self._on_meshes:
+            self._on_meshes[mesh] = Parallelized(self._fn, mesh, self.options, self.arguments)
+        return self._on_meshes[mesh]
+
     def lower(self, *args, **kwargs) -> Lowered:
         """The step lowered and planned for these arguments (the search runs here; cached per
-        shapes, dtypes, structure and static values, as jax.jit caches)."""
+        shapes, dtypes, structure and static values, as jax.jit caches, and per `jax.set_mesh`
+        mesh when `parallelize` was given none)."""
+        here = self._in_context()
+        if here is not self:
+            return here.lower(*args, **kwargs)
         call = self.arguments.call(self._fn, args, kwargs)
         key = _signature(call)
         lowered = self._cache.get(key)
         if lowered is None:
             check_parts(self.options.constraints, len(self.devices or jax.devices()) if self.mesh is None
                         else self.mesh.size)
-            if key in self._cut_short:
-                warnings.warn("Ctrl-C cut the last search for these arguments short, and its plan was used once: "
-                              "searching again in full (to keep a plan instead, save it, plan.save(path), and pass "
-                              "plan=path)", SolverInterruptedWarning, stacklevel=3)
-                self._cut_short.discard(key)
             with search_progress.shown(search_progress.enabled(self.options.progress)):
                 if self.options.pipeline == "auto":
                     lowered = choose(self, call, key)
                 else:
                     lowered = self.lower_with(self.options, call, key)
             agree(lowered.plan)  # the processes of a distributed job must compile one plan
-            # Ctrl-C: use this plan once, search again next time (a saved plan is what it is)
-            if self.given_plan is not None or not _interrupted(lowered.plan):
-                self._cache[key] = lowered
-            else:
-                self._cut_short.add(key)
+            self._cache[key] = lowered
         return lowered
 
     def lower_with(self, options: Options, call: Call, key):
@@ -344,7 +380,7 @@ class Parallelized:
             mesh = self.mesh
             step = lower_on_mesh(call.fn, call.args, mesh, call.donate_argnums, call.kwargs, call.donate_argnames,
                                  call.positions)
-            graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
+            graph = import_step(step)
             if self.given_plan is not None:  # a saved plan: no search, once it is shown to fit
                 step, graph = coshard_search.replay(step, graph, self.given_plan, options.constraints)
                 self.given_plan.check_matches(PlanTarget.of(step, mesh, donated_leaves(call)))
@@ -370,14 +406,12 @@ class Parallelized:
         leaves, tree = jax.tree.flatten((dyn_args, dyn_kwargs))
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self._traced(args, kwargs)
+        here = self._in_context()
         key = (tree, static, *map(_leaf_key, leaves))
-        compiled = self._hits.get(key)
+        compiled = here._hits.get(key)
         if compiled is None:
-            refuse_described(self.mesh if self.mesh is not None else self.devices)  # before a search for nothing
-            lowered = self.lower(*args, **kwargs)
-            compiled = lowered.compile()
-            if lowered is self._cache.get(lowered._signature):
-                self._hits[key] = compiled
+            refuse_described(here.mesh if here.mesh is not None else here.devices)  # before a search for nothing
+            compiled = here._hits[key] = here.lower(*args, **kwargs).compile()
         return compiled._dispatch(dyn_args, dyn_kwargs, leaves)
 
     def _traced(self, args, kwargs):

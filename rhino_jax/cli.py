@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 
 from .api import parallelize
-from .errors import RhinoError
+from .errors import GpuPluginError, RhinoError
 from .gpu_topology import GPUS, gpu_topology
 from .mesh import device_mesh
 from .plan import Plan, check_writable
@@ -157,7 +157,10 @@ def _described(text: str) -> list:
     if kind.lower() not in GPUS:
         raise UsageError(f"--topology {text}: unknown GPU kind {kind!r}; described GPUs are {', '.join(sorted(GPUS))}")
     jax.config.update("jax_platforms", "cpu")  # no GPU runtime needed: the devices are described
-    return gpu_topology(kind, int(hosts), int(per_host))
+    try:
+        return gpu_topology(kind, int(hosts), int(per_host))
+    except GpuPluginError as e:  # what this machine lacks for the flag, and the pip install that gives it
+        raise UsageError(f"--topology {text}: {e}") from None
 
 
 def _emulate_cpu_devices(n: int) -> None:

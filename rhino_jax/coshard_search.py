@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError
 from rhino_jax.hlo_passes import coshard as cut
 from rhino_jax.hlo_passes.graph import Graph
-from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.importer import import_step
 from rhino_jax.hlo_passes.lowering import LoweredStep
 from rhino_jax.search import progress
 from rhino_jax.search.constraints import CoShard
@@ -191,4 +191,4 @@ def _local(graph: Graph, free: Plan, topo: MeshTopology, chunking: cut.Chunking)
 def _rewritten(step: LoweredStep, graph: Graph, cuts: list[cut.Chunking]) -> tuple[LoweredStep, Graph]:
     module = cut.chunk(step.module, graph, cuts)
     step = dataclasses.replace(step, module=module)
-    return step, import_module(module, step.arg_paths, step.arg_roles, step.output_paths)
+    return step, import_step(step)

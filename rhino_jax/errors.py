@@ -22,6 +22,16 @@ class MeshError(RhinoError, ValueError):
     """The mesh or devices do not fit the request."""
 
 
+class LayoutError(RhinoError, ValueError):
+    """A plan lays out an argument or result of the step as jax cannot: a dim split by mesh axes
+    that do not divide it, or more dims split than the array has (a typed PRNG key's)."""
+
+
+class GpuPluginError(RhinoError, RuntimeError):
+    """Described GPUs (`rj.gpu_topology`) need jax's CUDA plugin of jaxlib's version, and it is
+    missing or of another version."""
+
+
 class SolverTimeLimitWarning(UserWarning):
     """The solver stopped at its time limit; the plan is feasible but may not be optimal."""
 

@@ -45,6 +45,8 @@ class SearchInputs:
     graph: Graph
     mesh: Mesh
     options: Options
+    # (argument, layout) → the alternative found, so that explaining an argument again searches nothing
+    found: dict[tuple[int, ShardingSpec], "Alternative"] = field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def cluster(self) -> Cluster:
@@ -168,24 +170,31 @@ def _alternatives(plan: Plan, inputs: SearchInputs, i: int, k: int) -> tuple[tup
         return (), f"not searched (alternatives=0; {len(others)} other layouts)"
     moves = _moves_s(plan, inputs, i)
     ranked = sorted(others, key=moves)[:k]
-    found = []
     t0 = time.perf_counter()
+    known = sum((i, layout) in inputs.found for layout in ranked)
     with search_progress.shown(search_progress.enabled(inputs.options.progress)):
         for layout in ranked:
-            search_progress.say("rhino_jax: explain %s: searching with it pinned to %s", arg.path, layout)
-            pinned = graph.replace(pins=graph.pins + (Pin(arg.value, layout.dims, arg.path),))
-            try:
-                alt = plan_on(pinned, inputs.topo, inputs.cluster, inputs.options, inputs.mesh)
-            except RhinoError as e:  # a memory limit no plan with it fits, a solver out of time
-                found.append(Alternative(layout, why=f"{type(e).__name__}: {str(e).splitlines()[0]}"))
-            else:
-                found.append(Alternative(layout, alt, alt.cost.total_s - plan.cost.total_s))
-    found.sort(key=lambda a: (a.plan is None, a.delta_s))
+            if (i, layout) not in inputs.found:
+                inputs.found[i, layout] = _alternative(plan, inputs, i, layout)
+    found = sorted((inputs.found[i, layout] for layout in ranked), key=lambda a: (a.plan is None, a.delta_s))
     which = (f"{len(ranked)} of its {len(others)} other layouts (those whose own moves cost least with the rest of "
              "the plan kept)" if len(ranked) < len(others) else f"its {len(others)} other layouts")
     said = (f"the best plan with it pinned to each layout below, searched again ({plan.opt_level}, this plan's "
-            f"options): {which}, in {time.perf_counter() - t0:.1f} s")
+            f"options): {which}, in {time.perf_counter() - t0:.1f} s"
+            + (f" ({known} searched by an earlier explain of it)" if known else ""))
     return tuple(found), said
+
+
+def _alternative(plan: Plan, inputs: SearchInputs, i: int, layout: ShardingSpec) -> Alternative:
+    """The best plan the search finds with argument i pinned to `layout`."""
+    arg = inputs.graph.args[i]
+    search_progress.say("rhino_jax: explain %s: searching with it pinned to %s", arg.path, layout)
+    pinned = inputs.graph.replace(pins=inputs.graph.pins + (Pin(arg.value, layout.dims, arg.path),))
+    try:
+        alt = plan_on(pinned, inputs.topo, inputs.cluster, inputs.options, inputs.mesh)
+    except RhinoError as e:  # a memory limit no plan with it fits, a solver out of time
+        return Alternative(layout, why=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    return Alternative(layout, alt, alt.cost.total_s - plan.cost.total_s)
 
 
 def _moves_s(plan: Plan, inputs: SearchInputs, i: int) -> Callable[[ShardingSpec], float]:
@@ -262,13 +271,13 @@ def plan_axes(plan: Plan) -> dict[str, int]:
 
 
 def all_collectives(plan: Plan) -> list[PlannedCollective]:
-    """The collectives of one step: a pipeline's apply-gradients programs' (in `plan.collectives`)
-    and its stages' forward and backward programs', once per micro-batch."""
-    out = list(plan.collectives)
+    """The collectives of one step that move data: a pipeline's apply-gradients programs' (in
+    `plan.collectives`) and its stages' forward and backward programs', once per micro-batch. One
+    over mesh axes of a single device (a layout naming an axis of size 1 on a stage's sub-mesh)
+    moves nothing, costs nothing and is no op XLA compiles: left out."""
     k = plan.search_stats.get("micro_batches", 1)
-    for st in plan.stages:
-        out += (list(st.forward.collectives) + list(st.backward.collectives if st.backward else ())) * k
-    return out
+    runs = [plan.collectives] + [p.collectives * k for st in plan.stages for p in (st.forward, st.backward) if p]
+    return [c for run in runs for c in run if c.group > 1]
 
 
 def _keys(path: str) -> list[str]:
@@ -306,19 +315,37 @@ def op_layer(where: str, layers: dict[str, str]) -> str:
     return "/".join(p for k, p in enumerate(parts[:-1]) if k == 0 or p != parts[k - 1])
 
 
-def by_kind(collectives: list[PlannedCollective]) -> dict[str, tuple[int, int, float]]:
-    """Kind → (count, bytes, seconds alone) of the collectives, kinds in the order they first run."""
-    out: dict[str, tuple[int, int, float]] = {}
+@dataclass(frozen=True)
+class Kind:
+    """Collectives of one kind, summed."""
+
+    count: int = 0
+    bytes: int = 0
+    alone_s: float = 0.0  # each priced alone, before XLA combines them
+    combined_s: float | None = 0.0  # their shares of the ops XLA combines them into; None: not kept
+
+    def add(self, c: PlannedCollective) -> "Kind":
+        combined = None if self.combined_s is None or c.combined_s is None else self.combined_s + c.combined_s
+        return Kind(self.count + 1, self.bytes + c.bytes, self.alone_s + c.time_s, combined)
+
+
+def by_kind(collectives: list[PlannedCollective]) -> dict[str, Kind]:
+    """Kind → the collectives of that kind summed, kinds in the order they first run."""
+    out: dict[str, Kind] = {}
     for c in collectives:
-        n, b, t = out.get(c.kind, (0, 0, 0.0))
-        out[c.kind] = (n + 1, b + c.bytes, t + c.time_s)
+        out[c.kind] = out.get(c.kind, Kind()).add(c)
     return out
 
 
 def _kinds(collectives: list[PlannedCollective]) -> str:
-    """Collectives summed by kind: "all-gather ×2 (512.0 KiB, 37.6 µs alone)"."""
-    return ", ".join(f"{kind} ×{n} ({_bytes(b)}, {t * 1e6:.1f} µs alone)"
-                     for kind, (n, b, t) in by_kind(collectives).items())
+    """Collectives summed by kind: "all-gather ×2 (512.0 KiB, 2.41 µs in the step, 37.6 µs alone)"."""
+    return ", ".join(f"{kind} ×{k.count} ({_bytes(k.bytes)}, {times(k)})" for kind, k in by_kind(collectives).items())
+
+
+def times(k: Kind) -> str:
+    """What collectives summed by kind cost: in the step (as XLA combines them) and alone."""
+    alone = f"{k.alone_s * 1e6:.1f} µs alone"
+    return alone if k.combined_s is None else f"{k.combined_s * 1e6:.3g} µs in the step ({alone})"
 
 
 def _bytes(n: float) -> str:
@@ -331,6 +358,9 @@ def _bytes(n: float) -> str:
 def _ms(seconds: float, sign: bool = False) -> str:
     """Seconds in ms to the tenth of a µs (a difference of -0.00001 µs prints as +0.0000)."""
     return f"{round(seconds * 1e3, 4) + 0.0:{'+' if sign else ''}.4f} ms"
+
+
+MAX_ROWS = 20  # layouts rj.diff lists; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -348,7 +378,8 @@ class LayoutChange:
 class PlanDiff:
     """`rj.diff(a, b)`: print it, or read the changes and the deltas (b minus a)."""
 
-    changes: tuple[LayoutChange, ...]  # largest argument first
+    changes: tuple[LayoutChange, ...]  # held otherwise by the devices; largest argument first
+    renamed: tuple[LayoutChange, ...]  # named otherwise (other meshes), each device holding the same slice
     a: PlanCost
     b: PlanCost
     # b minus a
@@ -365,7 +396,13 @@ class PlanDiff:
 def diff(a: Plan | str | os.PathLike, b: Plan | str | os.PathLike) -> PlanDiff:
     """The arguments two plans of one step (each a Plan or the path of a saved one) lay out
     differently, and what b costs more than a (step, compute, communication, memory, collectives
-    as XLA combines them). ValueError for plans of different steps (other arguments)."""
+    as XLA combines them). Layouts are compared as the devices hold them (`holdings`): [data+model, -]
+    on a (2, 4) mesh and [data, -] on an (8,) mesh of the same devices are one layout. Devices are
+    the plans' own (`plan.input_shardings`) where both have them; where one has none (a plan loaded
+    from a file, or made for described GPUs and saved) each device is its position in its mesh's
+    device order, row-major, as `rj.device_mesh` lays devices out, so two plans are compared as if
+    both meshes were built over one list of devices. ValueError for plans of different steps
+    (other arguments)."""
     a, b = as_plan(a, "a of rj.diff(a, b)"), as_plan(b, "b of rj.diff(a, b)")
     for what, x, y in (("argument paths", a.arg_paths, b.arg_paths), ("argument shapes", a.arg_shapes, b.arg_shapes),
                        ("argument dtypes", a.arg_dtypes, b.arg_dtypes)):
@@ -374,10 +411,21 @@ def diff(a: Plan | str | os.PathLike, b: Plan | str | os.PathLike) -> PlanDiff:
             at = [repr(seq[k]) if k < len(seq) else "nothing" for seq in (x, y)]
             raise ValueError(f"rj.diff compares two plans of one step, but their {what} differ (a has {len(x)}, b "
                              f"{len(y)}; the first difference, at {k}: {at[0]} in a, {at[1]} in b)")
+    meshes_a, meshes_b = arg_meshes(a), arg_meshes(b)
+    by_ids = meshes_a is not None and meshes_b is not None
+    if not by_ids:
+        meshes_a, meshes_b = _positions(a), _positions(b)
     sizes = [int(np.prod(sh, dtype=np.int64)) * dtype_size(dt) for sh, dt in zip(a.arg_shapes, a.arg_dtypes)]
-    changed = sorted((i for i in range(len(a.arg_paths)) if a.arg_specs[i] != b.arg_specs[i]), key=lambda i: -sizes[i])
-    changes = tuple(LayoutChange(a.arg_paths[i], tuple(a.arg_shapes[i]), a.arg_dtypes[i], a.arg_specs[i],
-                                 b.arg_specs[i]) for i in changed)
+    changes: list[LayoutChange] = []
+    renamed: list[LayoutChange] = []
+    for i in sorted(range(len(a.arg_paths)), key=lambda i: -sizes[i]):
+        if a.arg_specs[i] == b.arg_specs[i] and meshes_a[i] == meshes_b[i]:
+            continue
+        ch = LayoutChange(a.arg_paths[i], tuple(a.arg_shapes[i]), a.arg_dtypes[i], a.arg_specs[i], b.arg_specs[i])
+        if holdings(ch.a, ch.shape, *meshes_a[i]) != holdings(ch.b, ch.shape, *meshes_b[i]):
+            changes.append(ch)
+        elif ch.a != ch.b:
+            renamed.append(ch)
     ca, cb = a.cost, b.cost
     step, compute, comm = cb.total_s - ca.total_s, cb.compute_s - ca.compute_s, cb.comm_s - ca.comm_s
     memory = cb.memory_bytes - ca.memory_bytes
@@ -390,8 +438,57 @@ def diff(a: Plan | str | os.PathLike, b: Plan | str | os.PathLike) -> PlanDiff:
              f"{_bytes(sa.get(kind, (0, 0))[1])} → {_bytes(sb.get(kind, (0, 0))[1])}"
              for kind in sorted(set(sa) | set(sb)) if sa.get(kind) != sb.get(kind)]
     lines.append("collectives (as XLA combines them): " + ("; ".join(moved) or "the same"))
-    lines.append(f"layouts that differ: {len(changes)} of {len(a.arg_paths)} arguments"
-                 + (" (largest first):" if changes else ""))
-    width = max((len(ch.path) for ch in changes), default=0)
-    lines += [f"  {ch.path:<{width}}  {str(ch.shape):<16} {str(ch.a):<16} → {ch.b}" for ch in changes]
-    return PlanDiff(changes, ca, cb, step, compute, comm, memory, "\n".join(lines))
+    devices = "device ids of the plans' meshes" if by_ids else "devices by their position in each mesh, row-major"
+    lines.append(f"layouts that differ (which device holds which slice; {devices}): {len(changes)} of "
+                 f"{len(a.arg_paths)} arguments" + (" (largest first):" if changes else ""))
+    lines += _rows(changes[:MAX_ROWS], len(changes))
+    if renamed:
+        ch = renamed[0]
+        lines.append(f"named otherwise, laid out alike: {len(renamed)} arguments (each device holds the same slice), "
+                     f"e.g. {ch.path} {ch.a} on {mesh_label(plan_axes(a))}, {ch.b} on {mesh_label(plan_axes(b))}")
+    return PlanDiff(tuple(changes), tuple(renamed), ca, cb, step, compute, comm, memory, "\n".join(lines))
+
+
+def _rows(shown: list[LayoutChange], total: int) -> list[str]:
+    """The changes shown, one a line, and how many more of `total` there are."""
+    width = max((len(ch.path) for ch in shown), default=0)
+    rows = [f"  {ch.path:<{width}}  {str(ch.shape):<16} {str(ch.a):<16} → {ch.b}" for ch in shown]
+    return rows + ([f"  ... and {total - len(shown)} more"] if total > len(shown) else [])
+
+
+def holdings(spec: ShardingSpec, shape: tuple[int, ...], axes: dict[str, int], devices: tuple[int, ...]
+             ) -> dict[int, tuple[tuple[int, int], ...]]:
+    """Device → the [start, stop) of each dim it holds of a tensor of `shape` laid out as `spec`
+    on a mesh of `axes` whose devices (ids or positions) are `devices`, row-major: what jax's
+    `NamedSharding(mesh, spec).devices_indices_map(shape)` says, without needing the devices.
+    A dim split over several axes takes the first as the major one, as a PartitionSpec does; a
+    strided dim is read in its split form (`ShardingSpec.split`)."""
+    shape, spec = spec.split(tuple(shape), axes)
+    out = {}
+    for device, at in zip(devices, np.ndindex(*axes.values())):
+        coord = dict(zip(axes, at))
+        held = []
+        for size, dim_axes in zip(shape, spec.dims):
+            k, n = 0, 1
+            for axis in dim_axes:
+                k, n = k * axes[axis] + coord[axis], n * axes[axis]
+            held.append((k * size // n, (k + 1) * size // n))
+        out[device] = tuple(held)
+    return out
+
+
+def arg_meshes(plan: Plan) -> list[tuple[dict[str, int], tuple[int, ...]]] | None:
+    """Each argument's mesh, as (axis sizes, device ids row-major), from the plan's shardings (a
+    pipeline's state on its stage's sub-mesh); None for a plan that has none."""
+    leaves = jax.tree.leaves(plan.input_shardings) if plan.input_shardings is not None else []
+    if len(leaves) != len(plan.arg_paths):
+        return None
+    return [(dict(zip(s.mesh.axis_names, s.mesh.devices.shape)), tuple(int(d.id) for d in s.mesh.devices.flat))
+            for s in leaves]
+
+
+def _positions(plan: Plan) -> list[tuple[dict[str, int], tuple[int, ...]]]:
+    """Each argument's mesh with its devices as positions: the mesh its layout names (a stage's
+    sub-mesh for a pipeline, `plan_axes`)."""
+    axes = plan_axes(plan)
+    return [(axes, tuple(range(int(np.prod(list(axes.values()), dtype=np.int64)))))] * len(plan.arg_paths)

@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from rhino_jax.search.cluster import Cluster, get_cluster, is_described
 
-from .errors import MeshError, RhinoError
+from .errors import GpuPluginError, MeshError, RhinoError
 
 
 class DescribedDeviceError(RhinoError, RuntimeError):
@@ -128,7 +128,9 @@ def gpu_topology(kind: str = "h100", hosts: int = 1, devices_per_host: int = 8) 
         topology = topologies.get_topology_desc(platform="cuda", target_config=spec.target_config(),
                                                 topology=f"1x{hosts}x{devices_per_host}")
     except Exception as e:  # no CUDA plugin, or one of another version than jaxlib
-        raise RuntimeError(f"jax cannot describe {kind} GPUs here ({type(e).__name__}: {e}); {_plugin_hint()}") from e
+        said = str(e).strip().splitlines()[:1]  # the cause in one line, before what to do
+        raise GpuPluginError(f"jax cannot describe {kind} GPUs here ({': '.join([type(e).__name__, *said])}); "
+                             f"{_plugin_hint()}") from e
     return sorted(topology.devices, key=lambda d: (d.process_index, d.id))
 
 

@@ -28,10 +28,11 @@ from dataclasses import dataclass, replace
 from jax.sharding import Mesh
 
 from rhino_jax.hlo_passes.graph import Graph
-from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.importer import import_step
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.search import interrupt, progress
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster, host_ids
+from rhino_jax.search.combining import shares
 from rhino_jax.search.constraints import check_matched
 from rhino_jax.search.gemm_workspace import with_gemm_workspaces
 from rhino_jax.search.levels import Budget
@@ -72,12 +73,16 @@ class _Candidate:
 
 
 def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options, mesh: Mesh | None = None) -> Plan:
-    """The search, with the user's options, on one mesh (Ctrl-C: `search.interrupt`); with the
-    mesh at hand (not in a worker process), its memory counts the GEMM temporaries XLA makes for
-    the mesh's devices (`gemm_workspace`)."""
+    """The search, with the user's options, on one mesh (Ctrl-C: `search.interrupt`), each
+    collective with its share of the step's communication (`combining.shares`: what a report
+    or a picture per layer shows beside the step); with the mesh at hand (not in a worker
+    process), its memory counts the GEMM temporaries XLA makes for the mesh's devices
+    (`gemm_workspace`)."""
     plan = search(graph, topo, cluster, opt_level=options.opt_level, backend=options.solver,
                   time_limit_s=seconds_left(options), memory_limit_bytes=options.memory_limit_bytes,
                   strided=options.strided_specs, constraints=options.constraints)
+    plan = replace(plan, collectives=tuple(replace(c, combined_s=s)
+                                           for c, s in zip(plan.collectives, shares(plan.collectives, topo))))
     return plan if mesh is None else with_gemm_workspaces(plan, graph, topo, mesh.devices.flat[0])
 
 
@@ -111,7 +116,7 @@ def _lower(c: _Candidate, call: Call, cluster: Cluster) -> None:
             raise
         c.error, c.done = f"{type(e).__name__}: {e}", True
     else:
-        c.graph = import_module(c.step.module, c.step.arg_paths, c.step.arg_roles, c.step.output_paths)
+        c.graph = import_step(c.step)
         c.topo = MeshTopology.from_mesh(c.mesh, cluster)
     c.seconds += time.perf_counter() - t0
 

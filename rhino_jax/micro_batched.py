@@ -28,7 +28,7 @@ from rhino_jax.hlo_passes.jax_internals import key_impl_of
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_program
-from rhino_jax.search import interrupt
+from rhino_jax.search import interrupt, progress
 from rhino_jax.search.cluster import MeshTopology, get_cluster
 from rhino_jax.search.constraints import check_matched
 
@@ -307,6 +307,7 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         summary = _summary(compute_plan, apply_plan, k, compute_graph, self.named_on, self._trees, self.accumulate)
         self.plan = dataclasses.replace(summary,
                                         programs=self.programs, target=target)
+        say_step(self.plan, f"{k} micro-batches")
 
     def _compile_with(self, compiler_options: dict | None) -> "MicroBatchedCompiled":
         return MicroBatchedCompiled(self, compiler_options)
@@ -315,10 +316,18 @@ class MicroBatchedLowered(SeveralProgramsLowered):
 def program_plan(name: str, target: PlanTarget, given: Plan | None, search: Callable[[], Plan]) -> Plan:
     """The plan of one program of the step (`name` as in `compiled.programs`) cut now as
     `target` (`PlanTarget.of_program`): the saved plan's (`given`), once it is shown to be made
-    for this program, else `search()`'s, recording the program it was made for."""
+    for this program, else `search()`'s, recording the program it was made for. The progress
+    line names the program first: what its search then predicts is one run of that program."""
     if given is not None:
         return given.program(name, target)
+    progress.say("rhino_jax: program %s (what its search predicts is one run of it, not the step)", name)
     return dataclasses.replace(search(), target=target)
+
+
+def say_step(plan: Plan, how: str) -> None:
+    """Say the step's predicted time, as its report does, once its programs are planned: the
+    progress line ends on it rather than on its last program's prediction."""
+    progress.say("rhino_jax: %s: predicted step %.4g ms", how, plan.cost.total_s * 1e3)
 
 
 def _same_layouts(apply_graph: Graph, compute_graph: Graph, compute_plan: Plan) -> tuple[Pin, ...]:

@@ -61,8 +61,8 @@ from .gpu_topology import refuse_described
 from .mesh_search import plan_on
 from .arguments import Call, call_tree
 from .micro_batched import (APPLY_WEIGHT, SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of,
-                            accumulated, add_up, flat_call, named, program_plan, split_step, summed_bytes,
-                            with_index)
+                            accumulated, add_up, flat_call, named, program_plan, say_step, split_step,
+                            summed_bytes, with_index)
 from .options import Options, budget_of, device_memory, seconds_left, within
 from .plan import Plan, PlanCost, StagePlan, place_name, program_name
 from .plan_target import PlanTarget, PlanTargetError
@@ -315,6 +315,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         self.apply_tasks = _apply_tasks(self._applies, self._home, len(cg.args))
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.plan = dataclasses.replace(self._summary(staged), placement=place, target=target)
+        say_step(self.plan, f"pipeline of {p} stages ({self.schedule.name}, {k} micro-batches)")
 
     def _together(self, s: int) -> tuple[int, ...]:
         """The places that run on place s's devices: every device's places, a stage's passes, or s alone."""
@@ -406,7 +407,8 @@ class PipelinedLowered(SeveralProgramsLowered):
                             for s, st in enumerate(self.stages)), total("hidden_s"))
         whole, ag, n = self._step.whole, self._step.apply_graph, len(self._step.compute_graph.args)
         plans = [plan for _, _, plan in self._applies]
-        stats = dict(_searches([plan.search_stats for plan in plans]), pipeline=len(self.stage_meshes),
+        stats = dict(_searches({program_name("A", prog.stage, prog.wave): plan.search_stats
+                                for prog, _, plan in self._applies}), pipeline=len(self.stage_meshes),
                      schedule=self.schedule.name, micro_batches=self.k, **staged, transfer_s=transfer_s,
                      **({"schedule_order": self.schedule.rows()}
                         if self.schedule.name == "op_order" or self.shared else {}),
@@ -584,9 +586,11 @@ def _apply_tasks(applies: list[Planned], home: dict[int, int], n: int) -> tuple[
                  for prog, _, _ in applies)
 
 
-def _searches(stats: list[dict]) -> dict:
-    """apply-gradients' programs' searches as one search line: sizes and times added up, the
-    worst status (interrupted, then any other than optimal) with its figures, the largest gap."""
+def _searches(named: dict[str, dict]) -> dict:
+    """apply-gradients' programs' searches (by program name) as one search line: sizes and times
+    added up (each program's ILPs one after another, named by their program), the worst status
+    (interrupted, then any other than optimal) with its figures, the largest gap."""
+    stats = list(named.values())
     worst = max(stats, key=lambda st: (st.get("status") == "interrupted", st.get("status") != "optimal"))
     out = dict(worst)
     for key in ("ops", "critical_nodes", "subgraphs", "groups", "tied_segments", "ilp_groups", "ilp_vars",
@@ -598,6 +602,9 @@ def _searches(stats: list[dict]) -> dict:
     gaps = [st.get("gap", 0.0) for st in stats]
     out["gap"] = float("nan") if any(np.isnan(g) for g in gaps) else max(gaps)
     out["not_replicated"] = tuple(x for st in stats for x in st.get("not_replicated", ()))
+    out["stages"] = [x for st in stats for x in st.get("stages", ())]
+    out["stage_names"] = [name if len(st.get("stage_names", ())) == 1 else f"{name} {x}"
+                          for name, st in named.items() for x in st.get("stage_names", ())]
     return out
 
 

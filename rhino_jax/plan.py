@@ -15,8 +15,8 @@ import numpy as np
 from rhino_jax.hlo_passes.graph import dtype_size
 from rhino_jax.runtime.schedules import Schedule, make as make_schedule
 from rhino_jax.runtime.task_graph import TaskGraph, build as build_task_graph
-from rhino_jax.search.cluster import combiner_for
-from rhino_jax.search.combining import combined_collectives
+from rhino_jax.search.cluster import BACKENDS, combiner_for
+from rhino_jax.search.combining import combine, combined_collectives
 from rhino_jax.search.specs import ShardingSpec
 
 from .plain_data import PlainDataError, from_plain, location, to_plain
@@ -56,6 +56,9 @@ class PlannedCollective:
     branch: tuple[int, ...] = ()  # the conditional branches it runs in (`Node.attrs["branch"]`), outermost first
     group: int = 1  # devices in each of its groups (the product of its axes' sizes)
     dtype: str = ""  # the element type it moves (XLA combines all-reduces of one type only)
+    # its share of its program's communication: the time of the op XLA combines it into, split
+    # among that op's members by bytes (`combining.shares`); None in a plan saved before it was kept
+    combined_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -202,11 +205,15 @@ class Plan:
         """kind → (count, bytes) of the collectives a backend's XLA compiles for this plan, once
         its combiners have merged independent ones (default: the cluster's backend; "cpu" to
         compare with a program compiled here)."""
+        return {kind: (n, b) for kind, (n, b, _) in self.combined_kinds(backend).items()}
+
+    def combined_kinds(self, backend: str | None = None) -> dict[str, tuple[int, int, int]]:
+        """kind → (count, bytes, planned collectives merged into them) of `collective_summary`."""
         combiner = combiner_for(backend or self.backend)
-        out: dict[str, tuple[int, int]] = {}
-        for c in combined_collectives(self.collectives, combiner):
-            n, b = out.get(c.kind, (0, 0))
-            out[c.kind] = (n + 1, b + c.bytes)
+        out: dict[str, tuple[int, int, int]] = {}
+        for group, c in zip(combine(self.collectives, combiner), combined_collectives(self.collectives, combiner)):
+            n, b, m = out.get(c.kind, (0, 0, 0))
+            out[c.kind] = (n + 1, b + c.bytes, m + len(group))
         return out
 
     def mesh_candidates_report(self) -> str:
@@ -336,7 +343,7 @@ class Plan:
                 f"({s['critical_proportion']:.1%}), {s['subgraphs']} segments{tied}; {s['groups']} cones",
                 f"search          ILP over {s['ilp_groups']} groups: {s['ilp_vars']} vars, "
                 f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
-                f"({how}) in {s['solve_s']:.2f} s"]
+                f"({how}) in {s['solve_s']:.2f} s" + _solves(s)]
             if s.get("pipeline_candidates"):
                 lines.append("pipeline='auto' (chosen first): " + "; ".join(
                     (f"{c.label} {c.step_s * 1e3:.4g} ms, {c.memory_bytes / 2**30:.3g} GiB/device"
@@ -391,30 +398,57 @@ class Plan:
                              f"{forced}")
         if self.mesh_candidates:
             lines += ["", self.mesh_candidates_report()]
-        lines += ["", f"largest arguments (of {len(self.arg_paths)}):",
-                  f"  {'argument':<44} {'role':<16} {'shape':<18} {'MiB':>8}  spec"]
         sizes = [int(np.prod(sh, dtype=np.int64)) * dtype_size(dt) for sh, dt in zip(self.arg_shapes, self.arg_dtypes)]
-        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i])[:max_tensors]:
+        largest = sorted(range(len(sizes)), key=lambda i: -sizes[i])[:max_tensors]
+        lines += ["", f"largest arguments (showing {len(largest)} of {len(self.arg_paths)}):",
+                  f"  {'argument':<44} {'role':<16} {'shape':<18} {'MiB':>8}  spec"]
+        for i in largest:
             lines.append(f"  {self.arg_paths[i][:44]:<44} {self.arg_roles[i]:<16} "
                          f"{str(self.arg_shapes[i]):<18} {sizes[i] / 2**20:>8.2f}  {self.arg_specs[i]}")
-        summary = self.collective_summary()
-        lines += ["", "predicted collectives:"]
-        if not summary:
-            lines.append("  none")
-        for kind, (n, b) in sorted(summary.items()):
-            alone = sum(c.kind == kind for c in self.collectives)
-            merged = f"  ({alone} combined by XLA)" if alone > n else ""
-            lines.append(f"  {kind:<16} {n:>5} ops {b / 2**20:>10.3f} MiB{merged}")
-        heavy = sorted(self.collectives, key=lambda c: -c.time_s)[:6]
-        for col in heavy:
-            lines.append(f"    {col.kind:<14} over {'+'.join(col.axes):<12} {col.bytes / 2**10:>10.1f} KiB "
-                         f"{col.time_s * 1e6:>9.1f} µs  at {col.where[:60]}")
+        lines += self._collective_lines()
         if self.fallback_ops:
             lines += ["", f"ops with no sharding rule, kept replicated ({len(self.fallback_ops)}):"]
             lines += [f"  {op}" for op in self.fallback_ops[:10]]
             if len(self.fallback_ops) > 10:
                 lines.append(f"  ... and {len(self.fallback_ops) - 10} more")
         return "\n".join(lines)
+
+    def _collective_lines(self, slowest: int = 6) -> list[str]:
+        """The report's predicted collectives: as the cluster's backend compiles them (what the
+        predicted step prices); where the plan was made on devices of another backend (8 CPU
+        devices standing for GPUs), also as that one compiles them, the figures `compile().report()`
+        sets beside the compiled program's; then the `slowest` alone."""
+        lines = ["", f"predicted collectives, as XLA's {self.backend} backend combines them (what the predicted "
+                 "step prices):", *self._kinds_lines(self.backend)]
+        here = self.target.platform if self.target is not None else self.backend
+        if here in BACKENDS and self.combined_kinds(here) != self.combined_kinds():
+            lines += [f"as XLA's {here} backend compiles them for this plan's {here} devices (compile().report() "
+                      "sets these beside the compiled program's):", *self._kinds_lines(here)]
+        if self.collectives:
+            heavy = sorted(self.collectives, key=lambda c: -c.time_s)[:slowest]
+            lines.append(f"slowest alone, before XLA combines them (showing {len(heavy)} of {len(self.collectives)}):")
+            lines += [f"  {c.kind:<14} over {'+'.join(c.axes):<12} {c.bytes / 2**10:>10.1f} KiB "
+                      f"{c.time_s * 1e6:>9.1f} µs  at {c.where[:60]}" for c in heavy]
+        return lines
+
+    def _kinds_lines(self, backend: str) -> list[str]:
+        summary = self.combined_kinds(backend)
+        return [f"  {kind:<16} {n:>5} ops {b / 2**20:>10.3f} MiB" + (f"  ({m} combined by XLA)" if m > n else "")
+                for kind, (n, b, m) in sorted(summary.items())] or ["  none"]
+
+
+def _solves(stats: dict) -> str:
+    """The search line's tail: each ILP's time where the search solved several (the progress line
+    says each one's as it ends, "ILP optimal in 7.84 s"), and the ILP's own estimate of the step,
+    the progress line's "predicted", which the predicted step refines by replaying XLA's combiners
+    on the chosen collectives. No estimate for a step run as several programs (the search line is
+    one program's) nor for a memory-limit trial (its objective prices memory too)."""
+    names = stats.get("stage_names", ())
+    parts = [f"{name} {stage[3]:.2f} s" for name, stage in zip(names, stats.get("stages", ()))]
+    out = f" ({', then '.join(parts)})" if len(parts) > 1 else ""
+    if "objective_s" in stats and not stats.get("micro_batches") and not stats.get("memory_weight_s"):
+        out += f"; the ILP's estimate of the step {stats['objective_s'] * 1e3:.4g} ms"
+    return out
 
 
 def as_plan(plan: Plan | str | os.PathLike, name: str) -> Plan:
@@ -530,13 +564,13 @@ def _check_specs(plan: Plan) -> None:
                                      f"{location((*where, paths))} names {n} tensors; give one entry per tensor")
         for specs, shapes in (("arg_specs", p.arg_shapes), ("output_specs", (None,) * len(p.output_specs))):
             for i, (spec, shape) in enumerate(zip(getattr(p, specs), shapes)):
-                why = _spec_problem(spec, p.mesh_axes, shape)
+                why = spec_problem(spec, p.mesh_axes, shape)
                 if why:
                     tensor = getattr(p, _SPEC_PATHS[specs])[i]
                     raise ValueError(f"the spec of {tensor} at {location((*where, specs, i))} {why}")
 
 
-def _spec_problem(spec: ShardingSpec, mesh_axes: dict[str, int], shape: tuple[int, ...] | None) -> str | None:
+def spec_problem(spec: ShardingSpec, mesh_axes: dict[str, int], shape: tuple[int, ...] | None) -> str | None:
     """Why the mesh cannot lay out a tensor of `shape` (None: not recorded, as an output's) as
     `spec`, and what to change; None when it can."""
     used = spec.used_axes()

@@ -189,3 +189,17 @@ def combined_time(planned: Sequence[Planned], topo: MeshTopology) -> tuple[float
         total += time
         off_chain += time if planned[group[0]].combinable else 0.0
     return total, off_chain
+
+
+def shares(planned: Sequence[Planned], topo: MeshTopology) -> list[float]:
+    """Each planned collective's share of `combined_time`'s total: the time of the op XLA
+    combines it into, split among that op's members by their bytes. A layer's shares add up to
+    what its collectives cost the step, where their times alone add up to far more (each pays
+    a launch that the combined op pays once)."""
+    out = [0.0] * len(planned)
+    for group in combine(planned, topo.combiner):
+        time = _merged(planned, group, topo.combiner).time(topo)
+        total = sum(planned[i].bytes for i in group)
+        for i in group:
+            out[i] = time * planned[i].bytes / total if total else time / len(group)
+    return out

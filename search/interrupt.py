@@ -49,7 +49,8 @@ def check() -> None:
 
 
 def warn(what: str, stacklevel: int = 3) -> None:
-    """Tell the user that Ctrl-C stopped `what` and its plan is not optimal."""
+    """Tell the user that Ctrl-C stopped `what`, that its plan is not optimal, and how to search
+    again: the parallelized step keeps the plan for these argument shapes, as it keeps any."""
     warnings.warn(f"{what} interrupted (Ctrl-C): the solver stopped, and the plan is the best found so far, not "
-                  "optimal (it is not cached: lower the step again for a full search)", SolverInterruptedWarning,
-                  stacklevel=stacklevel + 1)
+                  "optimal; the step keeps it for these argument shapes: call step.clear_cache() for a full search "
+                  "at the next call or step.lower(...)", SolverInterruptedWarning, stacklevel=stacklevel + 1)

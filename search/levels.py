@@ -145,15 +145,17 @@ class Levels:
         # plans the first stage must beat: each group's strategy (None: its choice)
         self.starts = functools.cache(lambda: starts(not self.stages[0][1]))
         self.stages: list[tuple[Tying, bool]] = [(o2, True)]  # (tying, solved as one ILP)
+        self.names = ["repeats tied"]  # each stage as the report names it
         tied_vars = windows.size(o2.problem)
         if tied_vars > windows.WHOLE_VARS:
             alike = similar()
             if windows.size(alike.problem) <= windows.WHOLE_VARS:
-                self.stages = [(alike, True), (o2, False)]
+                self.stages, self.names = [(alike, True), (o2, False)], ["layers alike tied", "by windows"]
             else:
-                self.stages = [(o2, False), (o2, True)]
+                self.stages, self.names = [(o2, False), (o2, True)], ["by windows", "repeats tied"]
         if whole_graph or 0 < untied_vars <= min(windows.WHOLE_VARS, UNTIED_GROWTH * tied_vars):
             self.stages.append((untied(), True))
+            self.names.append("untied")
         self.backend = backend
         self._solvers: dict[tuple[int, float], ilp.Model | windows.Windowed] = {}
 
@@ -188,13 +190,14 @@ class Levels:
     def solve(self, deadline: Deadline, forbidden: Sequence[np.ndarray], weight_s: float = 0.0,
               held: Sequence[np.ndarray] | None = None) -> tuple[list[int], ilp.Solution, dict]:
         """(each group's strategy, the last stage's solution, what the stages did: "stages", one
-        (classes, status, objective_s, solve_s) per stage run, and "windows", how many windows
-        the last one solved). The stages left when the `deadline` passes are skipped (status
-        "feasible"). Ctrl-C ends it with the plan of the last stage solved (a stage's solver
-        returns its best so far; before any, a greedy plan), status "interrupted"."""
+        (classes, status, objective_s, solve_s) per stage run, "stage_names", what each solved
+        (`names`), and "windows", how many windows the last one solved). The stages left when
+        the `deadline` passes are skipped (status "feasible"). Ctrl-C ends it with the plan of
+        the last stage solved (a stage's solver returns its best so far; before any, a greedy
+        plan), status "interrupted"."""
         choice: list[int] | None = None
         solution: ilp.Solution | None = None
-        info: dict = {"stages": []}
+        info: dict = {"stages": [], "stage_names": []}
         for k, (tied, _) in enumerate(self.stages):
             if deadline.left() <= 0 and solution is not None:  # out of time: the last stage's plan, as stopped at the limit
                 return choice, dataclasses.replace(solution, status="feasible"), info
@@ -216,5 +219,6 @@ class Levels:
                                     incumbent=self._start(tied, forbidden) if choice is None else tied.of_groups(choice))
             choice = [solution.choice[c] for c in tied.index]
             info["stages"].append((len(tied.problem.costs), solution.status, solution.objective_s, solution.solve_s))
+            info["stage_names"].append(self.names[k])
             info["windows"] = len(getattr(solver, "windows", ()))
         return choice, solution, info

@@ -124,6 +124,25 @@ def test_a_bad_command_line_says_what_to_change(argv, message, workdir, capsys):
     assert re.search(message, err), err
 
 
+def test_described_gpus_without_jax_cuda_plugin_are_one_line_not_a_traceback(workdir, capsys, monkeypatch):
+    """--topology without the plugin: exit status 2, as for other bad command lines, and one line
+    saying what is missing and which pip install gives it."""
+    from jax.experimental import topologies
+
+    def no_plugin(*_args, **_kwargs):  # what jax raises when no CUDA plugin is installed
+        raise NotImplementedError("topology not implemented for cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "tiny_step:setup", "--topology", "h100:2x8", "--mesh", "2x8"])
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in errors[0], errors
+    assert re.fullmatch(r"python -m rhino_jax: error: --topology h100:2x8: jax cannot describe h100 GPUs here "
+                        r"\(NotImplementedError: topology not implemented for cuda\); pip install "
+                        r"jax-cuda12-plugin==\S+ jax-cuda12-pjrt==\S+ .*", errors[0]), errors[0]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["plan", "tiny_step:setup", "--mesh", "2x4", "--schedule", "zigzag"], "schedule must be '1f1b'"),
     (["plan", "tiny_step:setup", "--mesh", "8", "--cluster", "tpu"], "unknown cluster preset 'tpu'"),

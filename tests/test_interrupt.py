@@ -1,17 +1,18 @@
 """Ctrl-C during a search: before a plan exists it stops the search (KeyboardInterrupt); after, the
 best plan so far comes back marked `interrupted`, with a warning, the solver stopped, and it runs
-with one device's numbers."""
+with one device's numbers, kept for the calls after it until `step.clear_cache()`."""
 import multiprocessing
 import os
 import signal
 import threading
+import warnings
 
 import jax
 import numpy as np
 import pytest
 
 import rhino_jax as rj
-from rhino_jax import api, mesh_search
+from rhino_jax import api, coshard_search, mesh_search
 from rhino_jax.errors import SolverInterruptedWarning
 from rhino_jax.models import make_mlp_train_step, mlp_example
 from rhino_jax.search import ilp, levels, planner, solver_process, windows
@@ -148,17 +149,23 @@ def test_ctrl_c_during_the_solve_gives_the_plan_so_far(ctrl_c, tmp_path, backend
     assert rj.Plan.load(tmp_path / "plan.json").interrupted
 
 
-def test_the_search_after_a_ctrl_c_says_it_searches_again(ctrl_c):
-    """The plan Ctrl-C cut short is used once; the next call searches in full, and says so."""
+def test_the_plan_a_ctrl_c_cut_short_is_kept_until_the_cache_is_cleared(ctrl_c, monkeypatch):
+    """The next call of those shapes runs the plan Ctrl-C cut short, without searching again (the
+    user stopped a long search); the warning names step.clear_cache(), which searches in full."""
     mesh = rj.device_mesh((2, 4), TWO_AXES)
-    parallel = rj.parallelize(make_mlp_train_step(), mesh=mesh)
+    step = make_mlp_train_step()
+    parallel = rj.parallelize(step, mesh=mesh)
     args = mlp_example((16, 32, 8), 8)
-    with pytest.warns(SolverInterruptedWarning, match="best found so far"):
+    searches = _raising_on_call(monkeypatch, coshard_search, "plan_on", 0)  # counts, never raises
+    with pytest.warns(SolverInterruptedWarning, match=r"best found so far.*step\.clear_cache\(\) for a full search"):
+        assert_same_numbers(jax.jit(step)(*args), parallel(*args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say: the kept plan runs
+        assert_same_numbers(jax.jit(step)(*args), parallel(*args))
         assert parallel.lower(*args).plan.interrupted
-    with pytest.warns(SolverInterruptedWarning, match="searching again in full"):
-        full = parallel.lower(*args)
-    assert not full.plan.interrupted
-    assert parallel.lower(*args) is full  # cached now, nothing said
+    assert ctrl_c.pressed and len(searches) == 1
+    parallel.clear_cache()
+    assert not parallel.lower(*args).plan.interrupted and len(searches) == 2
 
 
 def test_ctrl_c_before_o3_keeps_the_o2_plan(monkeypatch):

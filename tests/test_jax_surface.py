@@ -1,15 +1,18 @@
 """rj.parallelize behaves like jax.jit at its surface: static arguments, keyword arguments, the
-jax.stages Lowered/Compiled methods, a cache hit that moves nothing, and no caching of a plan
-whose search was interrupted."""
+jax.stages Lowered/Compiled methods, a cache hit that moves nothing, a plan whose search was
+interrupted kept until `clear_cache`, jax.set_mesh's mesh read when the step is called, typed
+PRNG keys in the state."""
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 
 import rhino_jax as rj
 from rhino_jax import coshard_search
+from rhino_jax.models import make_mlp_train_step, mlp_example
 
 from helpers import assert_same_numbers
 
@@ -195,7 +198,7 @@ def test_a_cache_hit_moves_no_array_already_in_place(monkeypatch):
     assert len(puts) == 1
 
 
-def test_a_plan_whose_search_was_interrupted_is_not_cached(monkeypatch):
+def test_a_plan_whose_search_was_interrupted_is_kept_until_the_cache_is_cleared(monkeypatch):
     params, batch = _args()
     searches = []
     real_plan_on = coshard_search.plan_on  # the step's one search (no rj.coshard: one plan_on)
@@ -203,20 +206,17 @@ def test_a_plan_whose_search_was_interrupted_is_not_cached(monkeypatch):
     def interrupted(*a, **k):
         searches.append(1)
         plan = real_plan_on(*a, **k)
-        return dataclasses.replace(plan, search_stats=dict(plan.search_stats, status="interrupted"))
+        return dataclasses.replace(plan, interrupted=True, search_stats=dict(plan.search_stats, status="interrupted"))
 
     monkeypatch.setattr(coshard_search, "plan_on", interrupted)
     step = rj.parallelize(_step, mesh=_mesh())
     assert_same_numbers(jax.jit(_step)(params, batch), step(params, batch))
-    with pytest.warns(rj.errors.SolverInterruptedWarning, match="searching again in full"):
-        step(params, batch)
-        step.lower(params, batch)
-    assert len(searches) == 3  # searched again each time, and said so
-    monkeypatch.setattr(coshard_search, "plan_on", lambda *a, **k: searches.append(1) or real_plan_on(*a, **k))
-    with pytest.warns(rj.errors.SolverInterruptedWarning, match="searching again in full"):
-        step(params, batch)
     step(params, batch)
-    assert len(searches) == 4
+    assert step.lower(params, batch).plan.interrupted and len(searches) == 1  # kept: no search again
+    step.clear_cache()
+    monkeypatch.setattr(coshard_search, "plan_on", lambda *a, **k: searches.append(1) or real_plan_on(*a, **k))
+    assert_same_numbers(jax.jit(_step)(params, batch), step(params, batch))
+    assert not step.lower(params, batch).plan.interrupted and len(searches) == 2
 
 
 def test_donation_follows_the_arguments_around_static_ones():
@@ -250,8 +250,6 @@ def test_donated_leaves_are_the_ones_jax_donates():
 def test_inside_jax_transformations_the_step_is_traced_as_written():
     """jax.eval_shape, jax.jit, jax.grad and jax.vmap of a parallelized step give the step's own
     shapes and numbers (the outer transformation compiles it, without the plan), and say so once."""
-    from rhino_jax.models import make_mlp_train_step, mlp_example
-
     step, args = make_mlp_train_step(), mlp_example((16, 32, 16), 16)
     parallel = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)))
     with pytest.warns(rj.TracedCallWarning, match="without rhino_jax's plan; call it outside them") as said:
@@ -270,8 +268,6 @@ def test_a_mesh_of_jax_make_mesh_is_planned_as_it_is():
     """jax.make_mesh's Explicit axes: the plan is made for its devices and axis names, its
     shardings and the step's results name the user's mesh, so they go on into jitted code under
     jax.set_mesh; same numbers as one device. parallelize() without a mesh takes jax.set_mesh's."""
-    from rhino_jax.models import make_mlp_train_step, mlp_example
-
     step, args = make_mlp_train_step(), mlp_example((16, 32, 16), 16)
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
@@ -286,6 +282,67 @@ def test_a_mesh_of_jax_make_mesh_is_planned_as_it_is():
         assert in_context.user_mesh is mesh
         assert_same_numbers(jax.jit(step)(*args), in_context(*args))
     assert_same_numbers(jax.tree.map(lambda a: a * 2, jax.jit(step)(*args)), doubled)
+
+
+def test_a_step_made_without_a_mesh_plans_for_the_mesh_set_when_it_is_called():
+    """rj.parallelize at module level, called under jax.set_mesh: planned for that mesh, as jax.jit
+    reads it when tracing, its results on it; without a mesh set, mesh shapes are searched."""
+    step, args = make_mlp_train_step(), mlp_example((16, 32, 16), 16)
+    parallel = rj.parallelize(step, axis_names=("data",), search_workers=0)  # no mesh set here
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"))
+    with jax.set_mesh(mesh):
+        out = parallel(*args)
+        lowered = parallel.lower(*args)
+    assert_same_numbers(jax.jit(step)(*args), out)
+    assert all(x.sharding.mesh.axis_names == ("dp", "tp") for x in jax.tree.leaves(out))
+    assert lowered.plan.mesh_axes == {"dp": 4, "tp": 2} and not lowered.plan.mesh_candidates
+    searched = parallel.lower(*args)  # no mesh set: the mesh shapes of axis_names
+    assert searched.plan.mesh_axes == {"data": 8} and searched.plan.mesh_candidates
+    with jax.set_mesh(mesh):
+        assert parallel.lower(*args) is lowered  # that mesh's plan, kept
+
+
+def _keyed_state():
+    """A state holding a typed PRNG key and a uint32 count beside a weight."""
+    return {"w": jnp.linspace(-1, 1, 512 * 512).reshape(512, 512), "key": jax.random.key(0),
+            "count": jnp.uint32(0)}
+
+
+def _keyed_step(state):
+    return {"w": state["w"] * 0.5 + 1.0, "key": state["key"], "count": state["count"] + 1}
+
+
+def _three_axes():
+    return rj.device_mesh((2, 2, 2), ("data", "model", "extra"))
+
+
+def test_a_typed_prng_key_in_the_state_stays_whole():
+    """The search sees a typed key as its uint32 key data, whose words a split could name; jax
+    lays out the key itself, of no dims, so it is kept whole and the step compiles."""
+    state = _keyed_state()
+    lowered = rj.parallelize(_keyed_step, mesh=_three_axes()).lower(state)
+    shardings = lowered.plan.input_shardings[0]
+    assert shardings["key"].spec == jax.sharding.PartitionSpec() and shardings["w"].spec != shardings["key"].spec
+    out = lowered.compile()(state)
+    expected = jax.jit(_keyed_step)(state)
+    assert out["key"].dtype == expected["key"].dtype
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(expected["key"]))
+    assert_same_numbers({k: v for k, v in expected.items() if k != "key"}, {k: v for k, v in out.items() if k != "key"})
+
+
+def test_a_layout_jax_cannot_make_is_named_before_the_compile():
+    """A plan (a saved one, edited) that splits the typed key of no dims: a LayoutError naming it and
+    what to pass, not jax's IndexError from inside the compile."""
+    state = _keyed_state()
+    lowered = rj.parallelize(_keyed_step, mesh=_three_axes()).lower(state)
+    plan = lowered.plan
+    split = jax.tree.map(lambda s: s, plan.input_shardings)  # a copy
+    split[0]["key"] = NamedSharding(split[0]["key"].mesh, jax.sharding.PartitionSpec("extra"))
+    bad = dataclasses.replace(lowered, plan=dataclasses.replace(plan, input_shardings=split))
+    with pytest.raises(rj.errors.LayoutError, match=r"arg\[0\]\['key'\] \(key<fry>\[\]\) as P\('extra',\), "
+                       r"which jax cannot make: the spec has 1 dims for a tensor of shape \[\].*"
+                       r"rj\.op_trans\(\"arg\[0\]\['key'\]\", replicate=True\)"):
+        bad.compile()
 
 
 @pytest.mark.parametrize("options", [dict(num_micro_batches=2), dict(pipeline=2, num_micro_batches=2)],

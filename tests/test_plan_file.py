@@ -12,7 +12,7 @@ import pytest
 import rhino_jax as rj
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import make_mlp_train_step, mlp_example
-from rhino_jax.plan import PLAN_FORMAT
+from rhino_jax.plan import PLAN_FORMAT, Plan
 from rhino_jax.plan_target import PlanTarget, PlanTargetError
 
 from helpers import assert_same_numbers
@@ -211,8 +211,9 @@ def test_diff_takes_plan_files_and_refuses_what_is_not_a_plan(tmp_path):
     b = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model"))).lower(*args).plan
     a.save(tmp_path / "a.json")
     b.save(tmp_path / "b.json")
-    assert str(rj.diff(tmp_path / "a.json", str(tmp_path / "b.json"))) == str(rj.diff(a, b))
-    assert str(rj.diff(a, tmp_path / "b.json")) == str(rj.diff(a, b))
+    loaded_a, loaded_b = Plan.load(tmp_path / "a.json"), Plan.load(tmp_path / "b.json")
+    assert str(rj.diff(tmp_path / "a.json", str(tmp_path / "b.json"))) == str(rj.diff(loaded_a, loaded_b))
+    assert str(rj.diff(a, tmp_path / "b.json")) == str(rj.diff(a, loaded_b))
     with pytest.raises(TypeError, match=r"b of rj.diff\(a, b\) must be a rhino_jax.Plan or the path of a saved one, "
                                         "got int"):
         rj.diff(a, 42)
