@@ -97,7 +97,7 @@ class Target:
 
     def cluster(self, preset: str):
         cluster = get_cluster(preset)
-        return dataclasses.replace(cluster, backend="cpu") if self.compiler == "cpu" else cluster
+        return dataclasses.replace(cluster, backend="cpu", overlap=0.0) if self.compiler == "cpu" else cluster
 
 
 _DATA_MODEL = ("data", "model")

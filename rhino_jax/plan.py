@@ -562,12 +562,23 @@ def _check_specs(plan: Plan) -> None:
                 if len(getattr(p, name)) != n:
                     raise ValueError(f"{location((*where, name))} has {len(getattr(p, name))} entries where "
                                      f"{location((*where, paths))} names {n} tensors; give one entry per tensor")
+        axes = _laid_out_on(p)
         for specs, shapes in (("arg_specs", p.arg_shapes), ("output_specs", (None,) * len(p.output_specs))):
             for i, (spec, shape) in enumerate(zip(getattr(p, specs), shapes)):
-                why = spec_problem(spec, p.mesh_axes, shape)
+                why = spec_problem(spec, axes, shape)
                 if why:
                     tensor = getattr(p, _SPEC_PATHS[specs])[i]
                     raise ValueError(f"the spec of {tensor} at {location((*where, specs, i))} {why}")
+
+
+def _laid_out_on(plan: Plan) -> dict[str, int]:
+    """The axis sizes a plan's argument and result specs are checked on: a pipeline's lay most
+    of the state out on a stage's sub-mesh, where the first axis, the one cut into stages, has
+    size 1 (so a split over it is not checked there)."""
+    if not plan.stages:
+        return plan.mesh_axes
+    first = next(iter(plan.mesh_axes), None)
+    return {a: 1 if a == first else n for a, n in plan.mesh_axes.items()}
 
 
 def spec_problem(spec: ShardingSpec, mesh_axes: dict[str, int], shape: tuple[int, ...] | None) -> str | None:

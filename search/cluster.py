@@ -114,10 +114,12 @@ class Cluster:
     host_to_device_bandwidth: float = 12e9  # bytes/s per device (PCIe), to feed each batch
     backend: str = "gpu"  # the XLA backend that compiles for it: how collectives are combined
     # Compute/communication overlap: the share of the collectives off the compute chain (a
-    # parameter's all-gather, a gradient's reduction: `combining.combining_sides`) that run
-    # behind compute, as with XLA GPU's latency-hiding scheduler (--xla_gpu_enable_latency_
-    # hiding_scheduler=true, as NVIDIA's JAX images set it). 0: none (XLA's async collectives
-    # wait where they are used). Never more than the step's compute is hidden (`PlanCost`).
+    # parameter's all-gather, issued ahead of the layer that reads it; a gradient's reduction,
+    # trailing behind the layers still to differentiate: `combining.combining_sides`) that run
+    # behind compute, as XLA GPU's latency-hiding scheduler (on by default) runs them. 1 on the
+    # GPU presets; 0: none, every collective waited for where it is made. A collective on the
+    # chain (an activation's, between its producer and its reader) is always waited for. Never
+    # more than the step's compute is hidden (`search.planner`).
     overlap: float = 0.0
     # How many hosts the preset describes (None: as many as the devices used need). A mesh with
     # more devices than hosts * devices_per_host does not fit it (`MeshTopology.from_mesh`).
@@ -177,7 +179,7 @@ H100_8X = Cluster(
     inter_host_bandwidth=8 * 45e9, inter_host_latency=10e-6, collective_launch_s=6e-6, kernel_launch_s=1.85e-6,
     flops_per_s={"float32": 400e12, "bfloat16": 750e12, "float16": 750e12},
     memory_bandwidth=3.0e12, memory_per_device=80 << 30, host_to_device_bandwidth=50e9,  # PCIe 5 x16
-    gpu="h100",
+    overlap=1.0, gpu="h100",
 )
 
 # One HGX H200 host: the H100's chip, links and network, HBM3e (4.8 TB/s, 4.3 TB/s measured in a
@@ -193,7 +195,8 @@ A100_8X = Cluster(
     intra_host_bandwidth=240e9, intra_host_latency=0.8e-6,
     inter_host_bandwidth=8 * 22.5e9, inter_host_latency=10e-6, collective_launch_s=8e-6,
     flops_per_s={"float32": 125e12, "bfloat16": 250e12, "float16": 250e12},
-    memory_bandwidth=1.83e12, memory_per_device=80 << 30, host_to_device_bandwidth=25e9, gpu="a100",
+    memory_bandwidth=1.83e12, memory_per_device=80 << 30, host_to_device_bandwidth=25e9, overlap=1.0,
+    gpu="a100",
 )
 
 

@@ -10,7 +10,8 @@ from rhino_jax.plan import Plan, PlanCost, PlannedCollective
 from ..hlo_passes.graph import Graph
 from .cluster import MeshTopology
 from .collectives import reshard_path
-from .combining import combined_time
+from . import overlap
+from .combining import combined_time, shares
 from .pricing import Prices
 from .memory import plan_memory
 from .specs import ShardingSpec
@@ -105,9 +106,13 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
     after: dict[int, int] = {}
     layout_after: dict[tuple[int, ShardingSpec], int] = {}
 
-    def add(c, u: Unit, dtype: str, together: bool, needs: int, trip: int = 0, trips: int = 1, branch=()) -> int:
+    events: list[overlap.Event] = []  # program order, for the overlapped step (`overlap.replay`)
+
+    def add(c, u: Unit, dtype: str, together: bool, needs: int, trip: int = 0, trips: int = 1, branch=(),
+            side: str | None = None) -> int:
         planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind,
                                          together, needs, trip, trips, branch, topo.link(c.axes)[0], dtype))
+        events.append(overlap.Event(index=len(planned) - 1, how=overlap.how_it_runs(together, side)))
         return 1 << (len(planned) - 1)
 
     # Program order; arguments tied to an output read it at the end of the step.
@@ -144,24 +149,28 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
                 step_mask = 0
                 for c in step.collectives:
                     compute += c.copy_time(topo) * graph.values[v].trips
+                    events.append(overlap.Event(c.copy_time(topo) * graph.values[v].trips))
                     for trip in range(graph.values[v].trips):  # in a loop's body: each trip after the last
                         step_mask |= add(c, u, graph.values[v].dtype, prices.combined(c, prices.sides.get(v)),
-                                         mask | step_mask, trip, graph.values[v].trips, branch)
+                                         mask | step_mask, trip, graph.values[v].trips, branch, prices.sides.get(v))
                 mask |= step_mask
                 layout_after[v, step.spec] = mask
             needs |= mask
         side = prices.side_of(u.results)
+        events.append(overlap.Event(s.compute_s))
         trips = graph.values[u.results[0]].trips if u.results else 1
         per_trip = max(1, len(s.collectives) // trips)
         dtype = graph.values[u.results[0]].dtype if u.results else ""
         for k, c in enumerate(s.collectives):  # in a loop's body listed once per trip (`carried.per_trip`)
             needs |= add(c, u, dtype, prices.combined(c, side), needs, k // per_trip, trips,
-                         read_branch(u, None, graph))
+                         read_branch(u, None, graph), side)
         for r in u.results:
             after[r] = needs
+    # behind compute as XLA's scheduler runs them (a collective of a branch not taken counted too)
+    step = overlap.replay(events, shares(planned, topo)) if cluster.overlap else float("inf")
     planned = _taken_branches(planned, graph)
     comm, off_chain = combined_time(planned, topo)
-    hidden = min(topo.overlap * off_chain, compute)  # behind compute, as XLA's scheduler overlaps
+    hidden = min(comm, max(0.0, compute + comm - step))
     arg_specs = tuple(specs[a.value] for a in graph.args)
     out_specs = []
     output_unit = {u.ref: i for i, u in enumerate(units) if u.kind == "output"}

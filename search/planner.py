@@ -45,38 +45,39 @@ START_SHARE = 0.3  # the coarse search's share where its plan is only the window
 def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: float = 60.0, **options) -> Plan:
     """The plan of `_search`. With compute/communication overlap (`Cluster.overlap`), the ILP
     prices collectives off the compute chain at the share overlap leaves exposed, which holds
-    only while there is compute to hide them behind: when the plan has more to hide than it
-    computes, the search runs again with the overlap the plan can use (its compute over its
-    off-chain communication), and the best plan at its exact cost wins. `time_limit_s` covers it
-    all (`levels.Deadline`). Ctrl-C: before the first plan, KeyboardInterrupt; after it, the best
-    plan so far, `interrupted` (`interrupt`)."""
+    only where there is compute to hide them behind: the plan's step is replayed as XLA's
+    scheduler runs it (`overlap.replay`), and when it hides less than the ILP assumed, the search
+    runs again with the share the plan hid (once it hides what it assumed, with none), and the
+    best plan at its replayed cost wins. `time_limit_s` covers it all (`levels.Deadline`).
+    Ctrl-C: before the first plan, KeyboardInterrupt; after it, the best plan so far,
+    `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
     with interrupt.session():
         plan = _search(graph, topo, cluster, deadline=deadline, **options)
         tried, overlap = [plan], topo.overlap
         try:
             while overlap and len(tried) < OVERLAP_ROUNDS and not interrupt.pressed() and deadline.left() > 0:
-                usable = min(topo.overlap, plan.cost.compute_s / max(plan.search_stats["off_chain_comm_s"], 1e-30))
-                if usable >= overlap * 0.99:
-                    break
-                overlap = usable
-                progress.say("rhino_jax: overlap: %.3g s of compute hides %.3g s of communication; searching again "
-                             "with overlap %.3g", plan.cost.compute_s, plan.search_stats["off_chain_comm_s"], overlap)
+                usable = min(topo.overlap, plan.cost.hidden_s / max(plan.search_stats["off_chain_comm_s"], 1e-30))
+                # it hid what it was priced to hide: last, the plan of a search that hides nothing,
+                # replayed too (where the replay finds little to hide behind, it can be the faster)
+                overlap = usable if usable < overlap * 0.99 else 0.0
+                progress.say("rhino_jax: overlap: the plan hides %.3g s of %.3g s of communication off the chain; "
+                             "searching again with overlap %.3g", plan.cost.hidden_s,
+                             plan.search_stats["off_chain_comm_s"], overlap)
                 plan = _search(graph, dataclasses.replace(topo, overlap=overlap), cluster, deadline=deadline, **options)
-                plan = dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, **_hidden(plan, topo.overlap)))
                 tried.append(plan)
         except KeyboardInterrupt:  # before the next round's plan: the plans so far
             interrupt.press()
             interrupt.warn("the search for how much communication compute hides")
-        best = min(tried, key=lambda p: p.cost.total_s)
+        best = _least(tried)
         return dataclasses.replace(best, interrupted=True) if interrupt.pressed() else best
 
 
-def _hidden(plan: Plan, overlap: float) -> dict:
-    """A plan's hidden communication and total at the cluster's own overlap."""
-    c = plan.cost
-    hidden = min(overlap * plan.search_stats["off_chain_comm_s"], c.compute_s)
-    return dict(hidden_s=hidden, total_s=c.compute_s + c.comm_s - hidden)
+def _least(plans: list[Plan]) -> Plan:
+    """The plan of least predicted step; of plans that tie (to a millionth), the one that moves
+    the least (what a tie leaves to chance, the link's time, is best not spent)."""
+    fastest = min(p.cost.total_s for p in plans)
+    return min((p for p in plans if p.cost.total_s <= fastest * (1 + 1e-6)), key=lambda p: p.cost.comm_s)
 
 
 def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: levels.Deadline, opt_level: str = "O2",
