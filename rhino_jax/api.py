@@ -49,7 +49,8 @@ from .micro_batched import MicroBatchedLowered
 from .multiprocess import agree
 from .pipelined import PipelinedLowered
 from .options import Options, device_memory, naming_the_closest
-from .plan import Plan, spec_problem
+from .plan import Plan
+from .plan_file import spec_problem
 from .plan_target import PlanTarget
 
 
