@@ -205,15 +205,26 @@ def import_step(step: LoweredStep) -> Graph:
     leaf out along its own dims, while the module holds its key data, whose trailing dim of words
     the leaf lacks, so a split the search made of the key data would be one jax cannot make."""
     graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
-    values = [a.value for a, aval in zip(graph.args, jax.tree.leaves(step.lowered.in_avals)) if _extended(aval)]
-    values += [v for v, info in zip(graph.outputs, jax.tree.leaves(step.lowered.out_info)) if _extended(info)]
+    return pinned_whole(graph, *extended_leaves(step))
+
+
+def extended_leaves(step: LoweredStep) -> tuple[list[bool], list[bool]]:
+    """Which of the step's arguments and results are leaves of an extended dtype (typed PRNG keys)."""
+    def extended(aval) -> bool:
+        return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
+    return ([extended(a) for a in jax.tree.leaves(step.lowered.in_avals)],
+            [extended(o) for o in jax.tree.leaves(step.lowered.out_info)])
+
+
+def pinned_whole(graph: Graph, args: Sequence[bool], outputs: Sequence[bool]) -> Graph:
+    """`graph` with the arguments and outputs flagged in `args` and `outputs` pinned whole (one
+    program of a step cut in several passes a key on as its key data: `extended_leaves` of the
+    step, flags of its own arguments and results)."""
+    values = [a.value for a, flag in zip(graph.args, args) if flag]
+    values += [v for v, flag in zip(graph.outputs, outputs) if flag]
     names = dict(zip(graph.outputs, graph.output_paths)) | {a.value: a.path for a in graph.args}
     whole = tuple(Pin(v, ((),) * len(graph.values[v].shape), names[v]) for v in dict.fromkeys(values))
     return graph.replace(pins=graph.pins + whole) if whole else graph
-
-
-def _extended(aval) -> bool:
-    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
 
 
 def import_module(module: ir.Module, arg_paths: Sequence[str], arg_roles: Sequence[str],

@@ -30,6 +30,7 @@ from rhino_jax.search.units import tied_outputs
 from rhino_jax.search.specs import ShardingSpec
 from rhino_jax.search.constraints import layout_allowed
 from rhino_jax.search.strategies import tensor_specs
+from rhino_jax.search.ties import SAME_STEP
 
 from .errors import RhinoError, UnknownTensorError
 from .mesh_search import plan_on
@@ -225,8 +226,11 @@ def _alternative_line(a: Alternative, base: PlanCost) -> str:
     if a.plan is None:
         return f"    {str(a.layout):<16} no plan: {a.why}"
     c = a.plan.cost
-    cheaper = ("  (cheaper: the search missed it; opt_level='O3' searches the whole graph)"
-               if a.delta_s < -1e-12 * base.total_s else "")
+    tie = abs(a.delta_s) <= SAME_STEP * base.total_s
+    cheaper = ("  (a tie: the same predicted step; of tied layouts the search keeps the one that holds the least "
+               "memory, then splits the leading dims)" if tie else
+               "  (cheaper: the search missed it; opt_level='O3' searches the whole graph)"
+               if a.delta_s < 0 else "")
     return (f"    {str(a.layout):<16} alternative step {_ms(c.total_s)}: {_ms(a.delta_s, sign=True)} "
             f"({a.delta_s / base.total_s:+.1%}); compute {_ms(c.compute_s - base.compute_s, sign=True)}, "
             f"communication {_ms(c.comm_s - base.comm_s, sign=True)}, memory "

@@ -23,7 +23,7 @@ from rhino_jax.hlo_passes import batch_positions, micro_batch
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
 from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.compiled_cost import price_compiled
-from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.importer import extended_leaves, import_module, pinned_whole
 from rhino_jax.hlo_passes.jax_internals import key_impl_of
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
@@ -142,10 +142,13 @@ def split_step(call: Call, mesh: Mesh, k: int, constraints: tuple = ()) -> Split
     parts = micro_batch.split(whole.module, graph, micro.module, micro_graph)
     names = [f"sum[{i}]" for i in range(len(parts.boundary))]
     donated = donated_leaves(call)
-    apply_graph = import_module(parts.apply, whole.arg_paths + names, whole.arg_roles + ["other"] * len(names),
-                                whole.output_paths)
-    return SplitStep(whole, parts, import_module(parts.compute, whole.arg_paths, whole.arg_roles, names),
-                     _with_donation(apply_graph, donated), donated)
+    keys, returned_keys = extended_leaves(whole)  # key data in both programs: pinned whole, as in the step
+    apply_graph = pinned_whole(import_module(parts.apply, whole.arg_paths + names,
+                                             whole.arg_roles + ["other"] * len(names), whole.output_paths),
+                               keys + [False] * len(names), returned_keys)
+    compute_graph = pinned_whole(import_module(parts.compute, whole.arg_paths, whole.arg_roles, names),
+                                 keys, [False] * len(names))
+    return SplitStep(whole, parts, compute_graph, _with_donation(apply_graph, donated), donated)
 
 
 def _with_donation(graph: Graph, donated: Sequence[int]) -> Graph:

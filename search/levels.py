@@ -141,7 +141,8 @@ class Levels:
 
     def __init__(self, similar: Callable[[], Tying], o2: Tying, untied: Callable[[], Tying], untied_vars: int,
                  whole_graph: bool, backend: str,
-                 starts: Callable[[bool], Sequence[Sequence[int | None]]] = lambda windowed: ()):
+                 starts: Callable[[bool], Sequence[Sequence[int | None]]] = lambda windowed: (),
+                 price: Callable[[list[int]], float] | None = None):
         # plans the first stage must beat: each group's strategy (None: its choice)
         self.starts = functools.cache(lambda: starts(not self.stages[0][1]))
         self.stages: list[tuple[Tying, bool]] = [(o2, True)]  # (tying, solved as one ILP)
@@ -157,6 +158,7 @@ class Levels:
             self.stages.append((untied(), True))
             self.names.append("untied")
         self.backend = backend
+        self.price = price  # each group's strategy → the step's predicted time, reported for a stage's plan
         self._solvers: dict[tuple[int, float], ilp.Model | windows.Windowed] = {}
 
     def _solver(self, k: int, weight_s: float, held: Sequence[np.ndarray] | None):
@@ -218,6 +220,8 @@ class Levels:
             solution = solver.solve(max(1e-3, deadline.left()), tied.classes(forbidden),
                                     incumbent=self._start(tied, forbidden) if choice is None else tied.of_groups(choice))
             choice = [solution.choice[c] for c in tied.index]
+            if self.price is not None and not weight_s:  # else its objective also prices memory
+                solution = dataclasses.replace(solution, objective_s=self.price(choice))
             info["stages"].append((len(tied.problem.costs), solution.status, solution.objective_s, solution.solve_s))
             info["stage_names"].append(self.names[k])
             info["windows"] = len(getattr(solver, "windows", ()))

@@ -22,7 +22,7 @@ from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError, Sol
 from rhino_jax.plan import Plan
 
 from ..hlo_passes.graph import Graph
-from . import coarse_axes, interrupt, levels, progress, windows
+from . import coarse_axes, ilp, interrupt, levels, progress, windows
 from .cluster import Cluster, MeshTopology
 from .pricing import Prices
 from .cones import build_cones, signature
@@ -31,6 +31,7 @@ from .repeats import group_segments, tie_repeats
 from .assembly import add_hubs, ilp_problem
 from .memory_limit import by_size, fit_memory, held_bytes, least_arguments, raise_memory_error
 from .plan_making import make_plan
+from .ties import SAME_STEP, seen, with_preferences
 from .units import Unit, apply_pins, build_units, replicated_choice
 from .constraints import Named, apply_constraints
 
@@ -77,7 +78,7 @@ def _least(plans: list[Plan]) -> Plan:
     """The plan of least predicted step; of plans that tie (to a millionth), the one that moves
     the least (what a tie leaves to chance, the link's time, is best not spent)."""
     fastest = min(p.cost.total_s for p in plans)
-    return min((p for p in plans if p.cost.total_s <= fastest * (1 + 1e-6)), key=lambda p: p.cost.comm_s)
+    return min((p for p in plans if p.cost.total_s <= fastest * (1 + SAME_STEP)), key=lambda p: p.cost.comm_s)
 
 
 def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: levels.Deadline, opt_level: str = "O2",
@@ -116,7 +117,8 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     group_of = {m: gi for gi, g in enumerate(groups) for m in g.members}
     hub_of = add_hubs(graph, units, groups, group_of, producer_unit, prices,
                       lambda ms: signature(ms, units, producer_unit, {}, unit_key, prices.value_key))
-    problem = ilp_problem(units, groups, group_of, producer_unit, prices, hub_of, building)
+    priced = ilp_problem(units, groups, group_of, producer_unit, prices, hub_of, building)
+    problem = with_preferences(priced, [[seen(units, ch, graph, sizes) for ch in g.choice] for g in groups])
     bb = backbone(graph)
     stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges),
                  hubs=len(hub_of), **({"constraints": constrained} if constrained else {}))
@@ -135,7 +137,8 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
         lambda: levels.tying(problem, _merge_classes(list(range(len(groups))), loops), segments),
         windows.size(problem) if stats["tied_segments"] else 0, opt_level == "O3", backend,
         starts=lambda windowed: _starts(windowed, coarse, graph, topo, cluster, units, groups, deadline,
-                                        coarse_options))
+                                        coarse_options),
+        price=lambda choice: ilp.evaluate(priced, choice))  # the step, less the ranks of tied strategies (`ties`)
     stats["build_s"] = time.perf_counter() - t0
     progress.say("rhino_jax: %d ops → %d cones (%d critical nodes, %d segments, %d tied) in %.2f s",
                  len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],

@@ -63,7 +63,10 @@ def _assignments(space: LoopSpace, shapes: list[tuple[int, ...]], topo: MeshTopo
     loops = len(space.sizes)
     reductions = set(space.reduction_loops())
     all_dims = list(space.operands) + list(space.results)
-    for choice in itertools.product(range(-1, loops), repeat=len(topo.axis_names)):
+    # An axis of size 1 splits nothing: naming it would only add a spec equal to one without it,
+    # a tie the solver breaks by chance (and a spec a reader takes for a split).
+    per_axis = [range(-1, loops) if topo.sizes[a] > 1 else (-1,) for a in topo.axis_names]
+    for choice in itertools.product(*per_axis):
         loop_axes: list[tuple[str, ...]] = [()] * loops
         ok = True
         for axis, l in zip(topo.axis_names, choice):

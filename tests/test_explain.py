@@ -356,11 +356,11 @@ def test_render_of_a_pipeline_draws_its_schedule(pipelined, tmp_path):
 
 
 def test_render_of_a_pipeline_names_only_axes_its_legend_shows_and_draws_no_empty_bars(pipelined, tmp_path):
-    """The stages' sub-meshes are (data=1, model=4): a layout naming data splits nothing there, so
-    the picture and its label say what splits (model), as the legend does; collectives over data
-    alone move nothing and are not drawn."""
+    """The stages' sub-meshes are (data=1, model=4): data splits nothing there, so no layout names
+    it, the picture and its label say what splits (model), as the legend does, and no collective
+    over data alone (which would move nothing) is drawn."""
     plan, _ = pipelined
-    assert any("data" in spec.used_axes() for spec in plan.arg_specs)  # as the plan names them
+    assert plan.arg_specs and not any("data" in spec.used_axes() for spec in plan.arg_specs)
     plan.render(tmp_path / "pipeline.html")
     page = _read(tmp_path / "pipeline.html")
     legend = {text for s, a, text in page.texts if s == "layouts" and a.get("y") == "16"}
