@@ -5,8 +5,11 @@ apply-gradients cut into a program per stage and wave (`assign_apply`).
 The forward ops are the ancestors of the loss's sum (`micro_batch`); the stager places them. A
 backward op never runs after a backward op it reads (gradients flow from the last stage to the
 first), and among the stages left it goes where most of the bytes it reads were made (ties: to
-its forward values' stage). So the backward of a layer follows its forward op (it reads that
-layer's activations), and the weight gradient of an LM head stays by the [B, S, V] logits'
+a stage that runs forward ops of its layer, then to its forward values' stage). So the backward
+of a layer follows its forward op (it reads that layer's activations), the layer that opens a
+stage too: its weight gradient reads its input, made on the stage before, and its output's
+gradient, as many bytes, and runs on the layer's stage, where its gradient sum, its update and so
+its parameter then live. The weight gradient of an LM head stays by the [B, S, V] logits'
 gradient instead of pulling it to the stage of the head's (much smaller) input. Each program
 takes the step's arguments it reads and the values it reads from other programs, and returns the values
 other programs (and the step's sums) read from it.
@@ -65,6 +68,7 @@ def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int], shared: fr
     last = max(forward_stage.values(), default=0)
     out: dict[int, tuple[str, int]] = {}
     loop = loop_of(graph)
+    layer_stages = stages_of_layers(graph, forward, forward_stage)
     for n in graph.nodes:
         _check_not_in_conditional(n)
         if n.id in loop:  # a loop runs whole in one program: its body and exit go with its entry
@@ -86,12 +90,24 @@ def assign(graph: Graph, loss: int, forward_stage: Mapping[int, int], shared: fr
                 counts = here.setdefault(stage, [0, 0])
                 counts[0] += graph.values[o].nbytes
                 counts[1] += graph.values[o].nbytes if producer[o] in forward else 0
-        # ties go to the forward op's stage (a layer's backward reads its activations and the
-        # gradient of its output alike), then to the later stage
-        out[n.id] = ("B", max(here, key=lambda s: (*here[s], s)) if here else max(latest, first_backward))
+        # ties go to its layer's stage, then to the forward values' (a layer's backward reads its
+        # activations and the gradient of its output alike), then to the later stage
+        mine = layer_stages[n.id]
+        out[n.id] = ("B", max(here, key=lambda s: (here[s][0], s in mine, here[s][1], s)) if here
+                     else max(latest, first_backward))
         if n.id in on_shared and any(s <= latest for s in shared):
             out[n.id] = ("B", max(s for s in shared if s <= latest))
     return out
+
+
+def stages_of_layers(graph: Graph, forward: set[int], forward_stage: Mapping[int, int]) -> dict[int, frozenset[int]]:
+    """Each op → the stages that run forward ops of its layer (`layer_of`; none for an op of no
+    layer)."""
+    layer = layer_of(graph)
+    found: dict[str, set[int]] = {}
+    for i in forward:
+        found.setdefault(layer[i], set()).add(forward_stage[i])
+    return {i: frozenset(found.get(name, ())) if name else frozenset() for i, name in layer.items()}
 
 
 def assign_apply(graph: Graph, home: Mapping[int, int]) -> dict[int, tuple[str, int, int]]:

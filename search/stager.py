@@ -80,21 +80,26 @@ def _order(g: StageGraph) -> list[int]:
     return order
 
 
-def reach_compute(g: StageGraph) -> tuple[np.ndarray, np.ndarray]:
-    """(A, D): per node, the compute of its ancestors and of its descendants (each counted once,
-    however many paths lead there)."""
+def ancestors(g: StageGraph) -> np.ndarray:
+    """[i, j]: node j is an ancestor of node i."""
     n = len(g.compute)
-    order = _order(g)
     preds: list[list[int]] = [[] for _ in range(n)]
     for s, d, _ in g.edges:
         preds[d].append(s)
-    ancestors = np.zeros((n, n), dtype=bool)  # [i, j]: j is an ancestor of i
-    for i in order:
+    found = np.zeros((n, n), dtype=bool)
+    for i in _order(g):
         for p in preds[i]:
-            ancestors[i] |= ancestors[p]
-            ancestors[i, p] = True
+            found[i] |= found[p]
+            found[i, p] = True
+    return found
+
+
+def reach_compute(g: StageGraph) -> tuple[np.ndarray, np.ndarray]:
+    """(A, D): per node, the compute of its ancestors and of its descendants (each counted once,
+    however many paths lead there)."""
+    above = ancestors(g)
     c = np.asarray(g.compute, dtype=float)
-    return ancestors @ c, ancestors.T @ c
+    return above @ c, above.T @ c
 
 
 def bounds(g: StageGraph, stages: int, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
@@ -119,9 +124,9 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
     `shared`: nodes that run on every device, between the stages (`op_assign(stage="all")`, the
     interlaced pipeline). Then the division is into 2·stages + 1 slots: stage k is slot 2k + 1,
     and the even slots, before, between and after the stages, run on every device, unbalanced;
-    a shared node goes in an even slot, another node in an even slot only where no stage can
-    take it (the loss after a shared output projection), as the objective charges that far
-    above any bytes cut. `Staging.stage` holds slots; the balance counts the stages' nodes."""
+    a shared node goes in an even slot, another node in a stage or, after a shared node there,
+    in the last slot (`_after_shared`). `Staging.stage` holds slots; the balance counts the
+    stages' nodes."""
     start = time.perf_counter()
     n, d = len(g.compute), stages
     if d < 1 or d > n - len(shared):
@@ -165,13 +170,9 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
     f_at = int(x_at[-1])
     n_vars = f_at + len(g.edges)
     upper = np.ones(n_vars)
-    even_cost = np.zeros(f_at)  # a stage's node in a shared slot: far above every byte cut (≤ 1 per edge)
-    for i in range(n):
-        for k in range(lo[i], hi[i] + 1):
-            if shared and k % 2 == 0:
-                even_cost[x_at[i] + k - lo[i]] = 0.0 if i in shared else (len(g.edges) + 1) * (1 + c[i] / share)
-            elif shared and i in shared:
-                upper[x_at[i] + k - lo[i]] = 0.0  # a shared node runs on every device
+    for i in range(n) if shared else ():  # a shared node in an even slot, another in a stage or the last slot
+        barred = np.arange(1, slots, 2) if i in shared else np.arange(0, slots - 1, 2)
+        upper[x_at[i] + barred - lo[i]] = 0.0
     rows: list[np.ndarray] = []
     cols: list[np.ndarray] = []
     vals: list[np.ndarray] = []
@@ -198,6 +199,11 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
         diff = [stage_terms(t, 1.0), stage_terms(s, -1.0)]
         add_row(diff + [(np.array([f_at + e]), np.array([-1.0]))], 0.0, np.inf)  # F ≤ B_t − B_s (so B_t ≥ B_s)
         add_row(diff + [(np.array([f_at + e]), np.array([-(slots - 1.0)]))], -np.inf, 0.0)  # B_t − B_s ≤ (D−1)F
+    last = slots - 1
+    for i, beside in (_after_shared(g, shared) if shared else {}).items():  # x[i, last] ≤ Σ x[j, last]
+        add_row([(np.array([x_at[i] + last - lo[i]]), np.ones(1)),
+                 (np.array([x_at[j] + last - lo[j] for j in beside], dtype=int), -np.ones(len(beside)))],
+                -np.inf, 0.0)
     for k in map(slot_of, range(d)):  # balance, in shares; and no stage empty (a tolerance of a share allows one)
         members = [i for i in range(n) if lo[i] <= k <= hi[i] and i not in shared]
         at = np.array([x_at[i] + k - lo[i] for i in members], dtype=int)
@@ -205,7 +211,6 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
         add_row([(at, np.ones(len(members)))], 1.0, np.inf)
     weight = np.array([b for _, _, b in g.edges], dtype=float)
     objective = np.zeros(n_vars)
-    objective[:f_at] = even_cost
     objective[f_at:] = weight / max(weight.max(initial=0.0), 1.0)
     matrix = scipy.sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
                                      shape=(len(row_lo), n_vars))
@@ -230,6 +235,19 @@ def stage(g: StageGraph, stages: int, epsilon: float = 0.1, *, tighten: bool = T
     return Staging(assignment, cut, tuple(per_stage.tolist()),
                    "optimal" if result.status == "OPTIMAL" else "feasible",
                    time.perf_counter() - start, n_vars, len(row_lo))
+
+
+def _after_shared(g: StageGraph, shared: frozenset[int]) -> dict[int, list[int]]:
+    """Node (not shared) → the shared nodes it depends on: it may run on every device after the
+    last stage only beside one of them there. The user named the shared nodes and left the others
+    to the stages, so another node runs on every device only where no stage can run it: after a
+    shared node that runs after every stage (the loss after a shared output projection). An op
+    that merely reads a shared op's result (the first block's norm, after the lookup) stays on a
+    stage, and where the balance then leaves no division the caller relaxes the balance rather
+    than move it. (An op between two shared ops of one segment is shared itself,
+    `forward_stage_graph`.)"""
+    above = ancestors(g)
+    return {i: [j for j in sorted(shared) if above[i, j]] for i in range(len(g.compute)) if i not in shared}
 
 
 def forward_ops(graph: Graph, loss: int) -> set[int]:
