@@ -31,5 +31,20 @@ setup(
     extras_require={"test": ["pytest", "pytest-xdist>=3", "flax>=0.12,<0.13", "optax>=0.2.8,<0.3",
                              "equinox>=0.13,<0.14", "orbax-checkpoint>=0.12,<0.13",
                              "jax-cuda12-plugin>=0.11,<0.13; python_version >= '3.12' and sys_platform == 'linux'"],
-                    "bench": ["matplotlib"]},
+                    "bench": ["matplotlib"],
+                    # benchmarks/maxtext.py: MaxText's own Llama2 train step and shardings. maxtext
+                    # itself goes in after this extra, with `pip install --no-deps maxtext==0.2.5`:
+                    # its declared requirements pin its whole TPU/GPU image. These are the jax
+                    # versions it was run with and what importing its trainer (train_compile) then
+                    # needs, one import error at a time; versions as they were run.
+                    "maxtext": ["jax==0.12.0.1", "jaxlib==0.12.0.1", "jax-cuda12-plugin==0.12.0.1",
+                                "flax==0.12.12", "optax==0.2.8", "orbax-checkpoint==0.12.8",
+                                "omegaconf==2.4.0", "packaging==26.4", "pathwaysutils==0.1.13",
+                                "fastapi==0.165.0", "uvicorn==0.54.0", "requests==2.34.2",
+                                "jinja2==3.1.6", "qwix==0.1.8", "aqtp==0.9.0", "tokamax==0.0.17",
+                                "xprof==2.24.2", "jaxtyping==0.3.11", "einshape==1.0", "tqdm==4.70.1",
+                                "huggingface-hub==2.4.0", "transformers==5.24.0", "grain==0.2.18",
+                                "cloudpickle==3.1.3", "portpicker==1.6.0", "array-record==0.8.6",
+                                "drjax==0.2.1", "wadler-lindig==0.1.8", "pillow==13.0.0",
+                                "tiktoken==0.14.0", "sentencepiece==0.2.3", "sympy==1.14.0"]},
 )
