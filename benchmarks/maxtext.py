@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import pathlib
 import time
 from dataclasses import dataclass
 from typing import Callable
 from unittest import mock
 
-from .overlap import NOTES, priced, table
+from .overlap import priced, run_cases, table
 from .scale import GIB, compile_as_users_do, kept_note
 
 HERE = pathlib.Path(__file__).parent
@@ -180,22 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from importlib.metadata import version
 
-    out = pathlib.Path(args.out)
-    path = out / "maxtext.json"
-    saved = json.loads(path.read_text()) if path.exists() else {}
     versions = {"jax": version("jax"), "maxtext": version("maxtext")}
-    for case in (c for c in CASES if c.name in args.cases):
-        t0 = time.perf_counter()
-        saved[case.name] = {**run_case(case), "wall_s": time.perf_counter() - t0, **versions}
-        path.write_text(json.dumps(saved, indent=1))
-        print(table({case.name: saved[case.name]}, tuple(CONFIGS), "best MaxText"), flush=True)
-    text = table(saved, tuple(CONFIGS), "best MaxText")
-    md = out / "maxtext.md"
-    notes = md.read_text().partition(NOTES)[2] if md.exists() else "\n"
-    md.write_text(f"# MaxText's Llama2 step: its shardings and rhino_jax's plan\n\n`python -m benchmarks.maxtext` "
-                  f"(jax {versions['jax']}, maxtext {versions['maxtext']}, 8 described H100s, the 8x-h100 preset)"
-                  f"\n\n{text}\n\n{NOTES}{notes}")
-    print(text)
+    run_cases(pathlib.Path(args.out), "maxtext", [c for c in CASES if c.name in args.cases], run_case, versions,
+              f"# MaxText's Llama2 step: its shardings and rhino_jax's plan\n\n`python -m benchmarks.maxtext` "
+              f"(jax {versions['jax']}, maxtext {versions['maxtext']}, 8 described H100s, the 8x-h100 preset)",
+              lambda rows: table(rows, tuple(CONFIGS), "best MaxText"))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import argparse
 import json
 import pathlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from .scale import GIB, compile_as_users_do, compile_hand, kept_note, llama_step, model_shape
@@ -118,6 +119,23 @@ def table(rows: dict, hand: tuple[str, ...] = HAND, best: str = "best hand") -> 
     return "\n".join(lines)
 
 
+def run_cases(out: pathlib.Path, stem: str, cases: list, run: Callable[[object], dict], stamp: dict, heading: str,
+              table_of: Callable[[dict], str] = table) -> dict:
+    """Run each case, its row saved in `stem`.json as soon as it ends (the rows of cases not run
+    kept), and write `stem`.md: `heading`, the table of every row, and the notes kept below it."""
+    path = out / f"{stem}.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    for case in cases:
+        t0 = time.perf_counter()
+        saved[case.name] = {**run(case), "wall_s": time.perf_counter() - t0, **stamp}
+        path.write_text(json.dumps(saved, indent=1))
+        print(table_of({case.name: saved[case.name]}), flush=True)
+    md = out / f"{stem}.md"
+    notes = md.read_text().partition(NOTES)[2] if md.exists() else "\n"
+    md.write_text(f"{heading}\n\n{table_of(saved)}\n\n{NOTES}{notes}")
+    return saved
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=[c.name for c in CASES])
@@ -126,22 +144,7 @@ def main(argv=None) -> None:
     import jax
 
     from rhino_jax.search.cluster import get_cluster
-    out = pathlib.Path(args.out)
-    path = out / "overlap.json"
-    saved = json.loads(path.read_text()) if path.exists() else {}
-    for case in (c for c in CASES if c.name in args.cases):
-        t0 = time.perf_counter()
-        saved[case.name] = {**run_case(case, get_cluster("8x-h100")), "wall_s": time.perf_counter() - t0,
-                            "jax": jax.__version__}
-        path.write_text(json.dumps(saved, indent=1))
-        print(table({case.name: saved[case.name]}), flush=True)
-    text = table(saved)
-    md = out / "overlap.md"
-    notes = md.read_text().partition(NOTES)[2] if md.exists() else "\n"
-    md.write_text(f"# Plans priced overlapped\n\n`python -m benchmarks.overlap` (jax {jax.__version__}, 8 described "
-                  f"H100s, the 8x-h100 preset)\n\n{text}\n\n{NOTES}{notes}")
-    print(text)
-
-
-if __name__ == "__main__":
-    main()
+    run_cases(pathlib.Path(args.out), "overlap", [c for c in CASES if c.name in args.cases],
+              lambda case: run_case(case, get_cluster("8x-h100")), {"jax": jax.__version__},
+              f"# Plans priced overlapped\n\n`python -m benchmarks.overlap` (jax {jax.__version__}, 8 described "
+              "H100s, the 8x-h100 preset)")
