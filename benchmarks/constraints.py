@@ -33,7 +33,9 @@ programs in its schedule, `compiled_step_s`); the Megatron row beside op_trans i
 - coshard: another step, `third_party_models.remat_lm` (seq 512, batch 16, width 64, 4 heads,
   2 blocks under `nn.remat`, clip + AdamW), on mesh (8,) ("data"): the attention without chunks,
   in 2 and 4 chunks, and chunks="auto" under a memory limit of 20 MiB per device; its column of
-  compiled temporaries is what co-shard cuts.
+  compiled temporaries is what co-shard cuts. Then `masked_remat_lm` (2 and 4 blocks), as users
+  often write it: the causal mask made once and handed to each block, attention with biases
+  (d 128, 8 heads, seq 512, batch 8), without chunks and in 4.
 Needs jax's CUDA plugin (Python 3.12: `pip install -e '.[test]'`).
 """
 from __future__ import annotations
@@ -57,7 +59,7 @@ from rhino_jax.hlo_passes.compiled_cost import price_compiled  # noqa: E402
 from .compilers import devices  # noqa: E402
 from rhino_jax.errors import StagingError  # noqa: E402
 
-from .third_party_models import linen_gpt, recycling_lm, remat_lm, tied_lm  # noqa: E402
+from .third_party_models import linen_gpt, masked_remat_lm, recycling_lm, remat_lm, tied_lm  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 CLUSTER, MESH, NAMES = "8x-h100", (2, 4), ("data", "model")
@@ -181,7 +183,13 @@ def _coshard_rows() -> list[dict]:
                           constraints=[rj.coshard(ATTENTION, chunks=chunks)]))
     auto = _plan(case, "coshard", "coshard(attention, chunks='auto'), memory limit 20 MiB", mesh,
                  constraints=[rj.coshard(ATTENTION)], memory_limit_bytes=20 << 20)
-    return rows + [auto]
+    rows.append(auto)
+    for layers in (2, 4):  # the mask handed in, attention biases: ops among the attention's that run whole
+        masked = masked_remat_lm(layers=layers)
+        rows += [_plan(masked, "coshard", f"masked_remat_lm, {layers} blocks, no chunks", mesh),
+                 _plan(masked, "coshard", f"masked_remat_lm, {layers} blocks, coshard(attention, chunks=4)", mesh,
+                       constraints=[rj.coshard(ATTENTION, chunks=4)])]
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -225,7 +233,9 @@ def main() -> None:
         "x 256 embedding tied to the output projection, 4 blocks, seq 128, batch 16); the multi_forward rows "
         "`recycling_lm` (every block 3 times per micro-batch, the last pass differentiated; width 256, 4 blocks, "
         "seq 128, batch 16); the coshard rows another "
-        "step and mesh: `remat_lm` (seq 512, 2 blocks under nn.remat) on (8,).\n\n" + text + "\n")
+        "step and mesh: `remat_lm` (seq 512, 2 blocks under nn.remat) on (8,), and `masked_remat_lm` (the causal "
+        "mask made once and handed to each remat block, attention with biases: d 128, 8 heads, seq 512, batch "
+        "8).\n\n" + text + "\n")
 
 
 if __name__ == "__main__":

@@ -191,6 +191,31 @@ class RematLM(SizedLM):
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
+class MaskedBlock(nn.Module):
+    """A pre-LN block as users often write it: the causal mask given, attention with biases
+    called on (query, key/value) inputs."""
+
+    heads: int
+
+    @nn.compact
+    def __call__(self, x, mask):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, deterministic=True)(h, h, mask=mask)
+        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))))
+
+
+class MaskedRematLM(SizedLM):
+    """A decoder LM that makes its causal mask once and hands it to each block under remat."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        mask = nn.make_causal_mask(tokens)
+        for _ in range(self.layers):
+            x = nn.remat(MaskedBlock)(self.heads)(x, mask)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
 class TiedLM(SizedLM):
     """A T5-like LM whose large embedding is also its output projection (`Embed.attend`)."""
 
@@ -246,6 +271,14 @@ def remat_lm(batch: int = 16, seq: int = 512, vocab: int = 256, width: int = 64,
     """Co-shard's case (issue 32): long sequences, few heads, blocks under remat, so that the
     attention's [batch, heads, seq, seq] tensors are most of the step's temporaries; clip + AdamW."""
     return _sized_case("remat_lm", RematLM(vocab, width, heads, layers), batch, seq, key=1)
+
+
+def masked_remat_lm(batch: int = 8, seq: int = 512, vocab: int = 256, width: int = 128, heads: int = 8,
+                    layers: int = 2) -> Case:
+    """Co-shard's case as a user wrote it: `remat_lm` with the mask passed into each block and
+    attention biases, whose bias reshapes, mask compare and bias gradients sit among the
+    attention's ops; clip + AdamW."""
+    return _sized_case("masked_remat_lm", MaskedRematLM(vocab, width, heads, layers), batch, seq, key=1)
 
 
 def tied_lm(batch: int = 8, seq: int = 16, vocab: int = 32768, width: int = 256, heads: int = 4,

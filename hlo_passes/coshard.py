@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from ..search.combining import HEAD, combining_sides
 from ..search.rules import ELEMENTWISE, loop_space
 from ..search.specs import ShardingSpec
 from ..search.strides import map_reshape
@@ -56,10 +57,15 @@ class Chunking:
 def groups(graph: Graph, named: Callable[[str], bool]) -> list[tuple[int, ...]]:
     """The groups of ops `named` names (and of the unnamed ops between two of them): connected
     through the values they pass each other, cut where a path leaves the group and comes back
-    (a remat's recomputed forward and the backward after the layers between). Ops in program
+    (a remat's recomputed forward and the backward after the layers between). Ops that make
+    only gradients on their way to the optimizer (a weight's gradient, off the compute chain:
+    `search.combining`) stay out: they run once after the chunks, on the pieces put together,
+    so that their sum over the devices trails with the other gradients' instead of holding up
+    each chunk (a chunk's partial sums cannot pass its barrier unsettled). Ops in program
     order; groups by their first op."""
+    trailing = {v for v, side in combining_sides(graph).items() if side != HEAD}
     eligible = {n.id for n in graph.nodes if _chunkable(n) and named(n.name)
-                and not all(graph.values[r].constant for r in n.results)}
+                and not all(graph.values[r].constant or r in trailing for r in n.results)}
     producer = {r: n.id for n in graph.nodes for r in n.results}
     consumers = graph.consumers()
     # An unnamed op between named ones joins them (Flax's masking `select_n` has no name scope).
@@ -117,12 +123,10 @@ def chunkings(graph: Graph, nodes: Sequence[int], chunks: int, copies: Sequence[
     reaches consistently through every op (a dim of every value the group keeps to itself,
     divisible by `chunks`); none when no dim can be. An op that reads nothing the group makes
     (a transpose of the incoming gradient) and cannot be cut so is left out, run whole before
-    the chunks. A group whose every value leaves it (nothing to save while it runs) gets none.
-    `copies`: ops of earlier groups the chunks compute again for themselves (`recomputed`)."""
+    the chunks. `copies`: ops of earlier groups the chunks compute again for themselves
+    (`recomputed`)."""
     consumers = graph.consumers()
     made = [r for n in nodes for r in graph.nodes[n].results]
-    if all(r in graph.outputs or any(c not in nodes for c in consumers[r]) for r in made):
-        return []
     seed = max(made + [r for n in copies for r in graph.nodes[n].results], key=lambda v: graph.values[v].nbytes)
     out = []
     for d, size in enumerate(graph.values[seed].shape):
@@ -133,10 +137,29 @@ def chunkings(graph: Graph, nodes: Sequence[int], chunks: int, copies: Sequence[
                 out.append(dataclasses.replace(found, nodes=tuple(n for n in found.nodes if n not in copies),
                                                copies=tuple(n for n in found.nodes if n in copies)))
                 break
-            if found in copies or not _reads_nothing_of(graph, found, kept) or seed in graph.nodes[found].results:
+            whole = _run_whole(graph, found, kept, consumers)
+            if not whole or seed in {r for n in whole for r in graph.nodes[n].results}:
                 break
-            kept.remove(found)
+            kept = [n for n in kept if n not in whole]
     return out
+
+
+def saves_memory(graph: Graph, nodes: Sequence[int], copies: Sequence[int] = ()) -> bool:
+    """Whether the group keeps to itself a value larger than any it reads: else its chunks
+    would save nothing (a bias's gradient, a sum of the incoming gradient) but slice its inputs."""
+    consumers = graph.consumers()
+    members = set(nodes)
+    kept = [graph.values[r].nbytes for n in nodes for r in graph.nodes[n].results
+            if r not in graph.outputs and all(c in members for c in consumers[r])]
+    return max(kept, default=0) > max(_read_sizes(graph, nodes, copies), default=0)
+
+
+def _read_sizes(graph: Graph, nodes: Sequence[int], copies: Sequence[int]) -> list[int]:
+    """The sizes of the values the group (with its copies) reads from outside, constants left out."""
+    computed = set(nodes) | set(copies)
+    inside = {r for n in computed for r in graph.nodes[n].results}
+    return [graph.values[o].nbytes for n in computed for o in graph.nodes[n].operands
+            if o not in inside and not graph.values[o].constant]
 
 
 def recomputed(graph: Graph, groups: Sequence[tuple[int, ...]], k: int) -> tuple[int, ...]:
@@ -158,10 +181,27 @@ def recomputed(graph: Graph, groups: Sequence[tuple[int, ...]], k: int) -> tuple
     return tuple(sorted(out))
 
 
-def _reads_nothing_of(graph: Graph, node: int, nodes: Sequence[int]) -> bool:
-    """The op reads no value the ops `nodes` make: left out of them, it runs before them."""
-    made = {r for n in nodes for r in graph.nodes[n].results}
-    return not any(o in made for o in graph.nodes[node].operands)
+def _run_whole(graph: Graph, node: int, nodes: Sequence[int], consumers) -> set[int]:
+    """The ops to take out of `nodes`, to run whole, so that the cut can pass `node`, where it
+    failed: `node` if it reads nothing the others make (it runs before the chunks: a transpose
+    of the incoming gradient); else those of the ops it reads from that read nothing the others
+    make (a bias reshaped for its broadcast, a mask made ready for the scores); else `node` if
+    none of the others reads what it makes (it runs after the chunks: a bias added to the sum
+    of the heads' chunks). Empty where none is: the cut fails."""
+    members = set(nodes)
+    made = {r: n for n in nodes for r in graph.nodes[n].results}
+
+    def reads_nothing(n: int) -> bool:
+        return not any(o in made for o in graph.nodes[n].operands)
+
+    if reads_nothing(node):
+        return {node}
+    before = {made[o] for o in graph.nodes[node].operands if o in made and reads_nothing(made[o])}
+    if before:
+        return before
+    if not any(c in members for r in graph.nodes[node].results for c in consumers[r]):
+        return {node}
+    return set()
 
 
 def _propagate(graph: Graph, nodes: Sequence[int], consumers, seed: int, dim: int, chunks: int) -> Chunking | int:

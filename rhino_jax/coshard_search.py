@@ -6,8 +6,10 @@ that plan splits least over the mesh (chunks of a dim the devices already split 
 each device uneven pieces). Each candidate number of chunks (the user's, or with "auto" 1, 2,
 4, ... up to `MAX_AUTO`) rewrites the step and searches it again: the cost model prices the
 chunks' ops and their slices and sums, and its memory model sees one chunk live at a time. The
-fastest plan within `memory_limit_bytes` wins. Its choices are kept in the plan's search
-statistics, so that a saved plan cuts the step the same way when loaded (`replay`).
+fastest plan within `memory_limit_bytes` wins; a number of chunks the user fixed is refused where
+its plan is predicted to hold no less than the plan without (chunks cost time to save memory).
+Its choices are kept in the plan's search statistics, so that a saved plan cuts the step the
+same way when loaded (`replay`).
 """
 from __future__ import annotations
 
@@ -82,10 +84,22 @@ def plan_with_coshards(step: LoweredStep, graph: Graph, mesh: Mesh, cluster: Clu
         raise error if error is not None else MemoryLimitError(
             f"no number of chunks of {', '.join(map(str, coshards))} brings the plan within memory_limit_bytes")
     step, graph, plan, choices = min(tried, key=lambda t: t[2].cost.total_s)
+    if choices and plan.cost.memory_bytes >= free.cost.memory_bytes:
+        raise ConstraintError(_saves_nothing(coshards, counts, plan, free))
     stats = dict(plan.search_stats, coshard=[dataclasses.asdict(c) for c in choices],
                  coshard_candidates=[[t[3][0].chunks if t[3] else 1, t[2].cost.total_s, t[2].cost.memory_bytes]
                                      for t in tried])
     return step, graph, dataclasses.replace(plan, search_stats=stats)
+
+
+def _saves_nothing(coshards: list[CoShard], counts: list[int], plan: Plan, free: Plan) -> str:
+    """Why a number of chunks the user fixed is refused: its plan holds no less than the plan without."""
+    return (f"{', '.join(map(str, coshards))}: the plan in {counts[0]} chunks is predicted to hold "
+            f"{plan.cost.memory_bytes / 2**20:.1f} MiB per device, the plan without chunks "
+            f"{free.cost.memory_bytes / 2**20:.1f} MiB: chunking these ops saves no memory here (what they make and "
+            "drop is small beside what they read or let out). Leave the coshard out, name the ops whose "
+            "temporaries are the step's largest (the attention scores), or pass chunks='auto' to let the search "
+            "keep the plan without chunks")
 
 
 def replay(step: LoweredStep, graph: Graph, plan: Plan, constraints) -> tuple[LoweredStep, Graph]:
@@ -159,7 +173,9 @@ def _options(graph: Graph, groups: list[tuple[int, ...]], k: int, chunks: int, r
     """Group k's cuts into `chunks`, its chunks recomputing what they read from the earlier groups
     (co-shard with recomputation) or reading it whole."""
     copies = cut.recomputed(graph, groups, k) if recompute else ()
-    return cut.chunkings(graph, groups[k], chunks, copies) if copies or not recompute else []
+    if recompute and not copies or not cut.saves_memory(graph, groups[k], copies):
+        return []
+    return cut.chunkings(graph, groups[k], chunks, copies)
 
 
 def _uncuttable(c: CoShard, groups: list[tuple[int, ...]], graph: Graph, chunks: int) -> str:
@@ -172,6 +188,12 @@ def _uncuttable(c: CoShard, groups: list[tuple[int, ...]], graph: Graph, chunks:
                                             "`with jax.named_scope('attn'):`)")
                 + "; name the ops of a layer, e.g. '*Block_*/MultiHeadDotProductAttention_0/*'")
     first = groups[0]
+    if not any(cut.saves_memory(graph, g, cut.recomputed(graph, groups, k)) or cut.saves_memory(graph, g)
+               for k, g in enumerate(groups)):
+        return (f"{c}: none of the {len(groups)} groups of ops it names keeps to itself a value larger than what it "
+                f"reads (the first: {len(first)} ops from {graph.nodes[first[0]].name!r}), so chunks would save no "
+                "memory; name the ops whose temporaries are the step's largest, e.g. the attention's "
+                "'*MultiHeadDotProductAttention_0/*'")
     big = max((r for n in first for r in graph.nodes[n].results), key=lambda v: graph.values[v].nbytes)
     return (f"{c}: none of the {len(groups)} groups of ops it names can be cut into {chunks} chunks: the first, "
             f"{len(first)} ops from {graph.nodes[first[0]].name!r}, has no dim of its largest value "

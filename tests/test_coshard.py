@@ -7,7 +7,7 @@ import pytest
 import rhino_jax as rj
 from rhino_jax.errors import ConstraintError
 
-from benchmarks.third_party_models import remat_lm
+from benchmarks.third_party_models import masked_remat_lm, remat_lm
 from helpers import assert_same_adam_step
 from test_constraints import _readme_example
 from test_gpu_topology import _plugin_skip
@@ -78,22 +78,56 @@ def test_the_readme_coshard_example_runs_with_one_devices_numbers(small):
     assert_same_adam_step(reference, lowered.compile()(*args), LR)
 
 
+def _temporaries(case, mesh, *constraints):
+    """The compiled step's temporaries (`memory_analysis()`) under the plan, and the compiled step."""
+    lowered = rj.parallelize(case.step, mesh=mesh, constraints=list(constraints), progress=False).lower(*case.args)
+    compiled = lowered.compile()
+    return compiled.memory_analysis().temp_size_in_bytes, compiled
+
+
+def test_attention_given_its_mask_in_chunks_takes_at_most_six_tenths_of_the_temporaries():
+    """The user's LM: the causal mask made once and handed to each remat block, attention with
+    biases (d 128, 8 heads, seq 512, batch 8, (8,)). The bias reshapes and the mask's compare run
+    whole before the chunks, the output bias is added after them, the weights' gradients after
+    them too: the chunks cut the heads, and the CPU compile holds at most 0.6x the temporaries of
+    the plan without chunks, with one device's numbers."""
+    case = masked_remat_lm()
+    free, _ = _temporaries(case, _mesh())
+    chunked, compiled = _temporaries(case, _mesh(), rj.coshard(ATTENTION, chunks=4))
+    assert chunked <= 0.6 * free, (chunked, free)
+    assert_same_adam_step(jax.jit(case.step)(*case.args), compiled(*case.args), LR)
+
+
 @pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
-def test_chunked_attention_takes_at_most_six_tenths_of_the_temporaries_on_the_gpu_compile():
+@pytest.mark.parametrize("model", [remat_lm, masked_remat_lm])
+def test_chunked_attention_takes_at_most_six_tenths_of_the_temporaries_on_the_gpu_compile(model):
     """Seq 512 on 8 described H100s, data parallel: the attention's [batch, heads, seq, seq]
     tensors are most of the step's temporaries. In 4 chunks each backward chunk recomputes its
-    own slice of the probabilities, and XLA's GPU compile (`memory_analysis()`) holds at most
-    0.6x the temporaries of the plan without chunks."""
-    case = remat_lm()  # batch 16, seq 512, width 64, 4 heads
-    step, args = case.step, case.args
+    own slice of the probabilities, the weights' gradients run after the chunks, and XLA's GPU
+    compile (`memory_analysis()`) holds at most 0.6x the temporaries of the plan without chunks."""
+    case = model()
     mesh = rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))
-
-    def temporaries(*constraints):
-        lowered = rj.parallelize(step, mesh=mesh, constraints=list(constraints), progress=False).lower(*args)
-        return lowered.compile().memory_analysis().temp_size_in_bytes
-
-    free, chunked = temporaries(), temporaries(rj.coshard(ATTENTION, chunks=4))
+    free, _ = _temporaries(case, mesh)
+    chunked, _ = _temporaries(case, mesh, rj.coshard(ATTENTION, chunks=4))
     assert chunked <= 0.6 * free, (chunked, free)
+
+
+def test_a_fixed_number_of_chunks_that_saves_no_memory_is_refused(small):
+    """A Dense layer's ops keep to themselves more than they read (the matmul before its bias),
+    but what leaves them is as large: in chunks the plan holds no less, and the error says so,
+    with both predictions and what to do instead."""
+    step, args, _ = small
+    with pytest.raises(ConstraintError, match=r"the plan in 4 chunks is predicted to hold [\d.]+ MiB per device, the "
+                                              r"plan without chunks [\d.]+ MiB: chunking these ops saves no memory"):
+        _lower(step, args, rj.coshard("*Dense_0/*", chunks=4))
+
+
+def test_a_coshard_of_ops_that_keep_nothing_larger_than_they_read_is_an_error(small):
+    """A LayerNorm's ops make values of their input's size: no chunk would save anything."""
+    step, args, _ = small
+    with pytest.raises(ConstraintError, match=r"keeps to itself a value larger than what it reads .* so chunks would "
+                                              r"save no memory"):
+        _lower(step, args, rj.coshard("*LayerNorm_0/*", chunks=4))
 
 
 @pytest.mark.parametrize("chunks", [1, 0, 2.5, "some", True])
