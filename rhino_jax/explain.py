@@ -2,9 +2,12 @@
 the best plans with it laid out otherwise are predicted to cost) and `diff` (two plans of one step,
 layout by layout and cost by cost).
 
-The alternatives come from the search itself: the argument is pinned to another layout (the
-`Pin` that `rj.annotate` makes) and the step is searched again with the plan's own options, so an
-alternative's cost is the best plan the search finds under that choice, priced as every plan is.
+The alternatives come from the search itself: the argument is pinned to another layout and the
+plan's own ILP is solved again (`search.repin`: the plan's cones and prices, the argument's cone
+left only the strategies that make the layout, started from the plan), seconds where a search
+takes tens of them; where that ILP has no strategy making the layout, the step is searched again
+with the `Pin` that `rj.annotate` makes. Either way an alternative's cost is the best plan found
+under that choice, priced as every plan is.
 That needs the step's graph and mesh, which a plan does not save: `parallelize` keeps them beside
 the plans it makes (`SearchInputs`, not saved nor compared); a plan loaded from a file, or one run
 as several programs (micro-batches, pipeline stages), explains its layouts and collectives only.
@@ -33,8 +36,8 @@ from rhino_jax.search.strategies import tensor_specs
 from rhino_jax.search.ties import SAME_STEP
 
 from .errors import RhinoError, UnknownTensorError
-from .mesh_search import plan_on
-from .options import Options
+from .mesh_search import finished, plan_on
+from .options import Options, seconds_left
 from .plan import Plan, PlanCost, PlannedCollective, as_plan, mesh_label
 
 
@@ -67,6 +70,7 @@ class Alternative:
     plan: Plan | None = field(default=None, repr=False)
     delta_s: float = float("nan")  # its predicted step minus the explained plan's
     why: str = ""
+    searched: bool = False  # found by a new search, not on the plan's own ILP (`search.repin`)
 
 
 @dataclass(frozen=True)
@@ -173,29 +177,38 @@ def _alternatives(plan: Plan, inputs: SearchInputs, i: int, k: int) -> tuple[tup
     ranked = sorted(others, key=moves)[:k]
     t0 = time.perf_counter()
     known = sum((i, layout) in inputs.found for layout in ranked)
-    with search_progress.shown(search_progress.enabled(inputs.options.progress)):
+    with search_progress.shown(search_progress.enabled(inputs.options.progress)), search_progress.part():
         for layout in ranked:
             if (i, layout) not in inputs.found:
                 inputs.found[i, layout] = _alternative(plan, inputs, i, layout)
     found = sorted((inputs.found[i, layout] for layout in ranked), key=lambda a: (a.plan is None, a.delta_s))
     which = (f"{len(ranked)} of its {len(others)} other layouts (those whose own moves cost least with the rest of "
              "the plan kept)" if len(ranked) < len(others) else f"its {len(others)} other layouts")
-    said = (f"the best plan with it pinned to each layout below, searched again ({plan.opt_level}, this plan's "
-            f"options): {which}, in {time.perf_counter() - t0:.1f} s"
-            + (f" ({known} searched by an earlier explain of it)" if known else ""))
+    searched = sum(a.searched for a in found)
+    how = ("the plan's own ILP solved again" if not searched else
+           f"searched again ({plan.opt_level}, this plan's options)" if searched == len(found) else
+           f"the plan's own ILP solved again ({searched} searched again: no strategy of the plan's cone makes them)")
+    said = (f"the best plan with it pinned to each layout below, {how}: {which}, in {time.perf_counter() - t0:.1f} s"
+            + (f" ({known} found by an earlier explain of it)" if known else ""))
     return tuple(found), said
 
 
 def _alternative(plan: Plan, inputs: SearchInputs, i: int, layout: ShardingSpec) -> Alternative:
-    """The best plan the search finds with argument i pinned to `layout`."""
+    """The best plan with argument i pinned to `layout`: the plan's own ILP solved again with
+    the pin (`search.repin`), or where that cannot (no strategy of the argument's cone makes the
+    layout, a plan from another process), the step searched again with it."""
     arg = inputs.graph.args[i]
-    search_progress.say("rhino_jax: explain %s: searching with it pinned to %s", arg.path, layout)
-    pinned = inputs.graph.replace(pins=inputs.graph.pins + (Pin(arg.value, layout.dims, arg.path),))
     try:
+        alt = plan.repin(arg.value, layout, seconds_left(inputs.options)) if plan.repin is not None else None
+        if alt is not None:
+            alt = finished(alt, inputs.graph, inputs.topo, inputs.mesh)
+            return Alternative(layout, alt, alt.cost.total_s - plan.cost.total_s)
+        search_progress.say("rhino_jax: explain %s: searching with it pinned to %s", arg.path, layout)
+        pinned = inputs.graph.replace(pins=inputs.graph.pins + (Pin(arg.value, layout.dims, arg.path),))
         alt = plan_on(pinned, inputs.topo, inputs.cluster, inputs.options, inputs.mesh)
     except RhinoError as e:  # a memory limit no plan with it fits, a solver out of time
-        return Alternative(layout, why=f"{type(e).__name__}: {str(e).splitlines()[0]}")
-    return Alternative(layout, alt, alt.cost.total_s - plan.cost.total_s)
+        return Alternative(layout, why=f"{type(e).__name__}: {str(e).splitlines()[0]}", searched=True)
+    return Alternative(layout, alt, alt.cost.total_s - plan.cost.total_s, searched=True)
 
 
 def _moves_s(plan: Plan, inputs: SearchInputs, i: int) -> Callable[[ShardingSpec], float]:

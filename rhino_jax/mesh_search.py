@@ -81,6 +81,12 @@ def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options
     plan = search(graph, topo, cluster, opt_level=options.opt_level, backend=options.solver,
                   time_limit_s=seconds_left(options), memory_limit_bytes=options.memory_limit_bytes,
                   strided=options.strided_specs, constraints=options.constraints)
+    return finished(plan, graph, topo, mesh)
+
+
+def finished(plan: Plan, graph: Graph, topo: MeshTopology, mesh: Mesh | None) -> Plan:
+    """A searched plan as `plan_on` returns it: each collective's share of the communication,
+    and on a mesh at hand the GEMM temporaries in its memory."""
     plan = replace(plan, collectives=tuple(replace(c, combined_s=s)
                                            for c, s in zip(plan.collectives, shares(plan.collectives, topo))))
     return plan if mesh is None else with_gemm_workspaces(plan, graph, topo, mesh.devices.flat[0])

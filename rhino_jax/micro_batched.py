@@ -324,13 +324,14 @@ def program_plan(name: str, target: PlanTarget, given: Plan | None, search: Call
     if given is not None:
         return given.program(name, target)
     progress.say("rhino_jax: program %s (what its search predicts is one run of it, not the step)", name)
-    return dataclasses.replace(search(), target=target)
+    with progress.part():  # explain prices no alternatives of a program: it keeps no ILP (`Plan.repin`)
+        return dataclasses.replace(search(), target=target, repin=None)
 
 
 def say_step(plan: Plan, how: str) -> None:
     """Say the step's predicted time, as its report does, once its programs are planned: the
     progress line ends on it rather than on its last program's prediction."""
-    progress.say("rhino_jax: %s: predicted step %.4g ms", how, plan.cost.total_s * 1e3)
+    progress.say("rhino_jax: %s: predicted step %.4g ms", how, plan.cost.total_s * 1e3, best_s=plan.cost.total_s)
 
 
 def _same_layouts(apply_graph: Graph, compute_graph: Graph, compute_plan: Plan) -> tuple[Pin, ...]:

@@ -31,6 +31,7 @@ from .repeats import group_segments, tie_repeats
 from .assembly import add_hubs, ilp_problem
 from .memory_limit import by_size, fit_memory, held_bytes, least_arguments, raise_memory_error
 from .plan_making import make_plan
+from .repin import KEPT_VARS, Repin
 from .ties import SAME_STEP, seen, with_preferences
 from .units import Unit, apply_pins, build_units, replicated_choice
 from .constraints import Named, apply_constraints
@@ -54,7 +55,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
     `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
     with interrupt.session():
-        plan = _search(graph, topo, cluster, deadline=deadline, **options)
+        plan = _found(_search(graph, topo, cluster, deadline=deadline, **options))
         tried, overlap = [plan], topo.overlap
         try:
             while overlap and len(tried) < OVERLAP_ROUNDS and not interrupt.pressed() and deadline.left() > 0:
@@ -65,13 +66,23 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
                 progress.say("rhino_jax: overlap: the plan hides %.3g s of %.3g s of communication off the chain; "
                              "searching again with overlap %.3g", plan.cost.hidden_s,
                              plan.search_stats["off_chain_comm_s"], overlap)
-                plan = _search(graph, dataclasses.replace(topo, overlap=overlap), cluster, deadline=deadline, **options)
+                plan = _found(_search(graph, dataclasses.replace(topo, overlap=overlap), cluster, deadline=deadline,
+                                      **options))
                 tried.append(plan)
         except KeyboardInterrupt:  # before the next round's plan: the plans so far
             interrupt.press()
             interrupt.warn("the search for how much communication compute hides")
         best = _least(tried)
+        if len(tried) > 1:
+            _found(best, "kept")
         return dataclasses.replace(best, interrupted=True) if interrupt.pressed() else best
+
+
+def _found(plan: Plan, what: str = "found") -> Plan:
+    """Say a plan's predicted time as its report will (the progress line's best so far, where
+    this search is of the whole step)."""
+    progress.say("rhino_jax: plan %s: predicted %.4g ms", what, plan.cost.total_s * 1e3, best_s=plan.cost.total_s)
+    return plan
 
 
 def _least(plans: list[Plan]) -> Plan:
@@ -146,6 +157,28 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
 
     held = functools.cache(lambda: held_bytes(graph, units, groups, sizes))
 
+    def stats_of(solution: ilp.Solution, info: dict, ilp_groups: int, forced: list[int], weight_s: float) -> dict:
+        return dict(stats, **info, ilp_groups=ilp_groups, ilp_vars=solution.num_vars,
+                    ilp_constraints=solution.num_constraints, solve_s=sum(st[3] for st in info["stages"]),
+                    backend=solution.backend, status=solution.status, gap=solution.gap,
+                    objective_s=solution.objective_s, relaxation_exact=solution.relaxation_exact,
+                    not_replicated=tuple(units[groups[g].root].name for g in forced), memory_weight_s=weight_s)
+
+    def kept_ilp(choice: list[int], forbidden: list[np.ndarray], forced: list[int], weight_s: float) -> Repin:
+        """The plan's ILP, kept to be solved again with one argument pinned (`repin`)."""
+        weighed = problem if not weight_s else dataclasses.replace(problem, costs=tuple(
+            c + weight_s * h for c, h in zip(problem.costs, held())))
+
+        def make(chosen: list[int], solution: ilp.Solution) -> Plan:
+            if not weight_s:  # the step without the tie ranks (else the objective prices memory too)
+                solution = dataclasses.replace(solution, objective_s=ilp.evaluate(priced, chosen))
+            info = {"stages": [(len(groups), solution.status, solution.objective_s, solution.solve_s)],
+                    "stage_names": ["one argument pinned, from the plan"]}
+            return make_plan(graph, topo, cluster, units, groups, chosen, fallback, opt_level,
+                             stats_of(solution, info, len(groups), forced, weight_s), prices)
+        return Repin(weighed, tuple(forbidden), tuple(choice), units, groups, group_of, producer_unit, sizes,
+                     segments, backend, make)
+
     def plan_with(forced: list[int], weight_s: float = 0.0) -> Plan:
         """The best plan in which the arguments of the `forced` groups are not replicated, with
         `weight_s` seconds added per byte a device holds on average (`_weigh_memory`)."""
@@ -157,21 +190,18 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
                      f", {len(forced)} arguments not replicated" if forced else "", max(deadline.left(), 0.0))
         answered = interrupt.pressed()  # a Ctrl-C before this solve: told already, this plan is greedy
         choice, solution, info = solvers.solve(deadline, forbidden, weight_s, held() if weight_s else None)
-        unlimited = not forced and not weight_s  # else a trial under a memory limit (`_try`, `_try_weight`)
-        progress.say("rhino_jax: ILP %s in %.2f s%s: predicted %.4g ms", solution.status, solution.solve_s,
-                     " (its LP relaxation was integral)" if solution.relaxation_exact else "",
-                     solution.objective_s * 1e3, best_s=solution.objective_s if unlimited else None)
-        st = dict(stats, **info, ilp_groups=len(solvers.stages[-1][0].problem.costs), ilp_vars=solution.num_vars,
-                  ilp_constraints=solution.num_constraints, solve_s=sum(st[3] for st in info["stages"]),
-                  backend=solution.backend, status=solution.status, gap=solution.gap,
-                  objective_s=solution.objective_s, relaxation_exact=solution.relaxation_exact,
-                  not_replicated=tuple(units[groups[g].root].name for g in forced), memory_weight_s=weight_s)
+        progress.say("rhino_jax: ILP %s in %.2f s%s: the ILP's estimate of the step %.4g ms", solution.status,
+                     solution.solve_s, " (its LP relaxation was integral)" if solution.relaxation_exact else "",
+                     solution.objective_s * 1e3)
+        st = stats_of(solution, info, len(solvers.stages[-1][0].problem.costs), forced, weight_s)
         try:
             plan = make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st, prices)
         except KeyboardInterrupt:  # while the plan is assembled: assembled again, as the plan so far
             interrupt.press()
             st["status"] = "interrupted"
             plan = make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st, prices)
+        if windows.size(problem) <= KEPT_VARS:  # explain's alternatives solve it again
+            plan = dataclasses.replace(plan, repin=kept_ilp(choice, forbidden, forced, weight_s))
         gap = "no bound (solved by windows)" if np.isnan(solution.gap) else f"a gap of {solution.gap:.1%}"
         if st["status"] == "interrupted" and not answered:
             interrupt.warn(f"strategy search ({solution.solve_s:.1f} s of solving, {gap})", stacklevel=4)
@@ -231,8 +261,9 @@ def _coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, share: floa
     try:
         with warnings.catch_warnings():  # its time running out is the fine search's to say
             warnings.simplefilter("ignore", SolverTimeLimitWarning)
-            _, chosen = _search(dataclasses.replace(graph, pins=how.pins(graph.pins)), coarse, cluster,
-                                deadline=part, opt_level="O2", with_choice=True, **options)
+            with progress.part():
+                _, chosen = _search(dataclasses.replace(graph, pins=how.pins(graph.pins)), coarse, cluster,
+                                    deadline=part, opt_level="O2", with_choice=True, **options)
     except MemoryLimitError:
         progress.say("rhino_jax: no plan on [%s] fits the memory limit; searching the whole space",
                      ", ".join(coarse.axis_names))

@@ -32,6 +32,7 @@ class _Line:
     start: float = field(default_factory=time.monotonic)
     phase: str = "lowering the step"
     best_s: float | None = None
+    parts: int = 0  # searches under way of a part of the step (`part`)
 
 
 _line: _Line | None = None  # the display in progress, if any (one per process)
@@ -39,13 +40,29 @@ _line: _Line | None = None  # the display in progress, if any (one per process)
 
 def say(message: str, *args, best_s: float | None = None) -> None:
     """Log `message % args` at INFO and show it on the progress line; `best_s`: the predicted
-    step of a plan it reports."""
+    step of a plan of the whole step it reports (as its report will say it), the line's best so
+    far unless a `part` is being searched."""
     log.info(message, *args)
     line = _line
     if line is not None:
         line.phase = (message % args).removeprefix("rhino_jax: ")
-        if best_s is not None and (line.best_s is None or best_s < line.best_s):
+        if best_s is not None and not line.parts and (line.best_s is None or best_s < line.best_s):
             line.best_s = best_s
+
+
+@contextlib.contextmanager
+def part():
+    """A search of a part of the step, or of another question about it (one program of a step
+    run as several, the plan on a coarser mesh, an alternative `explain` prices): its plans'
+    predictions are not the step's, and the line's best so far leaves them out."""
+    line = _line
+    if line is not None:
+        line.parts += 1
+    try:
+        yield
+    finally:
+        if line is not None:
+            line.parts -= 1
 
 
 def enabled(option: bool) -> bool:

@@ -67,7 +67,7 @@ def _check_pin(pin: Pin, graph: Graph, topo: MeshTopology) -> None:
                 f"axes {axes} ({n} devices) do not divide; change the pin or the mesh")
 
 
-def _matches(spec: ShardingSpec, pin: Pin, sizes: dict[str, int]) -> bool:
+def matches_pin(spec: ShardingSpec, pin: Pin, sizes: dict[str, int]) -> bool:
     """The spec makes the pinned layout (a pin's axes of size 1 split nothing: strategies name none)."""
     def splitting(axes) -> tuple[str, ...]:
         return tuple(a for a in axes if sizes[a] > 1)
@@ -190,12 +190,12 @@ def apply_pins(graph: Graph, units: list[Unit], producer_unit: dict[int, int], t
         _check_pin(pin, graph, topo)
         for u in units:
             if u.kind == "output" and u.operands == (pin.value,):
-                u.strategies = [s for s in u.strategies if _matches(s.operands[0], pin, topo.sizes)]
+                u.strategies = [s for s in u.strategies if matches_pin(s.operands[0], pin, topo.sizes)]
         if pin.value not in producer_unit:
             continue
         u = units[producer_unit[pin.value]]
         pos = u.results.index(pin.value)
-        kept = [s for s in u.strategies if _matches(s.results[pos], pin, topo.sizes)]
+        kept = [s for s in u.strategies if matches_pin(s.results[pos], pin, topo.sizes)]
         if not kept:
             raise ShardingPinError(f"pin on {pin.name!r}: no strategy of {u.name or u.kind} "
                                    f"produces {pin.dims} on this mesh")

@@ -159,11 +159,14 @@ class Windowed:
                         for w in self.windows]
 
     def solve(self, time_limit_s: float = 60.0, forbidden: tuple[np.ndarray, ...] | None = None,
-              incumbent: tuple[int, ...] | None = None) -> ilp.Solution:
+              incumbent: tuple[int | None, ...] | None = None, settled: bool = False) -> ilp.Solution:
         """Windows in program order, sweep after sweep, until none changes (at most `SWEEPS`
         after the first); from `incumbent` when given, else from nothing decided. A window
         whose members, neighbours and paid families are as when it was last solved is skipped:
-        its answer would be the same. Ctrl-C keeps the windows solved so far (the rest greedily)."""
+        its answer would be the same. `settled`: the incumbent is this problem's solution but
+        for its undecided groups, so a window none of whose members or neighbours is undecided
+        counts as solved at it (a plan with one argument pinned anew re-solves the windows the
+        change reaches, `repin`). Ctrl-C keeps the windows solved so far (the rest greedily)."""
         start = time.perf_counter()
         problem = self.problem if forbidden is None else ilp.forbid(self.problem, forbidden)
         choice: list[int | None] = list(incumbent) if incumbent is not None else [None] * len(problem.costs)
@@ -171,6 +174,11 @@ class Windowed:
         users = family_users(problem, choice)
         status, biggest = "windowed", (0, 0)
         solved: list[tuple | None] = [None] * len(self.windows)  # each window's inputs when last solved
+        if settled:
+            for w, members in enumerate(self.windows):
+                if all(choice[g] is not None for g in members + self._around[w]):
+                    before = share(problem, members, choice, self._incidence)
+                    solved[w] = (tuple(choice[g] for g in members + self._around[w]), tuple(users - before > 0))
         try:
             for sweep in range(SWEEPS + 1):
                 changed = False
@@ -204,7 +212,7 @@ class Windowed:
                 predicted = ilp.evaluate(problem, tuple(choice))
                 progress.say("rhino_jax: sweep %d over %d windows (at most %d variables each) in %.2f s: predicted "
                              "%.4g ms", sweep + 1, len(self.windows), biggest[0], time.perf_counter() - start,
-                             predicted * 1e3, best_s=predicted)
+                             predicted * 1e3)
                 if not changed:
                     break
         except KeyboardInterrupt:  # in this loop's own work: the windows solved so far stand

@@ -3,6 +3,7 @@ rj.diff (two plans of one step) and plan.render (one HTML page of SVG pictures).
 import contextlib
 import dataclasses
 import logging
+import pickle
 import re
 from html.parser import HTMLParser
 
@@ -107,7 +108,23 @@ def test_explaining_an_argument_again_searches_nothing_again(lowered, monkeypatc
     monkeypatch.setattr(explain_module, "plan_on", lambda *args, **kwargs: pytest.fail("searched again"))
     again = lowered.plan.explain("arg" + KERNEL, alternatives=1)
     (alt,) = again.alternatives
-    assert alt in first.alternatives and "(1 searched by an earlier explain of it)" in str(again)
+    assert alt in first.alternatives and "(1 found by an earlier explain of it)" in str(again)
+
+
+def test_alternatives_are_solved_on_the_plans_own_ilp_without_a_search(lowered, monkeypatch):
+    """The plan keeps its ILP: an alternative is that ILP solved again with the argument's cone
+    left the strategies that make the layout, no new search; each alternative plan lays the
+    argument out so and predicts no less than the plan (which the same ILP chose). The ILP is
+    not carried to another process: a plan from a worker searches again."""
+    plan = dataclasses.replace(lowered.plan, search_inputs=dataclasses.replace(lowered.plan.search_inputs, found={}))
+    monkeypatch.setattr(explain_module, "plan_on", lambda *args, **kwargs: pytest.fail("searched again"))
+    explained = plan.explain(KERNEL)
+    i = plan.arg_paths.index("arg" + KERNEL)
+    assert explained.alternatives and "the plan's own ILP solved again" in str(explained)
+    for alt in explained.alternatives:
+        assert not alt.searched and alt.plan.arg_specs[i] == alt.layout
+        assert alt.plan.cost.total_s >= plan.cost.total_s * (1 - 1e-6)
+    assert pickle.loads(pickle.dumps(plan.repin)) is None
 
 
 def test_a_plan_chosen_by_pipeline_auto_explains_after_its_search_ended():
@@ -215,15 +232,19 @@ def test_diff_lists_at_most_20_layouts_and_counts_the_rest(lowered):
 
 
 def test_the_report_says_the_solver_times_the_progress_line_says():
-    """The progress line says each solve's time and prediction ("ILP optimal in 0.13 s ...:
-    predicted 0.0078 ms", its last ILP's); the report's search line adds up the ILPs, each named
-    with its time, and gives the ILP's estimate beside the predicted step."""
+    """The progress line says each solve's time and estimate ("ILP optimal in 0.13 s ...: the
+    ILP's estimate of the step 0.0078 ms", its last ILP's) and ends on the plan's predicted step;
+    the report's search line adds up the ILPs, each named with its time, and gives the ILP's
+    estimate beside the predicted step."""
     with _said() as messages:
         plan = rj.parallelize(gpt.make_gpt_train_step(gpt.GPT_TINY), mesh=rj.device_mesh((8,), ("data",)),
                               progress=False).lower(*gpt.gpt_example(gpt.GPT_TINY)).plan
     s = plan.search_stats
     assert len(s["stages"]) == len(s["stage_names"]) >= 2  # repeats tied, then untied
-    seconds, predicted = re.search(r"ILP \S+ in ([\d.]+) s.*: predicted (\S+) ms", messages[-1]).groups()
+    assert re.fullmatch(r"rhino_jax: plan (found|kept): predicted (\S+) ms", messages[-1]).group(2) == \
+        f"{plan.cost.total_s * 1e3:.4g}"
+    solve = next(m for m in reversed(messages) if m.startswith("rhino_jax: ILP "))
+    seconds, predicted = re.search(r"ILP \S+ in ([\d.]+) s.*: the ILP's estimate of the step (\S+) ms", solve).groups()
     line = next(line for line in plan.report().splitlines() if line.startswith("search "))
     assert f"in {s['solve_s']:.2f} s (" in line and f"then {s['stage_names'][-1]} {seconds} s)" in line
     assert f"the ILP's estimate of the step {predicted} ms" in line
@@ -254,7 +275,7 @@ def test_a_pipeline_says_its_step_last_and_names_each_programs_prediction(pipeli
     assert messages[-1] == (f"rhino_jax: pipeline of 2 stages (1f1b, 4 micro-batches): predicted step "
                             f"{plan.cost.total_s * 1e3:.4g} ms")
     for k, message in enumerate(messages):
-        if re.match(r"rhino_jax: ILP .*: predicted", message):
+        if re.match(r"rhino_jax: (ILP |plan found)", message):
             program = next(m for m in reversed(messages[:k]) if m.startswith("rhino_jax: program "))
             assert re.match(r"rhino_jax: program (forward|backward|apply_gradients)\[", program)
 

@@ -64,6 +64,17 @@ def test_a_search_shows_its_progress_on_one_line_of_stderr(monkeypatch, capsys):
     assert not [t for t in threading.enumerate() if t.name == "rhino_jax progress"]
 
 
+def test_the_best_so_far_of_a_step_run_as_programs_is_the_steps(monkeypatch, capsys):
+    """Each program of a micro-batched step predicts one run of it, less than the step: the line's
+    best so far is the step's prediction, as its report says it, never a program's."""
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_PERIOD_S", 0.01)
+    lowered = _lower_small(num_micro_batches=2)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rhino_jax ")]
+    shown = {float(b) for b in re.findall(r"best so far ([\d.e+-]+) ms$", "\n".join(lines), re.M)}
+    assert shown and all(b == pytest.approx(lowered.plan.cost.total_s * 1e3, rel=1e-3) for b in shown), shown
+
+
 @pytest.mark.parametrize("off", ["option", "environment"])
 def test_the_progress_line_can_be_turned_off(off, monkeypatch, capsys):
     monkeypatch.setattr(progress, "DELAY_S", 0.0)

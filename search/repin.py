@@ -1,0 +1,83 @@
+"""One argument pinned to another layout, solved on the plan's own ILP: what `explain` prices an
+alternative layout at, in seconds rather than a search.
+
+The search that made a plan built its units, cones and their ILP (`planner`). Pinning an
+argument there forbids the strategies of its cone that lay it out otherwise (as `units.apply_pins`
+keeps only those that do), and the whole ILP, untied as O3 solves it, is solved again from the
+plan's choice with that cone's filled in greedily (a problem too large for one ILP: by windows,
+re-solving only those the change reaches, `windows.Windowed.solve(settled=True)`). The plan's own restrictions stay: arguments a
+memory limit kept off replication, and memory priced as the plan's solve priced it. What a new
+search with the pin would do besides is not redone (cones built around the pinned layout, layers
+tied, the overlap rounds): where the cone has no strategy that makes the layout, there is no
+answer here, and the caller searches again.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rhino_jax.plan import Plan
+
+from ..hlo_passes.graph import Pin
+from . import ilp, windows
+from .cones import Cone
+from .specs import ShardingSpec
+from .units import Unit, matches_pin
+
+
+# The largest ILP (variables, `windows.size`) a plan keeps: about 20 bytes a variable with its
+# units and cones (measured: 206k variables, 4.5 MB), held as long as the plan is.
+KEPT_VARS = 2_000_000
+
+
+@dataclass(eq=False)
+class Repin:
+    """The plan's ILP and what it needs to solve it again with one argument pinned; `make` turns
+    a choice of every group and its solution into a plan, as the search did."""
+
+    problem: ilp.Problem  # the plan's ILP, tie ranks included, memory weighted as the plan's solve was
+    forbidden: tuple[np.ndarray, ...]  # per group: strategies the plan's solve forbade (memory limit trials)
+    choice: tuple[int, ...]  # the plan's, per group
+    units: list[Unit]
+    groups: list[Cone]
+    group_of: dict[int, int]
+    producer_unit: dict[int, int]
+    sizes: dict[str, int]
+    positions: list[int]  # each group's segment, program order (`windows`)
+    backend: str
+    make: Callable[[list[int], ilp.Solution], Plan]
+    _solver: ilp.Model | windows.Windowed | None = field(default=None, repr=False)
+
+    def __reduce__(self):
+        # Not carried to another process (a plan searched in a worker): there, explain searches again.
+        return _dropped, ()
+
+    def __call__(self, value: int, layout: ShardingSpec, time_limit_s: float) -> Plan | None:
+        """The best plan of this ILP with `value` (an argument) laid out as `layout`; None where
+        its cone has no strategy that makes it."""
+        m = self.producer_unit.get(value)
+        if m is None:
+            return None
+        g, pos = self.group_of[m], self.units[m].results.index(value)
+        pin = Pin(value, layout.dims, "")
+        allowed = np.array([matches_pin(ch[m].results[pos], pin, self.sizes) for ch in self.groups[g].choice])
+        forbidden = tuple(f | ~allowed if k == g else f for k, f in enumerate(self.forbidden))
+        if not (allowed & ~self.forbidden[g] & np.isfinite(self.problem.costs[g])).any():
+            return None
+        start = tuple(None if k == g else j for k, j in enumerate(self.choice))
+        if windows.size(self.problem) > windows.WHOLE_VARS:  # by windows, those the change reaches
+            if self._solver is None:
+                self._solver = windows.Windowed(self.problem, self.positions, self.backend)
+            solution = self._solver.solve(time_limit_s, forbidden, incumbent=start, settled=True)
+        else:
+            if self._solver is None:
+                self._solver = ilp.Model(self.problem, self.backend)
+            incumbent = ilp.greedy(ilp.forbid(self.problem, forbidden), start)
+            solution = self._solver.solve(time_limit_s, forbidden, incumbent=incumbent)
+        return self.make(list(solution.choice), solution)
+
+
+def _dropped() -> None:
+    return None
