@@ -1,0 +1,105 @@
+"""Imports run one way: down the stages, to plain types that import nothing of ours.
+
+Each folder is a stage, ranked in the order data flows (`docs/DESIGN.md`): the errors, plain
+types everyone raises, below all; then import (hlo_passes), search, runtime, and the API on top
+(rhino_jax). A module may import from its own rank or below, never above, deferred imports and
+imports for type checking included. The upward imports that stand today are listed in
+`UPWARD`: the test fails on a new one, and on a listed one that is gone (strike it off the list),
+so the list only shrinks. Modules that import each other around a loop are listed in `LOOPS`
+the same way.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import networkx as nx
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FOLDERS = {"rhino_jax": "rhino_jax", "hlo_passes": "rhino_jax.hlo_passes", "search": "rhino_jax.search",
+           "runtime": "rhino_jax.runtime"}
+GROUND = {"rhino_jax.errors"}
+RANK = {"rhino_jax.hlo_passes": 1, "rhino_jax.search": 2, "rhino_jax.runtime": 3, "rhino_jax": 4}
+
+# (importing module, imported module): upward imports that stand today, to be taken out.
+UPWARD = {
+    ("rhino_jax.hlo_passes.compiled_cost", "rhino_jax.search.cluster"),
+    ("rhino_jax.hlo_passes.compiled_cost", "rhino_jax.search.collectives"),
+    ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.combining"),
+    ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.rules"),
+    ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.specs"),
+    ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.strides"),
+    ("rhino_jax.hlo_passes.rewrite", "rhino_jax.search.specs"),
+    ("rhino_jax.hlo_passes.sinking", "rhino_jax.search.strategies"),
+    ("rhino_jax.hlo_passes.split", "rhino_jax.search.specs"),
+    ("rhino_jax.search.memory_limit", "rhino_jax.plan"),
+    ("rhino_jax.search.plan_making", "rhino_jax.plan"),
+    ("rhino_jax.search.planner", "rhino_jax.plan"),
+    ("rhino_jax.search.repin", "rhino_jax.plan"),
+}
+# Modules that import each other around a loop, today (one set per loop).
+LOOPS = [{"rhino_jax.explain", "rhino_jax.mesh_search", "rhino_jax.plan", "rhino_jax.render",
+          "rhino_jax.search.memory_limit", "rhino_jax.search.plan_making", "rhino_jax.search.planner",
+          "rhino_jax.search.repin"}]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            out[".".join((package, *parts))] = path
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The modules of ours that `name` imports anywhere in its file (deferred and TYPE_CHECKING
+    imports too); `from package import module` names the module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # a name inside a module: the module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def _graph() -> nx.DiGraph:
+    modules = _modules()
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        graph.add_edges_from((name, t) for t in _imports(name, path, set(modules)))
+    return graph
+
+
+def _rank(module: str) -> int:
+    if module in GROUND:
+        return 0
+    package = max((p for p in RANK if module == p or module.startswith(p + ".")), key=len)  # the innermost
+    return RANK[package]
+
+
+def test_imports_run_down_the_stages():
+    graph = _graph()
+    upward = {(a, b) for a, b in graph.edges if _rank(b) > _rank(a) and b not in FOLDERS.values()}
+    assert not upward - UPWARD, f"new imports from a lower stage to a higher one: {sorted(upward - UPWARD)}"
+    assert not UPWARD - upward, f"gone: strike them off UPWARD: {sorted(UPWARD - upward)}"
+
+
+def test_no_new_import_loops():
+    loops = [c for c in nx.strongly_connected_components(_graph()) if len(c) > 1]
+    assert sorted(map(sorted, loops)) == sorted(map(sorted, LOOPS)), loops
