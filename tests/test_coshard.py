@@ -5,6 +5,7 @@ import jax
 import pytest
 
 import rhino_jax as rj
+from rhino_jax import coshard_search
 from rhino_jax.errors import ConstraintError
 
 from benchmarks.third_party_models import masked_remat_lm, remat_lm
@@ -13,6 +14,9 @@ from test_constraints import _readme_example
 from test_gpu_topology import _plugin_skip
 
 ATTENTION = "*MultiHeadDotProductAttention_0/*"
+# Chunks planned: refused on a jax whose XLA runs them side by side (`coshard_search.ORDERED_FROM`).
+chunked = pytest.mark.skipif(tuple(int(p) for p in jax.__version__.split(".")[:2]) < coshard_search.ORDERED_FROM,
+                             reason=f"jax {jax.__version__}: co-shard is refused (its XLA runs the chunks side by side)")
 LR = 1e-3  # remat_lm's AdamW
 
 
@@ -35,6 +39,7 @@ def _lower(step, args, *constraints, **options):
     return rj.parallelize(step, mesh=_mesh(), constraints=list(constraints), progress=False, **options).lower(*args)
 
 
+@chunked
 def test_attention_in_chunks_keeps_one_devices_numbers(small, tmp_path):
     """Chunked attention (forward, recomputed forward and backward of both blocks) runs with one
     device's numbers; the program holds the chunks' slices and their order barriers; a saved plan
@@ -57,6 +62,7 @@ def test_attention_in_chunks_keeps_one_devices_numbers(small, tmp_path):
     assert_same_adam_step(reference, again.compile()(*args), LR)
 
 
+@chunked
 def test_auto_picks_chunks_that_fit_the_memory_limit(small):
     """With chunks='auto' the search tries no chunks, 2, 4, ...: under a limit the plan without
     chunks exceeds, it keeps the fastest plan that fits (with chunks), and still one device's numbers."""
@@ -71,6 +77,7 @@ def test_auto_picks_chunks_that_fit_the_memory_limit(small):
     assert_same_adam_step(reference, lowered.compile()(*args), LR)
 
 
+@chunked
 def test_the_readme_coshard_example_runs_with_one_devices_numbers(small):
     step, args, reference = small
     lowered = _readme_example(3, step, _mesh())["step"].lower(*args)
@@ -85,6 +92,7 @@ def _temporaries(case, mesh, *constraints):
     return compiled.memory_analysis().temp_size_in_bytes, compiled
 
 
+@chunked
 def test_attention_given_its_mask_in_chunks_takes_at_most_six_tenths_of_the_temporaries():
     """The user's LM: the causal mask made once and handed to each remat block, attention with
     biases (d 128, 8 heads, seq 512, batch 8, (8,)). The bias reshapes and the mask's compare run
@@ -98,6 +106,7 @@ def test_attention_given_its_mask_in_chunks_takes_at_most_six_tenths_of_the_temp
     assert_same_adam_step(jax.jit(case.step)(*case.args), compiled(*case.args), LR)
 
 
+@chunked
 @pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
 @pytest.mark.parametrize("model", [remat_lm, masked_remat_lm])
 def test_chunked_attention_takes_at_most_six_tenths_of_the_temporaries_on_the_gpu_compile(model):
@@ -112,6 +121,7 @@ def test_chunked_attention_takes_at_most_six_tenths_of_the_temporaries_on_the_gp
     assert chunked <= 0.6 * free, (chunked, free)
 
 
+@chunked
 def test_a_fixed_number_of_chunks_that_saves_no_memory_is_refused(small):
     """A Dense layer's ops keep to themselves more than they read (the matmul before its bias),
     but what leaves them is as large: in chunks the plan holds no less, and the error says so,
@@ -120,6 +130,17 @@ def test_a_fixed_number_of_chunks_that_saves_no_memory_is_refused(small):
     with pytest.raises(ConstraintError, match=r"the plan in 4 chunks is predicted to hold [\d.]+ MiB per device, the "
                                               r"plan without chunks [\d.]+ MiB: chunking these ops saves no memory"):
         _lower(step, args, rj.coshard("*Dense_0/*", chunks=4))
+
+
+@pytest.mark.parametrize("chunks", [4, "auto"])
+def test_a_coshard_on_a_jax_whose_xla_runs_the_chunks_side_by_side_is_refused(small, monkeypatch, chunks):
+    """The chunks' order barriers are dropped before XLA schedules (jax before 0.12, measured):
+    the chunks would hold more than no chunks, so a coshard is refused, saying so and what to do."""
+    step, args, _ = small
+    monkeypatch.setattr(coshard_search, "ORDERED_FROM", (99, 0))
+    with pytest.raises(ConstraintError, match=r"co-shard needs jax 99.0 or newer\. The XLA of jax .* so the "
+                                              r"chunks run side by side .* Upgrade jax and jaxlib, or leave the coshard out"):
+        _lower(step, args, rj.coshard(ATTENTION, chunks=chunks))
 
 
 def test_a_coshard_of_ops_that_keep_nothing_larger_than_they_read_is_an_error(small):
