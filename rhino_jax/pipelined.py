@@ -61,8 +61,8 @@ from .gpu_topology import refuse_described
 from .mesh_search import plan_on
 from .arguments import Call, call_tree
 from .micro_batched import (APPLY_WEIGHT, SeveralPrograms, SeveralProgramsLowered, _compile, micro_batches_of,
-                            accumulated, add_up, flat_call, named, program_plan, say_step, split_step,
-                            summed_bytes, with_index)
+                            accumulated, add_up, flat_call, named, priced_line, priced_s, program_plan, say_step,
+                            split_step, summed_bytes, with_index)
 from .options import Options, budget_of, device_memory, seconds_left, within
 from .plan import Plan, PlanCost, StagePlan, place_name, program_name
 from .plan_target import PlanTarget, PlanTargetError
@@ -832,24 +832,24 @@ class PipelinedCompiled(SeveralPrograms):
         return low.returned([self._to(applied[v], sharding) for v, sharding
                              in zip(low._step.apply_graph.outputs, returned)])
 
-    def compiled_step_s(self, cluster=None) -> float:
+    def compiled_step_s(self, cluster=None, overlapped: bool = True) -> float:
         """The step's time with each program priced from what XLA compiled (`compiled_cost.
-        price_compiled`: its cost analysis and the collectives it emits) in the plan's schedule,
+        price_compiled`: its cost analysis and the collectives it emits; as its schedule overlaps
+        communication with compute, or with `overlapped=False` serially) in the plan's schedule,
         with the plan's moves, then apply-gradients' programs wave by wave: the prediction's check."""
         low = self._lowered
         cluster = cluster or low.cluster
-        price = {key: price_compiled(run, cluster).total_s for key, (_, run, _) in self._run.items()}
+        price = {key: priced_s(price_compiled(run, cluster), overlapped) for key, (_, run, _) in self._run.items()}
         p = len(low.stages)
         steps = low.schedule.makespan([price["F", s] for s in range(p)], [price.get(("B", s), 0.0) for s in range(p)],
                                       low.plan.search_stats["transfer_s"])
         waves: dict[int, float] = {}
         for prog, run, _ in self._apply.values():
-            waves[prog.wave] = max(waves.get(prog.wave, 0.0), price_compiled(run, cluster).total_s)
+            waves[prog.wave] = max(waves.get(prog.wave, 0.0), priced_s(price_compiled(run, cluster), overlapped))
         return steps + sum(low.moves_s) + sum(waves.values())
 
     def report(self) -> str:
-        return (f"{self.plan.report()}\n\nstep priced from the compiled programs: {self.compiled_step_s() * 1e3:.3f} ms "
-                f"(predicted {self.plan.cost.total_s * 1e3:.3f} ms)")
+        return f"{self.plan.report()}\n\n{priced_line(self.compiled_step_s, self.plan)}"
 
 
 def _stage_holding(devices, meshes: list[Mesh]) -> int | None:
