@@ -178,9 +178,9 @@ class Plan:
     # (`explain.SearchInputs`), so that `explain` can search again with one argument pinned. Not
     # saved (a loaded plan explains its layouts, not their alternatives) and not compared.
     search_inputs: object = field(default=None, compare=False, repr=False)
-    # Set by the search where its ILP is small enough to solve whole (`search.repin.Repin`): that
-    # ILP, to be solved again with one argument pinned (how `explain` prices an alternative layout
-    # in seconds). Not saved, not compared, not carried to another process.
+    # Set by the search where its ILP is not too large to keep (`search.repin.Repin`): that ILP, to
+    # be solved again with one argument pinned (how `explain` prices an alternative layout in
+    # seconds). Not saved, not compared, not carried to another process.
     repin: object = field(default=None, compare=False, repr=False)
 
     @property

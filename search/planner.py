@@ -176,8 +176,8 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
                     "stage_names": ["one argument pinned, from the plan"]}
             return make_plan(graph, topo, cluster, units, groups, chosen, fallback, opt_level,
                              stats_of(solution, info, len(groups), forced, weight_s), prices)
-        return Repin(weighed, tuple(forbidden), tuple(choice), units, groups, group_of, producer_unit, sizes,
-                     segments, backend, make)
+        return Repin(weighed, _merge_classes(list(range(len(groups))), loops), tuple(forbidden), tuple(choice), units,
+                     groups, group_of, producer_unit, sizes, segments, backend, make)
 
     def plan_with(forced: list[int], weight_s: float = 0.0) -> Plan:
         """The best plan in which the arguments of the `forced` groups are not replicated, with

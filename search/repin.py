@@ -3,13 +3,15 @@ alternative layout at, in seconds rather than a search.
 
 The search that made a plan built its units, cones and their ILP (`planner`). Pinning an
 argument there forbids the strategies of its cone that lay it out otherwise (as `units.apply_pins`
-keeps only those that do), and the whole ILP, untied as O3 solves it, is solved again from the
-plan's choice with that cone's filled in greedily (a problem too large for one ILP: by windows,
-re-solving only those the change reaches, `windows.Windowed.solve(settled=True)`). The plan's own restrictions stay: arguments a
-memory limit kept off replication, and memory priced as the plan's solve priced it. What a new
-search with the pin would do besides is not redone (cones built around the pinned layout, layers
-tied, the overlap rounds): where the cone has no strategy that makes the layout, there is no
-answer here, and the caller searches again.
+keeps only those that do), and the whole ILP, untied as O3 solves it (a loop's entry and exit
+still one layout), is solved again from the plan's choice with that cone's filled in greedily;
+a problem too large for one ILP is solved by windows, only those the change reaches
+(`windows.Windowed.solve(settled=True)`), which stop at a local optimum a new search can
+improve on. The plan's own restrictions stay: arguments a memory
+limit kept off replication, and memory priced as the plan's solve priced it. What a new search
+with the pin would do besides is not redone (cones built around the pinned layout, layers tied,
+the overlap rounds): where the cone has no strategy that makes the layout, there is no answer
+here, and the caller searches again.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import numpy as np
 from rhino_jax.plan import Plan
 
 from ..hlo_passes.graph import Pin
-from . import ilp, windows
+from . import ilp, levels, windows
 from .cones import Cone
 from .specs import ShardingSpec
 from .units import Unit, matches_pin
@@ -38,6 +40,7 @@ class Repin:
     a choice of every group and its solution into a plan, as the search did."""
 
     problem: ilp.Problem  # the plan's ILP, tie ranks included, memory weighted as the plan's solve was
+    class_of: list[int]  # per group: its class, one per group but a loop's entry and exit (one layout)
     forbidden: tuple[np.ndarray, ...]  # per group: strategies the plan's solve forbade (memory limit trials)
     choice: tuple[int, ...]  # the plan's, per group
     units: list[Unit]
@@ -48,6 +51,7 @@ class Repin:
     positions: list[int]  # each group's segment, program order (`windows`)
     backend: str
     make: Callable[[list[int], ilp.Solution], Plan]
+    _tied: levels.Tying | None = field(default=None, repr=False)
     _solver: ilp.Model | windows.Windowed | None = field(default=None, repr=False)
 
     def __reduce__(self):
@@ -66,17 +70,21 @@ class Repin:
         forbidden = tuple(f | ~allowed if k == g else f for k, f in enumerate(self.forbidden))
         if not (allowed & ~self.forbidden[g] & np.isfinite(self.problem.costs[g])).any():
             return None
-        start = tuple(None if k == g else j for k, j in enumerate(self.choice))
-        if windows.size(self.problem) > windows.WHOLE_VARS:  # by windows, those the change reaches
+        if self._tied is None:
+            self._tied = levels.tying(self.problem, self.class_of, self.positions)
+        tied = self._tied
+        start: list[int | None] = list(tied.of_groups(self.choice))
+        start[tied.index[g]] = None
+        if windows.size(tied.problem) > windows.WHOLE_VARS:  # by windows, those the change reaches
             if self._solver is None:
-                self._solver = windows.Windowed(self.problem, self.positions, self.backend)
-            solution = self._solver.solve(time_limit_s, forbidden, incumbent=start, settled=True)
+                self._solver = windows.Windowed(tied.problem, list(tied.position), self.backend)
+            solution = self._solver.solve(time_limit_s, tied.classes(forbidden), incumbent=tuple(start), settled=True)
         else:
             if self._solver is None:
-                self._solver = ilp.Model(self.problem, self.backend)
-            incumbent = ilp.greedy(ilp.forbid(self.problem, forbidden), start)
-            solution = self._solver.solve(time_limit_s, forbidden, incumbent=incumbent)
-        return self.make(list(solution.choice), solution)
+                self._solver = ilp.Model(tied.problem, self.backend)
+            incumbent = ilp.greedy(ilp.forbid(tied.problem, tied.classes(forbidden)), start)
+            solution = self._solver.solve(time_limit_s, tied.classes(forbidden), incumbent=incumbent)
+        return self.make([solution.choice[c] for c in tied.index], solution)
 
 
 def _dropped() -> None:

@@ -23,7 +23,8 @@ from rhino_jax.search.cluster import MeshTopology, get_cluster
 from rhino_jax.search.planner import search
 from rhino_jax.search.specs import ShardingSpec
 
-from benchmarks.third_party_models import linen_gpt
+from benchmarks.third_party_models import linen_gpt, linen_scan_remat
+from helpers import assert_same_adam_step
 
 KERNEL = "[0]['block0']['fc1']['kernel']"  # a path of plan.input_shardings; the report prints it with "arg" first
 
@@ -125,6 +126,20 @@ def test_alternatives_are_solved_on_the_plans_own_ilp_without_a_search(lowered, 
         assert not alt.searched and alt.plan.arg_specs[i] == alt.layout
         assert alt.plan.cost.total_s >= plan.cost.total_s * (1 - 1e-6)
     assert pickle.loads(pickle.dumps(plan.repin)) is None
+
+
+def test_an_alternative_for_a_scanned_layers_kernel_runs_with_one_devices_numbers():
+    """A stacked kernel of nn.scan layers, its loop's carried layouts one in and out: the
+    alternative the plan's ILP gives, applied as a plan, runs with one device's numbers."""
+    case = linen_scan_remat()
+    mesh = rj.device_mesh((2, 4), ("data", "model"))
+    lowered = rj.parallelize(case.step, mesh=mesh, progress=False).lower(*case.args)
+    (alt,) = lowered.plan.explain("[0]['layers']['fc1']['kernel']", alternatives=1).alternatives
+    i = lowered.plan.arg_paths.index("arg[0]['layers']['fc1']['kernel']")
+    assert not alt.searched and alt.plan.arg_specs[i] == alt.layout != lowered.plan.arg_specs[i]
+    applied = rj.parallelize(case.step, mesh=mesh, plan=dataclasses.replace(alt.plan, target=lowered.plan.target),
+                             progress=False).lower(*case.args)
+    assert_same_adam_step(jax.jit(case.step)(*case.args), applied.compile()(*case.args), 1e-3)
 
 
 def test_a_plan_chosen_by_pipeline_auto_explains_after_its_search_ended():
