@@ -104,6 +104,12 @@ class Tying:
             out[self.index[g]] = out[self.index[g]] + values
         return tuple(out)
 
+    def weighed(self, weight_s: float, held: Sequence[np.ndarray]) -> "Tying":
+        """This tying with `weight_s` seconds added per byte each group's strategy holds
+        (`held`, per group), summed per class: memory priced in the objective."""
+        return dataclasses.replace(self, problem=dataclasses.replace(self.problem, costs=tuple(
+            c + weight_s * h for c, h in zip(self.problem.costs, self.summed(held)))))
+
     def of_groups(self, group_choice: Sequence[int]) -> tuple[int, ...]:
         """A choice of every group, as a choice of this tying's classes (groups of one class
         agree: each class here lies inside one class of the tying the choice came from)."""
@@ -165,8 +171,7 @@ class Levels:
         if (k, weight_s) not in self._solvers:
             tied, whole = self.stages[k]
             if weight_s:
-                tied = dataclasses.replace(tied, problem=dataclasses.replace(tied.problem, costs=tuple(
-                    c + weight_s * h for c, h in zip(tied.problem.costs, tied.summed(held)))))
+                tied = tied.weighed(weight_s, held)
             if weight_s and not any(w == weight_s for _, w in self._solvers):  # one weighted set at a time
                 self._solvers = {key: v for key, v in self._solvers.items() if not key[1]}
             self._solvers[k, weight_s] = solver_for(tied, self.backend, whole)

@@ -142,11 +142,13 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
         alike, stats["similar_segments"] = tie_repeats(units, groups, segments, graph, producer_unit, exact=False)
         return levels.tying(problem, _merge_classes(alike, loops), segments)
 
+    # untied, a loop's entry and exit still one class: O3's ILP, and what explain solves again (`repin`)
+    untied = functools.cache(lambda: levels.tying(problem, _merge_classes(list(range(len(groups))), loops), segments))
+    variables = windows.size(problem)
     solvers = levels.Levels(
         similar,
         levels.tying(problem, _merge_classes(repeats, loops), segments),
-        lambda: levels.tying(problem, _merge_classes(list(range(len(groups))), loops), segments),
-        windows.size(problem) if stats["tied_segments"] else 0, opt_level == "O3", backend,
+        untied, variables if stats["tied_segments"] else 0, opt_level == "O3", backend,
         starts=lambda windowed: _starts(windowed, coarse, graph, topo, cluster, units, groups, deadline,
                                         coarse_options),
         price=lambda choice: ilp.evaluate(priced, choice))  # the step, less the ranks of tied strategies (`ties`)
@@ -166,9 +168,6 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
 
     def kept_ilp(choice: list[int], forbidden: list[np.ndarray], forced: list[int], weight_s: float) -> Repin:
         """The plan's ILP, kept to be solved again with one argument pinned (`repin`)."""
-        weighed = problem if not weight_s else dataclasses.replace(problem, costs=tuple(
-            c + weight_s * h for c, h in zip(problem.costs, held())))
-
         def make(chosen: list[int], solution: ilp.Solution) -> Plan:
             if not weight_s:  # the step without the tie ranks (else the objective prices memory too)
                 solution = dataclasses.replace(solution, objective_s=ilp.evaluate(priced, chosen))
@@ -176,8 +175,9 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
                     "stage_names": ["one argument pinned, from the plan"]}
             return make_plan(graph, topo, cluster, units, groups, chosen, fallback, opt_level,
                              stats_of(solution, info, len(groups), forced, weight_s), prices)
-        return Repin(weighed, _merge_classes(list(range(len(groups))), loops), tuple(forbidden), tuple(choice), units,
-                     groups, group_of, producer_unit, sizes, segments, backend, make)
+        weighed = functools.cache(lambda: untied().weighed(weight_s, held())) if weight_s else untied
+        return Repin(weighed, tuple(forbidden), tuple(choice), units, groups, group_of, producer_unit, sizes, backend,
+                     make)
 
     def plan_with(forced: list[int], weight_s: float = 0.0) -> Plan:
         """The best plan in which the arguments of the `forced` groups are not replicated, with
@@ -200,7 +200,7 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
             interrupt.press()
             st["status"] = "interrupted"
             plan = make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st, prices)
-        if windows.size(problem) <= KEPT_VARS:  # explain's alternatives solve it again
+        if variables <= KEPT_VARS:  # explain's alternatives solve it again
             plan = dataclasses.replace(plan, repin=kept_ilp(choice, forbidden, forced, weight_s))
         gap = "no bound (solved by windows)" if np.isnan(solution.gap) else f"a gap of {solution.gap:.1%}"
         if st["status"] == "interrupted" and not answered:

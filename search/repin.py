@@ -39,8 +39,9 @@ class Repin:
     """The plan's ILP and what it needs to solve it again with one argument pinned; `make` turns
     a choice of every group and its solution into a plan, as the search did."""
 
-    problem: ilp.Problem  # the plan's ILP, tie ranks included, memory weighted as the plan's solve was
-    class_of: list[int]  # per group: its class, one per group but a loop's entry and exit (one layout)
+    # the plan's ILP untied (a loop's entry and exit one class), tie ranks included, memory weighted
+    # as the plan's solve was; built when first asked for
+    tied: Callable[[], levels.Tying]
     forbidden: tuple[np.ndarray, ...]  # per group: strategies the plan's solve forbade (memory limit trials)
     choice: tuple[int, ...]  # the plan's, per group
     units: list[Unit]
@@ -48,10 +49,8 @@ class Repin:
     group_of: dict[int, int]
     producer_unit: dict[int, int]
     sizes: dict[str, int]
-    positions: list[int]  # each group's segment, program order (`windows`)
     backend: str
     make: Callable[[list[int], ilp.Solution], Plan]
-    _tied: levels.Tying | None = field(default=None, repr=False)
     _solver: ilp.Model | windows.Windowed | None = field(default=None, repr=False)
 
     def __reduce__(self):
@@ -68,22 +67,19 @@ class Repin:
         pin = Pin(value, layout.dims, "")
         allowed = np.array([matches_pin(ch[m].results[pos], pin, self.sizes) for ch in self.groups[g].choice])
         forbidden = tuple(f | ~allowed if k == g else f for k, f in enumerate(self.forbidden))
-        if not (allowed & ~self.forbidden[g] & np.isfinite(self.problem.costs[g])).any():
+        tied = self.tied()
+        if not (allowed & ~self.forbidden[g] & np.isfinite(tied.problem.costs[tied.index[g]])).any():
             return None
-        if self._tied is None:
-            self._tied = levels.tying(self.problem, self.class_of, self.positions)
-        tied = self._tied
         start: list[int | None] = list(tied.of_groups(self.choice))
         start[tied.index[g]] = None
-        if windows.size(tied.problem) > windows.WHOLE_VARS:  # by windows, those the change reaches
-            if self._solver is None:
-                self._solver = windows.Windowed(tied.problem, list(tied.position), self.backend)
-            solution = self._solver.solve(time_limit_s, tied.classes(forbidden), incumbent=tuple(start), settled=True)
-        else:
-            if self._solver is None:
-                self._solver = ilp.Model(tied.problem, self.backend)
+        whole = windows.size(tied.problem) <= windows.WHOLE_VARS
+        if self._solver is None:
+            self._solver = levels.solver_for(tied, self.backend, whole)
+        if whole:
             incumbent = ilp.greedy(ilp.forbid(tied.problem, tied.classes(forbidden)), start)
             solution = self._solver.solve(time_limit_s, tied.classes(forbidden), incumbent=incumbent)
+        else:  # by windows, those the change reaches
+            solution = self._solver.solve(time_limit_s, tied.classes(forbidden), incumbent=tuple(start), settled=True)
         return self.make([solution.choice[c] for c in tied.index], solution)
 
 
