@@ -31,7 +31,7 @@ from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_module
 from rhino_jax.search import progress as search_progress
-from rhino_jax.search.cluster import BACKENDS, get_cluster
+from rhino_jax.search.cluster import BACKENDS, Cluster, get_cluster
 from rhino_jax.search.constraints import CoShard, OpAssign, check_matched, check_parts
 from rhino_jax.search.specs import ShardingSpec
 
@@ -225,9 +225,9 @@ class Lowered:
     _step: LoweredStep
     _signature: tuple
     # The bytes a device may hold (`options.device_memory`): a GPU compile past it is compiled
-    # again, tied to the program's order, then without XLA's latency-hiding scheduler
-    # (`runtime.executable.compile_module`).
+    # again with remedies, priced on the cluster (`runtime.executable.compile_module`).
     memory_limit_bytes: int
+    cluster: Cluster | None = None
     _compiled: Compiled | None = None
 
     def as_text(self, dialect: str | None = None) -> str:
@@ -274,8 +274,10 @@ class Lowered:
         `jax.stages.Lowered.compile` takes them (e.g. {"xla_gpu_enable_latency_hiding_scheduler":
         False}). Compiled once without options; with them, anew at each call, as jax does. For
         GPUs, a program that XLA's schedule takes past `memory_limit_bytes` is compiled again
-        tied to the program's order, then also without the latency-hiding scheduler unless
-        `compiler_options` names it (`rj.CompiledMemoryWarning`)."""
+        with its latency-hiding scheduler held to the limit, tied to the program's order, then
+        both, then without the scheduler unless `compiler_options` names it; the fastest that
+        fits, priced as its schedule runs, is kept (`rj.CompiledMemoryWarning` says what each
+        held and cost)."""
         if compiler_options is None and self._compiled is not None:
             return self._compiled
         _refuse_unlaid(self.plan, self._step)
@@ -283,7 +285,7 @@ class Lowered:
         outs = jax.tree.leaves(self.plan.output_shardings)
         compiled = Compiled(self, compile_module(self._step.lowered, self._rewritten(), ins, outs, compiler_options,
                                                  self.memory_limit_bytes,
-                                                 Weights.of(self.plan.arg_roles, self.plan.arg_specs)))
+                                                 Weights.of(self.plan.arg_roles, self.plan.arg_specs), self.cluster))
         if compiler_options is None:
             self._compiled = compiled
         return compiled
@@ -400,7 +402,8 @@ class Parallelized:
                                    # explain searches again later, under the limit, not in this step's share
                                    search_inputs=SearchInputs(graph, mesh, dataclasses.replace(options,
                                                                                                search_until=None)))
-        return Lowered(plan, graph, mesh, step, key, device_memory(options, mesh.devices.flat))
+        return Lowered(plan, graph, mesh, step, key, device_memory(options, mesh.devices.flat),
+                       get_cluster(options.cluster, list(mesh.devices.flat)))
 
     def __call__(self, *args, **kwargs):
         dyn_args, dyn_kwargs, static = self.arguments.split(args, kwargs)

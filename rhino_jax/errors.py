@@ -42,8 +42,9 @@ class SolverInterruptedWarning(UserWarning):
 
 class CompiledMemoryWarning(UserWarning):
     """XLA's GPU compile of a plan needs more memory per device than the plan was searched for:
-    it was compiled again, tied to the program's order (then also without the latency-hiding
-    scheduler), or it does not fit at all."""
+    it was compiled again with remedies (its latency-hiding scheduler held to the limit, tied to
+    the program's order, last without the scheduler) and the fastest that fits kept, or it does
+    not fit at all."""
 
 
 class UnscheduledProgramWarning(UserWarning):

@@ -29,7 +29,7 @@ from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_program
 from rhino_jax.search import interrupt, progress
-from rhino_jax.search.cluster import MeshTopology, get_cluster
+from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
 from rhino_jax.search.constraints import check_matched
 
 from .arguments import Call, call_tree, donated_leaves
@@ -380,10 +380,11 @@ class MicroBatchedCompiled(SeveralPrograms):
         compute_graph, apply_graph = lowered._graphs
         limit = lowered.memory_limit_bytes
         self._compute, self._index = _compile(lowered._parts.compute, compute_graph, compute_plan, mesh,
-                                              compiler_options=compiler_options, memory_limit_bytes=limit)
+                                              compiler_options=compiler_options, memory_limit_bytes=limit,
+                                              cluster=lowered.cluster)
         self._apply, _ = _compile(lowered._parts.apply, apply_graph, apply_plan, mesh, lowered._step.donated,
                                   returned_on=lowered.named_on, compiler_options=compiler_options,
-                                  memory_limit_bytes=limit)
+                                  memory_limit_bytes=limit, cluster=lowered.cluster)
         sums = named(mesh, compute_plan.output_specs)
         wide = [accumulated(compute_graph.values[v].dtype, lowered.accumulate) for v in compute_graph.outputs]
         self._start = jax.jit(lambda b: [x.astype(d) for x, d in zip(b, wide)], out_shardings=sums)
@@ -433,10 +434,11 @@ def priced_line(priced: Callable[..., float], plan: Plan) -> str:
 
 def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int] = (),
              returned_on: Mesh | None = None, compiler_options: dict | None = None,
-             memory_limit_bytes: int | None = None) -> tuple[jax.stages.Compiled, NamedSharding | None]:
+             memory_limit_bytes: int | None = None,
+             cluster: Cluster | None = None) -> tuple[jax.stages.Compiled, NamedSharding | None]:
     """A program of the step with its plan's shardings, compiled for the mesh with XLA's
-    `compiler_options`, within `memory_limit_bytes` where XLA's GPU schedule allows
-    (`runtime.executable.compile_module`); its results named on `returned_on` (the user's mesh
+    `compiler_options`, within `memory_limit_bytes` where XLA's GPU schedule allows, the
+    remedies priced on `cluster` (`runtime.executable.compile_module`); its results named on `returned_on` (the user's mesh
     of the same devices) where given. A donated argument (positions `donated`) is overwritten by the output the graph
     pairs it with (`Arg.donated_to`) where the plan gives both one layout, as the search does when
     it knew of the donation. With the program, the layout of the micro-batch's index it takes
@@ -453,7 +455,7 @@ def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int
         in_shardings.append(index)
     compiled = compile_program(rewritten, in_avals, [aval(v) for v in graph.outputs], in_shardings,
                                named(returned_on or mesh, plan.output_specs), aliases, compiler_options,
-                               memory_limit_bytes, Weights.of(plan.arg_roles, plan.arg_specs))
+                               memory_limit_bytes, Weights.of(plan.arg_roles, plan.arg_specs), cluster)
     return compiled, index
 
 

@@ -758,14 +758,14 @@ class PipelinedCompiled(SeveralPrograms):
         for key, (prog, graph, plan) in lowered._programs.items():
             sub = lowered.meshes[prog.stage]
             run, self._index[key] = _compile(prog.module, graph, plan, sub, compiler_options=compiler_options,
-                                             memory_limit_bytes=lowered.memory_limit_bytes)
+                                             memory_limit_bytes=lowered.memory_limit_bytes, cluster=lowered.cluster)
             self._run[key] = (prog, run, named(sub, plan.arg_specs))
         self._apply = {}  # the task graph's name of each apply-gradients program → the program
         for task, (prog, graph, plan) in zip(lowered.apply_tasks, lowered._applies):
             sub = lowered.meshes[prog.stage]
             donated = tuple(a.index for a in graph.args if a.donated_to is not None)
             run, _ = _compile(prog.module, graph, plan, sub, donated, compiler_options=compiler_options,
-                              memory_limit_bytes=lowered.memory_limit_bytes)
+                              memory_limit_bytes=lowered.memory_limit_bytes, cluster=lowered.cluster)
             self._apply[task.name] = (prog, run, named(sub, plan.arg_specs))
         self._add = jax.jit(add_up)
         cg = lowered._step.compute_graph  # each sum added up in its accumulation dtype, handed on in its own
