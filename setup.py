@@ -9,6 +9,7 @@ setup(
     packages=[
         "rhino_jax",
         "rhino_jax.models",
+        "rhino_jax.core",
         "rhino_jax.hlo_passes",
         "rhino_jax.search",
         "rhino_jax.runtime",

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from rhino_jax.core.specs import ShardingSpec
+
 from ..search.combining import HEAD, combining_sides
 from ..search.rules import ELEMENTWISE, loop_space
-from ..search.specs import ShardingSpec
 from ..search.strides import map_reshape
 from . import module as mod
 from .graph import Graph, Node

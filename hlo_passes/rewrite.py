@@ -26,7 +26,8 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import sdy
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from ..search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
+
 from . import module as mod
 from .graph import Graph, slots
 

@@ -10,8 +10,8 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func
 
 from rhino_jax.errors import StagingError
+from rhino_jax.core.specs import ShardingSpec
 
-from ..search.specs import ShardingSpec
 from . import module as mod
 from .graph import Graph
 from .rewrite import mesh_name

@@ -8,6 +8,7 @@ from .api import Compiled, Lowered, Parallelized, parallelize
 from .errors import (CompiledMemoryWarning, ConstraintError, HostCallbackError, MemoryLimitError, MeshError,
                      NoFeasibleMeshError, RhinoError, ShardingPinError, SolverError, SolverTimeLimitWarning,
                      TracedCallWarning, UnscheduledProgramWarning)
+from . import explain as _explain, plan as _plan, render as _render
 from .explain import diff
 from .gpu_topology import DescribedDeviceError, gpu_topology
 from .mesh import device_mesh
@@ -21,3 +22,5 @@ __all__ = [
     "ConstraintError", "HostCallbackError", "CompiledMemoryWarning", "UnscheduledProgramWarning",
 ]
 __version__ = "0.1.0"
+
+_plan.READERS.update(explain=_explain.explain, render=_render.render)

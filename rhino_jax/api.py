@@ -33,7 +33,7 @@ from rhino_jax.runtime.executable import Weights, compile_module
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import BACKENDS, Cluster, get_cluster
 from rhino_jax.search.constraints import CoShard, OpAssign, check_matched, check_parts
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
 from .constraints import OpOrder

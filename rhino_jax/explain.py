@@ -30,7 +30,7 @@ from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
 from rhino_jax.search.collectives import reshard_path
 from rhino_jax.search.units import tied_outputs
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.search.constraints import layout_allowed
 from rhino_jax.search.strategies import tensor_specs
 from rhino_jax.search.ties import SAME_STEP

@@ -52,7 +52,7 @@ from rhino_jax.search import interrupt, passes, progress, stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
 from rhino_jax.search.constraints import SHARED, OpAssign, fixed_stages, shared_backward
 from rhino_jax.search.memory import local_bytes
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 
 from . import alike_programs
 from .constraints import OpOrder

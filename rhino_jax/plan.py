@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 
@@ -13,15 +13,16 @@ from rhino_jax.runtime.schedules import Schedule, make as make_schedule
 from rhino_jax.runtime.task_graph import TaskGraph, build as build_task_graph
 from rhino_jax.search.cluster import BACKENDS, combiner_for
 from rhino_jax.search.combining import combine, combined_collectives
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 
 from .plain_data import PlainDataError, from_plain, to_plain
 from .plan_file import PLAN_FORMAT, check_specs, mesh_label, not_readable, replace_file, spec_owner
 from .plan_target import PlanTarget, PlanTargetError
 
-if TYPE_CHECKING:
-    from .explain import Explanation
-
+# The readers of a plan that search again or draw (`explain`, `render`), by name: they stand a
+# stage above the plan, which the search makes and imports, so the package fills this table as
+# it imports them, and the plan's methods call through it.
+READERS: dict[str, Callable] = {}
 
 
 @dataclass(frozen=True)
@@ -302,20 +303,18 @@ class Plan:
                                   f"now ({why}); another version of rhino_jax cut the step differently: plan again")
         return found
 
-    def explain(self, name: str, alternatives: int = 3) -> "Explanation":
+    def explain(self, name: str, alternatives: int = 3):
         """Why argument `name` (as the report prints it, or a path of `input_shardings`) is laid out
         as it is: its layout, the collectives at it and in its layer, and the predicted step of
         the best plan with it in each of up to `alternatives` other layouts, found by searching
         the step again with it pinned (`rhino_jax.explain`). Returns an `Explanation`; print it."""
-        from .explain import explain  # imported here: it imports the search, which imports this module
-        return explain(self, name, alternatives)
+        return READERS["explain"](self, name, alternatives)
 
     def render(self, path: str | os.PathLike) -> None:
         """Write one self-contained HTML page of SVG pictures to `path`: each layer's large
         tensors over the mesh, the collectives per layer and, for a pipeline, its schedule
         (`rhino_jax.render`)."""
-        from .render import render  # imported here, as `explain`
-        render(self, path)
+        READERS["render"](self, path)
 
     def report(self, max_tensors: int = 12) -> str:
         mesh = mesh_label(self.mesh_axes)

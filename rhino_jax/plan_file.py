@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 
 from .plain_data import location
 

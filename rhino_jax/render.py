@@ -13,7 +13,7 @@ from collections import defaultdict
 import numpy as np
 
 from rhino_jax.hlo_passes.graph import dtype_size, path_tokens
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 
 from .explain import (Kind, all_collectives, arg_layers, arg_meshes, by_kind, describe, op_layer, plan_axes,
                       times)

@@ -10,11 +10,12 @@ from collections.abc import Callable
 import numpy as np
 
 
+from rhino_jax.core.specs import ShardingSpec
+
 from ..hlo_passes.graph import Graph
 from . import ilp
 from .pricing import Prices
 from .cones import Cone
-from .specs import ShardingSpec
 from .strategies import Strategy
 from .units import Unit, read_branch
 

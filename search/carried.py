@@ -13,9 +13,10 @@ on every device, and the other dims are free to split (a stacked parameter shard
 """
 from __future__ import annotations
 
+from rhino_jax.core.specs import ShardingSpec
+
 from ..hlo_passes.graph import Graph, Node
 from .cluster import MeshTopology
-from .specs import ShardingSpec
 from .strategies import Strategy, tensor_specs
 
 

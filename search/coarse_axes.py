@@ -25,9 +25,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rhino_jax.core.specs import ShardingSpec
+
 from ..hlo_passes.graph import Pin
 from .cluster import MeshTopology
-from .specs import ShardingSpec
 from .strategies import Strategy
 
 RADIUS = 1  # mesh axes a fine strategy may place elsewhere than the coarse plan did

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rhino_jax.core.specs import ShardingSpec
+
 from .cluster import MeshTopology
-from .specs import ShardingSpec
 
 
 @dataclass(frozen=True)

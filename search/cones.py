@@ -22,7 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
+
 from .strategies import Strategy
 
 

@@ -18,10 +18,11 @@ import logging
 
 import jax
 
+from rhino_jax.core.specs import ShardingSpec
+
 from ..hlo_passes.graph import Graph
 from .cluster import MeshTopology
 from .memory import plan_memory
-from .specs import ShardingSpec
 
 log = logging.getLogger("rhino_jax")
 

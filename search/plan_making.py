@@ -6,6 +6,7 @@ import dataclasses
 
 
 from rhino_jax.plan import Plan, PlanCost, PlannedCollective
+from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Graph
 from .cluster import MeshTopology
@@ -14,7 +15,6 @@ from . import overlap
 from .combining import combined_time, shares
 from .pricing import Prices
 from .memory import plan_memory
-from .specs import ShardingSpec
 from .strategies import Strategy
 from .units import Unit, read_branch, tied_outputs
 

@@ -13,12 +13,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rhino_jax.core.specs import ShardingSpec
+
 from ..hlo_passes.graph import Graph
 from .cluster import MeshTopology
 from .collectives import Collective, reshard
 from .combining import Families, combined_alone, combining_sides, families
 from .ilp import classes
-from .specs import ShardingSpec
 from .strategies import Strategy
 
 

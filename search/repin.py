@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rhino_jax.plan import Plan
+from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Pin
 from . import ilp, levels, windows
 from .cones import Cone
-from .specs import ShardingSpec
 from .units import Unit, matches_pin
 
 

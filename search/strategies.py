@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rhino_jax.core.specs import ShardingSpec
+
 from ..hlo_passes.graph import Graph, Node, Value
 from .cluster import Cluster, MeshTopology
 from .collectives import Collective
 from .rules import ELEMENTWISE, LoopSpace, loop_space
-from .specs import ShardingSpec
 from .strides import STRIDED_OPS, Fact, map_reshape
 
 

@@ -24,9 +24,10 @@ import dataclasses
 
 import numpy as np
 
+from rhino_jax.core.specs import ShardingSpec
+
 from ..hlo_passes.graph import Graph
 from .ilp import Problem
-from .specs import ShardingSpec
 from .strategies import Strategy
 from .units import Unit
 

@@ -12,7 +12,7 @@ from helpers import assert_same_adam_step, assert_same_numbers, topology
 from rhino_jax.hlo_passes.graph import Pin
 from rhino_jax.models import make_mlp_train_step, mlp_example
 from rhino_jax.search import coarse_axes
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.search.strategies import Strategy
 
 

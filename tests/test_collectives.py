@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import rhino_jax as rj
 from rhino_jax.hlo_passes.hlo_stats import collective_stats
 from rhino_jax.search.collectives import _layouts, reshard, reshard_path
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 
 from helpers import assert_same_numbers, topology
 

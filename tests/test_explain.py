@@ -21,7 +21,7 @@ from rhino_jax.models import gpt
 from rhino_jax.runtime.schedules import make as make_schedule
 from rhino_jax.search.cluster import MeshTopology, get_cluster
 from rhino_jax.search.planner import search
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 
 from benchmarks.third_party_models import linen_gpt, linen_scan_remat
 from helpers import assert_same_adam_step

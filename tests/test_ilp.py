@@ -9,7 +9,7 @@ import pytest
 from rhino_jax.errors import SolverError, SolverTimeLimitWarning
 from rhino_jax.search import ilp
 from rhino_jax.search.memory_limit import fit_memory
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 
 
 def _brute_force(problem: ilp.Problem) -> float:

@@ -1,8 +1,8 @@
 """Imports run one way: down the stages, to plain types that import nothing of ours.
 
-Each folder is a stage, ranked in the order data flows (`docs/DESIGN.md`): the errors, plain
-types everyone raises, below all; then import (hlo_passes), search, runtime, and the API on top
-(rhino_jax). A module may import from its own rank or below, never above, deferred imports and
+Each folder is a stage, ranked in the order data flows (`docs/DESIGN.md`): the errors and the
+ground floor (`rhino_jax.core`), plain types every stage raises, reads and writes, below all;
+then import (hlo_passes), search, runtime, and the API on top (rhino_jax). A module may import from its own rank or below, never above, deferred imports and
 imports for type checking included. The upward imports that stand today are listed in
 `UPWARD`: the test fails on a new one, and on a listed one that is gone (strike it off the list),
 so the list only shrinks. Modules that import each other around a loop are listed in `LOOPS`
@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 FOLDERS = {"rhino_jax": "rhino_jax", "hlo_passes": "rhino_jax.hlo_passes", "search": "rhino_jax.search",
            "runtime": "rhino_jax.runtime"}
 GROUND = {"rhino_jax.errors"}
-RANK = {"rhino_jax.hlo_passes": 1, "rhino_jax.search": 2, "rhino_jax.runtime": 3, "rhino_jax": 4}
+RANK = {"rhino_jax.core": 0, "rhino_jax.hlo_passes": 1, "rhino_jax.search": 2, "rhino_jax.runtime": 3,
+        "rhino_jax": 4}
 
 # (importing module, imported module): upward imports that stand today, to be taken out.
 UPWARD = {
@@ -27,20 +28,15 @@ UPWARD = {
     ("rhino_jax.hlo_passes.compiled_cost", "rhino_jax.search.collectives"),
     ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.combining"),
     ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.rules"),
-    ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.specs"),
     ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.strides"),
-    ("rhino_jax.hlo_passes.rewrite", "rhino_jax.search.specs"),
     ("rhino_jax.hlo_passes.sinking", "rhino_jax.search.strategies"),
-    ("rhino_jax.hlo_passes.split", "rhino_jax.search.specs"),
     ("rhino_jax.search.memory_limit", "rhino_jax.plan"),
     ("rhino_jax.search.plan_making", "rhino_jax.plan"),
     ("rhino_jax.search.planner", "rhino_jax.plan"),
     ("rhino_jax.search.repin", "rhino_jax.plan"),
 }
 # Modules that import each other around a loop, today (one set per loop).
-LOOPS = [{"rhino_jax.explain", "rhino_jax.mesh_search", "rhino_jax.plan", "rhino_jax.render",
-          "rhino_jax.search.memory_limit", "rhino_jax.search.plan_making", "rhino_jax.search.planner",
-          "rhino_jax.search.repin"}]
+LOOPS: list[set[str]] = []
 
 
 def _modules() -> dict[str, pathlib.Path]:

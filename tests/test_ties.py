@@ -10,7 +10,7 @@ import pytest
 
 import rhino_jax as rj
 from rhino_jax.search import ilp
-from rhino_jax.search.specs import ShardingSpec
+from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.search.ties import TIE_S, with_preferences
 
 from helpers import assert_same_numbers
