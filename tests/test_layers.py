@@ -2,11 +2,11 @@
 
 Each folder is a stage, ranked in the order data flows (`docs/DESIGN.md`): the errors and the
 ground floor (`rhino_jax.core`), plain types every stage raises, reads and writes, below all;
-then import (hlo_passes), search, runtime, and the API on top (rhino_jax). A module may import from its own rank or below, never above, deferred imports and
-imports for type checking included. The upward imports that stand today are listed in
-`UPWARD`: the test fails on a new one, and on a listed one that is gone (strike it off the list),
-so the list only shrinks. Modules that import each other around a loop are listed in `LOOPS`
-the same way.
+then import (hlo_passes), search, runtime, and the API on top (rhino_jax). A module may import
+from its own rank or below, never above, deferred imports and imports for type checking
+included. The upward imports that stand today are listed in `UPWARD`: the test fails on a new
+one, and on a listed one that is gone (strike it off the list), so the list only shrinks.
+Modules that import each other around a loop are listed in `LOOPS` the same way.
 """
 from __future__ import annotations
 
