@@ -1,4 +1,4 @@
-"""Calibrate the cost model's compute term on a real GPU (issue 4, item 5).
+"""Calibrate the cost model's compute term on a real GPU.
 
 Two steps, because the GPU machine and the planning machine differ:
 
@@ -382,7 +382,7 @@ def _markdown(measured: dict, f: Fit, before, rows: list[dict], layers: list[dic
         return f"{p / m:.2f}" if m > 0 else "—"
 
     lines = [
-        "# Cost-model calibration on a real GPU (issue 4, item 5)", "",
+        "# Cost-model calibration on a real GPU", "",
         f"Measured by `python -m benchmarks.calibrate measure` on one **{measured['device']}** "
         f"({measured['platform']}, jax {measured['jax']}) on {measured['date']}; fitted and predicted by "
         "`python -m benchmarks.calibrate fit` with rhino_jax's own graph of each step.", "",

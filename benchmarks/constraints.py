@@ -1,4 +1,4 @@
-"""The search spaces users constrain (issue 32): each of nnScaler's primitives on a Flax GPT, the
+"""The search spaces users constrain: each of nnScaler's primitives on a Flax GPT, the
 plan with and without the constraint, predicted and priced from what XLA's GPU compiler makes.
 
     python -m benchmarks.constraints            # writes benchmarks/constraints.md and .json

@@ -1,5 +1,5 @@
 """pipeline='auto' on the multi-host presets: which plan the controller picks for GPT and U-Net,
-beside what Rhino §7.2 reports (#16).
+beside what Rhino §7.2 reports.
 
 Each row plans one train step (abstract arguments: nothing runs) on a (hosts, 8) mesh
 ("data", "model") of emulated CPU devices under a multi-host preset, with `pipeline="auto"` and

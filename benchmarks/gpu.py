@@ -1,4 +1,4 @@
-"""What a real GPU says of the described one, the cost model and the compiled programs (issue 29).
+"""What a real GPU says of the described one, the cost model and the compiled programs.
 
 python -m benchmarks.gpu [--out DIR] [--budget-s 420] [--calibrate-models gpt bert ...]
     on a machine with one GPU (H100 or H200): one run of at most --budget-s seconds;

@@ -1,4 +1,4 @@
-"""Compiled memory against depth (issue 31): what XLA's GPU compiler gives a 70B-wide step per layer.
+"""Compiled memory against depth : what XLA's GPU compiler gives a 70B-wide step per layer.
 
 python -m benchmarks.memory_depth [--layers 4 8 16] [--out benchmarks/]
     the Llama-2-70B width (`benchmarks.scale`: per-layer `jax.checkpoint`, seq 2048, 8 sequences

@@ -1,4 +1,4 @@
-"""Many processes (#17): planning time and plan size for GPT-Medium on the multi-host presets,
+"""Many processes: planning time and plan size for GPT-Medium on the multi-host presets,
 and, for a real job on this machine, the time from launch to the first step with 2 processes
 vs 1 and what comparing the processes' plans costs.
 

@@ -1,6 +1,7 @@
-"""Cross-mesh resharding makespan, naive against load-balanced (seeds/004 §3.2), on seeds/004's
-Table 2 cases under its host-level model: a (1024, 1024, 512) fp16 tensor, each mesh row one
-host, the two meshes on different hosts, 100 Gb/s between hosts (12.5 GB/s) and NVLink inside.
+"""Cross-mesh resharding makespan, naive against load-balanced ("On Optimizing the Communication of
+Model Parallelism" §3.2), on the paper's Table 2 cases under its host-level model: a (1024, 1024,
+512) fp16 tensor, each mesh row one host, the two meshes on different hosts, 100 Gb/s between hosts
+(12.5 GB/s) and NVLink inside.
 
 python -m benchmarks.resharding → prints a table, writes benchmarks/resharding.md
 """
@@ -14,7 +15,7 @@ from rhino_jax.runtime import resharding as R
 
 HERE = pathlib.Path(__file__).parent
 
-# seeds/004 Table 2: (send spec, receive spec, send mesh, receive mesh), a (1024, 1024, 512) fp16
+# The paper's Table 2: (send spec, receive spec, send mesh, receive mesh), a (1024, 1024, 512) fp16
 # tensor; each mesh row is a host, the two meshes on different hosts.
 TABLE_2 = {1: ("S0RR", "S0RR", (2, 4), (2, 4)), 2: ("RRR", "S0RR", (2, 4), (2, 4)), 3: ("RS0R", "S0RR", (2, 4), (2, 4)),
            4: ("RS01R", "S01RR", (2, 4), (2, 4)), 5: ("S1RR", "S0RR", (2, 4), (2, 4)),
@@ -23,7 +24,7 @@ TABLE_2 = {1: ("S0RR", "S0RR", (2, 4), (2, 4)), 2: ("RRR", "S0RR", (2, 4), (2, 4
 
 
 def _dims(spec: str) -> list[tuple[int, ...]]:
-    """seeds/004's notation: per tensor dim R, or S with the mesh dims that split it (S01)."""
+    """The paper's notation: per tensor dim R, or S with the mesh dims that split it (S01)."""
     out, i = [], 0
     while i < len(spec):
         j = i + 1
@@ -59,7 +60,8 @@ def main():
                          search_s=search_s))
     cols = list(rows[0])
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["# Cross-mesh resharding: naive vs load-balanced (seeds/004 Table 2 cases, host-level model)", "",
+    lines = ["# Cross-mesh resharding: naive vs load-balanced (the cases of Table 2 of On Optimizing the "
+             "Communication of Model Parallelism, host-level model)", "",
              f"{datetime.date.today()}. naive: the first holder sends, tasks in order; balanced: the better of "
              "randomized greedy and DFS (`runtime/resharding.py`); lower bound: each receiving host takes its "
              "pieces in turn, a host holding pieces alone sends them in turn, and all pieces share the sending hosts.",

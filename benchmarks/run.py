@@ -1,4 +1,4 @@
-"""Issue 4's benchmark: every model of the zoo x mesh x method, planned by rhino_jax and by the
+"""The zoo's benchmark: every model of the zoo x mesh x method, planned by rhino_jax and by the
 expert baselines of `benchmarks/baselines.py`, all through the same API and cost model, compiled by
 XLA's CPU compiler and by its GPU compiler.
 
@@ -550,7 +550,7 @@ GOAL_MEASURES = (("M8 predicted", "cpu", lambda r: r.get("step_ms")),
 
 
 def goals(rows) -> tuple[list[str], dict]:
-    """Issue 4's goals on the paper-size rows, per model and mesh: rhino_jax's best step over the
+    """The goals on the paper-size rows, per model and mesh: rhino_jax's best step over the
     best baseline's, predicted under M8 (CPU rows) and H100 (the GPU rows' searches, else the CPU
     rows' second searches), and priced from the programs compiled for described H100s."""
     lines, verdict = [], {}
@@ -621,7 +621,7 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
     command = " ".join(["python -m benchmarks.run", *(argv if argv is not None else ["--quick"] * quick)])
     kept = (f" What it did not rerun is kept from `{' '.join(['python -m benchmarks.run', *kept_from])}`."
             if kept_from is not None else "")
-    L = ["# rhino_jax vs expert baselines (issue 4)", "",
+    L = ["# rhino_jax vs expert baselines", "",
          f"Written by `{command}` on {datetime.date.today()}; "
          f"jax {jax.__version__}, {platform.platform()}, {os.cpu_count()} CPU cores, 8 emulated CPU devices "
          f"(XLA host platform); whole run {minutes:.1f} min.{kept}", "",

@@ -1,4 +1,4 @@
-"""Planning at scale (issue 31): Llama-2 shapes on 256-1024 described H100s.
+"""Planning at scale: Llama-2 shapes on 256-1024 described H100s.
 
 python -m benchmarks.scale [--cases NAME ...] [--limit-s 100] [--timeout-s 900] [--out benchmarks/]
     each case in its own process (its peak memory is its own): lower, search, the plan's

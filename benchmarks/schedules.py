@@ -1,8 +1,8 @@
-"""Predicted step time of GPipe, 1F1B and eager-1F1B (seeds/004 §4) as the transfer between
-stages grows: each stage runs its schedule's order as soon as its inputs have arrived
-(`Schedule.makespan`), forward 1 unit and backward 2 units per micro-batch on every stage, a
-transfer of t units after each cross-stage task. Also the micro-batches each schedule holds on
-its first stage (activation memory).
+"""Predicted step time of GPipe, 1F1B and eager-1F1B ("On Optimizing the Communication of Model
+Parallelism" §4) as the transfer between stages grows: each stage runs its schedule's order as soon
+as its inputs have arrived (`Schedule.makespan`), forward 1 unit and backward 2 units per
+micro-batch on every stage, a transfer of t units after each cross-stage task. Also the
+micro-batches each schedule holds on its first stage (activation memory).
 
 python -m benchmarks.schedules → prints a table, writes benchmarks/schedules.md
 """

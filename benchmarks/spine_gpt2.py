@@ -100,7 +100,7 @@ def main():
     lines += ["", "hlo/pred: compiled collective bytes over predicted (fidelity). The baselines pin only the "
               "parameters (rj.annotate inside the step), so the search may still move them: with Megatron's "
               "weight layouts pinned it gathers the weights and runs data parallel. A true Megatron baseline "
-              "also pins the activations (issue 4)."]
+              "also pins the activations."]
     text = "\n".join(lines) + "\n"
     print(text)
     (pathlib.Path(__file__).parent / "spine_gpt2.md").write_text(text)

@@ -237,7 +237,7 @@ class Recycle(nn.Module):
 
 
 class RecyclingLM(SizedLM):
-    """An LM run `passes` times per step (AlphaFold2's recycling, seeds/002 §4.2): each pass
+    """An LM run `passes` times per step (AlphaFold2's recycling, nnScaler §4.2): each pass
     adds the previous pass's output, recycled, to the embedding and runs every block again; the
     passes before the last run under stop_gradient, so only the last is differentiated."""
 
@@ -268,7 +268,7 @@ def _sized_case(name: str, model: SizedLM, batch: int, seq: int, key: int) -> Ca
 
 def remat_lm(batch: int = 16, seq: int = 512, vocab: int = 256, width: int = 64, heads: int = 4,
              layers: int = 2) -> Case:
-    """Co-shard's case (issue 32): long sequences, few heads, blocks under remat, so that the
+    """Co-shard's case: long sequences, few heads, blocks under remat, so that the
     attention's [batch, heads, seq, seq] tensors are most of the step's temporaries; clip + AdamW."""
     return _sized_case("remat_lm", RematLM(vocab, width, heads, layers), batch, seq, key=1)
 
@@ -283,7 +283,7 @@ def masked_remat_lm(batch: int = 8, seq: int = 512, vocab: int = 256, width: int
 
 def tied_lm(batch: int = 8, seq: int = 16, vocab: int = 32768, width: int = 256, heads: int = 4,
             layers: int = 4) -> Case:
-    """The interlaced pipeline's case (issue 32, seeds/002 §4.2, T5): a 32k x 256 embedding tied
+    """The interlaced pipeline's case (nnScaler §4.2, T5): a 32k x 256 embedding tied
     to the output projection, most of the step's parameters and of its FLOPs at short sequences,
     beside 4 small blocks; clip + AdamW."""
     return _sized_case("tied_lm", TiedLM(vocab, width, heads, layers), batch, seq, key=2)
@@ -291,7 +291,7 @@ def tied_lm(batch: int = 8, seq: int = 16, vocab: int = 32768, width: int = 256,
 
 def recycling_lm(batch: int = 8, seq: int = 32, vocab: int = 256, width: int = 64, heads: int = 4,
                  layers: int = 4, passes: int = 3) -> Case:
-    """The multi-forward pipeline's case (issue 32, seeds/002 §4.2, AlphaFold2's 3F1B): every
+    """The multi-forward pipeline's case (nnScaler §4.2, AlphaFold2's 3F1B): every
     block runs `passes` times per micro-batch, the last pass differentiated; clip + AdamW."""
     return _sized_case("recycling_lm", RecyclingLM(vocab, width, heads, layers, passes), batch, seq, key=3)
 

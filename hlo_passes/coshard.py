@@ -1,5 +1,6 @@
-"""Co-shard (nnScaler, seeds/002 §4.2): named ops run as C chunks, one after another, on the
-same devices, so that what they make and drop inside takes about 1/C of the memory.
+"""Co-shard ("nnScaler: Constraint-Guided Parallelization Plan Generation for Deep Learning
+Training" §4.2): named ops run as C chunks, one after another, on the same devices, so that what
+they make and drop inside takes about 1/C of the memory.
 
 A group is a connected set of the ops a `rj.coshard` glob names (ops of @main's top level with a
 sharding rule, `search.rules`), closed under paths: no value leaves it and comes back. Chunking

@@ -1,5 +1,6 @@
-"""Constraints on the search space, nnScaler's primitives (seeds/002 §3-§4): checked here, applied
-by the search (`search/constraints.py`)."""
+"""Constraints on the search space, the primitives of "nnScaler: Constraint-Guided Parallelization
+Plan Generation for Deep Learning Training" (§3-§4): checked here, applied by the search
+(`search/constraints.py`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
@@ -46,7 +47,7 @@ def op_assign(where: str, stage: int | str) -> OpAssign:
     1 ± 0.25), the balance is relaxed as far as the assignment needs, and the report says by how
     much. Needs `pipeline=k` (or "auto", where a candidate with too few stages is infeasible).
 
-    `stage="all"`: the interlaced pipeline (nnScaler, seeds/002 §4.2): the ops it names, forward
+    `stage="all"`: the interlaced pipeline (nnScaler §4.2): the ops it names, forward
     and backward (a module's glob such as `"*Embed*"` names both), run on every device of the
     mesh, split over all of them by the search, between the stages' programs: a large embedding
     before the first stage and its tied output projection after the last, while the blocks are
@@ -62,7 +63,7 @@ def op_assign(where: str, stage: int | str) -> OpAssign:
 
 
 def coshard(where: str, chunks: int | str = "auto") -> CoShard:
-    """Co-shard (nnScaler, seeds/002 §4.2): the ops `where` names (a glob, as for `op_trans`) run
+    """Co-shard (nnScaler §4.2): the ops `where` names (a glob, as for `op_trans`) run
     as `chunks` chunks one after another on the same devices, each on a 1/chunks slice of a dim
     they all share (an attention's heads or batch), so that the values they make and drop take
     about 1/chunks of the memory while they run; the results and the plan's communication stay
@@ -89,7 +90,7 @@ class OpOrder:
 
 
 def op_order(rule: Callable[[int, int], Iterable[tuple[Task, Task]]]) -> OpOrder:
-    """The pipeline's schedule as ordering constraints (nnScaler's op-order, seeds/002 Table 4):
+    """The pipeline's schedule as ordering constraints (nnScaler's op-order, its Table 4):
     `rule(stages, micro_batches)` returns or yields pairs `(a, b)` of `rj.Task(kind, stage,
     micro_batch)` (kind "F" or "B", counted from 0), each "a runs before b" on one stage. Each
     stage then runs its forward and backward tasks in an order the pairs allow (a micro-batch's

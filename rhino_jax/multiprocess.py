@@ -1,4 +1,4 @@
-"""One plan for every process of a jax.distributed job (#17).
+"""One plan for every process of a jax.distributed job.
 
 Under jax's multi-controller runtime each process lowers, plans and compiles the step itself,
 and the compiled programs must be the same SPMD program everywhere. The search is deterministic

@@ -1,11 +1,11 @@
-"""Cross-mesh resharding (seeds/004 §3): a tensor sent from one stage's mesh, in its layout, to
-the next stage's mesh, in that one's layout.
+"""Cross-mesh resharding ("On Optimizing the Communication of Model Parallelism" §3): a tensor
+sent from one stage's mesh, in its layout, to the next stage's mesh, in that one's layout.
 
 The transfer is cut into unit tasks: each region where a distinct piece of the source layout
 meets a distinct piece of the destination layout, held by some source devices (any may send it)
 and needed by some destination devices (all receive it, in one broadcast-style transfer: the
 piece crosses to each receiving host once, then spreads inside it). Hosts are the bottleneck
-(seeds/004's host-level model): a task takes its bytes over the inter-host bandwidth (intra-host
+(the paper's host-level model): a task takes its bytes over the inter-host bandwidth (intra-host
 when sender and receivers share a host), and two tasks sharing a host, sender or receiver, do not
 overlap. Which source host sends each task, and in what order, is a load-balancing and
 scheduling problem; two searches are run and the better kept:
@@ -42,7 +42,7 @@ class UnitTask:
 
 @dataclass(frozen=True)
 class Hosts:
-    """Where devices live and how fast hosts talk (seeds/004's host-level model)."""
+    """Where devices live and how fast hosts talk (the paper's host-level model)."""
 
     host_of: Callable[[object], int]
     inter_bandwidth: float  # bytes/s between two hosts
@@ -66,7 +66,7 @@ class ReshardPlan:
 def block_map(shape: Sequence[int], devices: np.ndarray, dims: Sequence[Sequence[int]]) -> dict:
     """device → its region when `shape` is split over the mesh `devices` (an array of devices)
     by `dims` (per tensor dim, the mesh dims that split it, major first); a size that does not
-    divide is padded, as XLA pads (seeds/004's case 6)."""
+    divide is padded, as XLA pads (the paper's case 6)."""
     out = {}
     for index in itertools.product(*(range(n) for n in devices.shape)):
         region = []
@@ -164,7 +164,7 @@ def _sender_on(task: UnitTask, host: int, hosts: Hosts):
 
 def randomized_greedy(tasks: Sequence[UnitTask], hosts: Hosts, tries: int = 64, seed: int = 0) -> ReshardPlan:
     """Rounds of tasks that share no host, each round the largest set found among `tries`
-    random orders (seeds/004 §3.2), then every task as early as its hosts allow."""
+    random orders (the paper's §3.2), then every task as early as its hosts allow."""
     rng = random.Random(seed)
     left = list(range(len(tasks)))
     order, sender = [], [None] * len(tasks)
@@ -196,7 +196,7 @@ def dfs(tasks: Sequence[UnitTask], hosts: Hosts, budget_s: float = 0.5) -> Resha
     """Branch and bound over which task goes next and which host sends it, each placed as early
     as its hosts allow; a branch is cut when a task would end no earlier than the best schedule
     found, or the hosts' remaining receiving work cannot end before it. Stops at the time budget
-    with the best found (seeds/004 §3.2: exponential, for small resharding tasks)."""
+    with the best found (the paper's §3.2: exponential, for small resharding tasks)."""
     deadline = time.perf_counter() + budget_s
     options = [sorted({hosts.host_of(d) for d in t.senders}) for t in tasks]
     receiving = [{hosts.host_of(r) for r in t.receivers} for t in tasks]
@@ -237,7 +237,7 @@ def dfs(tasks: Sequence[UnitTask], hosts: Hosts, budget_s: float = 0.5) -> Resha
 
 
 def plan(tasks: Sequence[UnitTask], hosts: Hosts, budget_s: float = 0.5) -> ReshardPlan:
-    """The better of randomized greedy and DFS (seeds/004: keep the better)."""
+    """The better of randomized greedy and DFS (the paper: keep the better)."""
     return min((randomized_greedy(tasks, hosts), dfs(tasks, hosts, budget_s)), key=lambda p: p.makespan_s)
 
 

@@ -7,23 +7,24 @@ the remaining backwards:
 - GPipe: W = m, every forward, then every backward;
 - 1F1B (PipeDream-Flush, Rhino's default): W = p − s, so stage s holds at most p − s micro-batches'
   activations;
-- eager-1F1B (seeds/004 §4): W = 2(p − s) − 1, forwards run ahead so that a stage has work while
-  a transfer is in flight, at the price of p − s − 1 more micro-batches held.
+- eager-1F1B ("On Optimizing the Communication of Model Parallelism" §4): W = 2(p − s) − 1,
+  forwards run ahead so that a stage has work while a transfer is in flight, at the price of
+  p − s − 1 more micro-batches held.
 (p stages, m micro-batches, stages counted from 0.) `check` proves a schedule runs: every task
 once, F before B of a micro-batch on its stage, and no stage waiting forever on another.
 
-A schedule may also be derived from ordering constraints (nnScaler's op-order, seeds/002 Table 4):
+A schedule may also be derived from ordering constraints (nnScaler's op-order, its Table 4):
 pairs "task a runs before task b" on one stage (`ordered`). 1F1B is ① F(k) before F(k+1),
 ② B(k) before B(k+1), ③ F(k+w−1) before B(k) and ④ B(k) before F(k+w), w = p − s; the three
 schedules above, written so, come out as `make` makes them.
 
-Interlaced pipelines (nnScaler's interlaced pipeline, seeds/002 §4.2): the chain of places a
+Interlaced pipelines (nnScaler's interlaced pipeline, its §4.2): the chain of places a
 micro-batch passes through may hold, besides the stages, places whose programs run on every
 device (`shared`: a large embedding before the first stage and its tied output projection after
 the last). A shared task occupies every device, so it appears in every stage's order; it starts
 once it is next on every stage. `interlace` inserts them into a schedule of the stages.
 
-Multi-forward steps (nnScaler's 3F1B, seeds/002 §4.2, AlphaFold2's recycling): each micro-batch
+Multi-forward steps (nnScaler's 3F1B, its §4.2, AlphaFold2's recycling): each micro-batch
 passes through the stages R times, the first R − 1 passes without a backward (they run under
 `stop_gradient`). Its chain of places is pass-major, place r·p + s being pass r on stage s; the
 places of one stage share its devices, so a stage's order holds the tasks of all of them, and
@@ -333,7 +334,7 @@ def interlace(base: Schedule, shared: Sequence[int], duration: Callable[[Task], 
               transfer_s: float = 0.0) -> Schedule:
     """`base` (a schedule of the stages) with the places `shared` (indices in the chain of
     `base.stages + len(shared)` places; the stages keep their order in the others) run on every
-    device between them: the interlaced pipeline of nnScaler (seeds/002 §4.2). Each stage keeps
+    device between them: the interlaced pipeline of nnScaler (its §4.2). Each stage keeps
     `base`'s order; a shared place runs its forwards, and its backwards, in micro-batch order.
     Tasks are placed by list scheduling with `duration` (a task's predicted time) and
     `transfer_s` between places: of the tasks whose inputs are made and which are next on their

@@ -1,12 +1,12 @@
-"""Moving arrays between a pipeline's meshes when they belong to different processes (#17).
+"""Moving arrays between a pipeline's meshes when they belong to different processes.
 
-jax moves an array between shardings of one device set (`jax.device_put`), and within one
-process between any devices; across processes it refuses different device sets (CPU and GPU
-runtimes). Each move here is therefore an SPMD program over the whole mesh, which contains
-every stage's sub-mesh, compiled and run by XLA on every process alike: XLA's partitioner
-emits the collectives that carry the data (seeds/004's cross-mesh resharding done by XLA's own
-transfers). The whole mesh is viewed as (stage, *sub-mesh): its first axis, of size n, as
-(p stages, n/p); an array on stage s's sub-mesh is the s-th slice of a stacked [p, ...] array
+jax moves an array between shardings of one device set (`jax.device_put`), and within one process
+between any devices; across processes it refuses different device sets (CPU and GPU runtimes). Each
+move here is therefore an SPMD program over the whole mesh, which contains every stage's sub-mesh,
+compiled and run by XLA on every process alike: XLA's partitioner emits the collectives that carry
+the data (the cross-mesh resharding of "On Optimizing the Communication of Model Parallelism", done
+by XLA's own transfers). The whole mesh is viewed as (stage, *sub-mesh): its first axis, of size n,
+as (p stages, n/p); an array on stage s's sub-mesh is the s-th slice of a stacked [p, ...] array
 whose other slices are zeros, made on their devices, so no data moves to build it.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The user's constraints on the search space (nnScaler's op-trans and op-assign, seeds/002
+"""The user's constraints on the search space (nnScaler's op-trans and op-assign,
 §3-§4): which strategies the ops and arguments a glob names may take (`OpTrans`), and which
 pipeline stage the forward ops it names run on (`OpAssign`, applied by the stager).
 

@@ -1,4 +1,4 @@
-"""The forward passes of a multi-forward step (nnScaler's 3F1B, seeds/002 §4.2).
+"""The forward passes of a multi-forward step (nnScaler §4.2's 3F1B).
 
 AlphaFold2-style recycling runs the same layers several times per micro-batch, each pass fed the
 previous pass's output, all but the last under `stop_gradient`. In the forward ops this shows

@@ -1,6 +1,6 @@
 """The expert baselines of benchmarks/baselines.py on the zoo's tiny presets (4 devices): same numbers
 as one device, the compiled program shows the baseline's signature, and rhino_jax's own plan is
-predicted no slower than any of them under the same cost model (issue 4's first goal)."""
+predicted no slower than any of them under the same cost model."""
 import dataclasses
 import functools
 import math
@@ -144,7 +144,7 @@ def test_megatron_signature():
 # vocabulary-split table before the lookup, cheaper under the cost model than the lookup's 16 KiB
 # all-reduce): the cost model at 4-64 KiB, where latency dominates. (Not the ILP charging a value
 # that several cones read once per cone: since hubs, `assembly.add_hubs`, the ILP's objective for
-# Megatron equals the plan's own cost, and the plan is the same.) Not settled: see issue 4's notes.
+# Megatron equals the plan's own cost, and the plan is the same.) Not settled.
 XFAIL_SMALL_GATHERS = pytest.mark.xfail(strict=False, reason=(
     "tiny preset: the backward pass gathers 16-64 KiB activations instead of keeping the pinned "
     "layouts (latency-dominated costs)"))
@@ -205,7 +205,7 @@ def test_not_applicable_is_skipped():
 
 
 def test_rhino_never_predicted_slower_than_a_baseline():
-    """Issue 4's first goal on one tiny model: the search's plan costs no more than any pinned
+    """On one tiny model: the search's plan costs no more than any pinned
     expert plan under the same cost model (the pins only remove choices)."""
     ours = _lowered("gpt", "rhino_jax").plan.cost.total_s
     for method in ("data parallel", "Megatron", "ZeRO-2", "ZeRO-3"):

@@ -1,4 +1,4 @@
-"""The interlaced pipeline (nnScaler, seeds/002 §4.2; issue 32): `rj.op_assign(where,
+"""The interlaced pipeline (nnScaler §4.2): `rj.op_assign(where,
 stage="all")` runs a T5-like LM's large tied embedding on every device, before the first stage
 (the lookup) and after the last (the output projection and the loss), while its blocks are
 pipelined on the stages' sub-meshes; the step keeps one device's numbers, and a saved plan

@@ -1,4 +1,4 @@
-"""Multi-forward steps (nnScaler's 3F1B, seeds/002 §4.2; issue 32): a recycling LM runs its
+"""Multi-forward steps (nnScaler §4.2's 3F1B): a recycling LM runs its
 blocks three times per micro-batch, the first two passes under stop_gradient. Pipelined, each
 pass of a block runs on the stage that holds it, the passes of consecutive micro-batches
 interleave as Table 7's op_order rules say (the `schedule="1f1b"` of such a step), the step keeps

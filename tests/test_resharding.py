@@ -1,5 +1,5 @@
-"""Cross-mesh resharding (seeds/004): unit tasks, load-balanced schedules, and execution that is
-bitwise what jax.device_put gives."""
+"""Cross-mesh resharding ("On Optimizing the Communication of Model Parallelism"): unit tasks,
+load-balanced schedules, and execution that is bitwise what jax.device_put gives."""
 import itertools
 
 import jax

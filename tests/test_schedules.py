@@ -20,7 +20,8 @@ def test_every_task_once_forward_before_backward_and_in_flight_as_the_papers_say
         assert all(tasks.index(Task("F", stage, b)) < tasks.index(Task("B", stage, b)) for b in range(micro_batches))
     held = {"gpipe": lambda st: micro_batches,  # every forward first
             "1f1b": lambda st: min(stages - st, micro_batches),  # PipeDream-Flush / Rhino §6.2
-            "eager-1f1b": lambda st: min(2 * (stages - st) - 1, micro_batches)}[name]  # seeds/004 §4
+            # eager-1F1B: "On Optimizing the Communication of Model Parallelism" §4
+            "eager-1f1b": lambda st: min(2 * (stages - st) - 1, micro_batches)}[name]
     assert s.in_flight() == tuple(held(st) for st in range(stages))
 
 
@@ -30,7 +31,8 @@ def test_without_transfers_the_three_schedules_take_the_same_time_and_eager_hide
     assert set(times.values()) == {(m + p - 1) * 3.0}
     slow = {name: schedules.make(name, p, m).makespan([1.0] * p, [2.0] * p, transfer_s=0.5)
             for name in schedules.NAMES}
-    # seeds/004 §4: 1F1B cannot hide a transfer (each task waits on the last), eager-1F1B can.
+    # "On Optimizing the Communication of Model Parallelism" §4: 1F1B cannot hide a transfer (each
+    # task waits on the last), eager-1F1B can.
     assert slow["eager-1f1b"] < slow["1f1b"]
 
 
