@@ -327,7 +327,8 @@ def fit(ops: list[dict], preset) -> Fit:
 def _predicted_seconds(model: str, config, cluster, per_op_s: float = 0.0) -> tuple[float, int]:
     """Single-device compute time of the step as rhino_jax's cost model sums it, and the node
     count. `per_op_s` adds the fixed time per op that the roofline leaves out (reported only)."""
-    from rhino_jax.search.strategies import FUSIBLE, compute_time, memory_traffic
+    from rhino_jax.core.ops import FUSIBLE
+    from rhino_jax.search.strategies import compute_time, memory_traffic
     module = _zoo()[model]
     graph = _graph(module.make_train_step(config), module.example(config, abstract=True))
     traffic = memory_traffic(graph)

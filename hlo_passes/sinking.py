@@ -10,7 +10,7 @@ carried the mask at the global [batch, heads, seq, seq] shape replicated on ever
 sliced it each trip (2 TiB per device at 70B scale, where the layers unrolled hold none).
 Cloning the constant's computation into the body where the loop's slot was read, and dropping
 the slot, gives the scanned step what its unrolled form has: each reader builds the constant in
-its own layout. The clones are ops XLA fuses into their readers (`strategies.FUSIBLE`), so
+its own layout. The clones are ops XLA fuses into their readers (`core.ops.FUSIBLE`), so
 building them each trip costs no memory traffic.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from __future__ import annotations
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from ..search.strategies import FUSIBLE
+from rhino_jax.core.ops import FUSIBLE
+
 from . import module as mod
 
 

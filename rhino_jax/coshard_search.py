@@ -1,5 +1,5 @@
 """Co-shard's choices, searched (`rj.coshard`): how many chunks, and on which dim each group of
-named ops is cut (`hlo_passes.coshard` cuts and rewrites).
+named ops is cut (`search.coshard` cuts and rewrites).
 
 The plan without chunks is searched first: each group is cut on the dim of its largest value
 that plan splits least over the mesh (chunks of a dim the devices already split would leave
@@ -20,7 +20,7 @@ import jax
 from jax.sharding import Mesh
 
 from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError
-from rhino_jax.hlo_passes import coshard as cut
+from rhino_jax.search import coshard as cut
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.importer import import_step
 from rhino_jax.hlo_passes.lowering import LoweredStep
@@ -144,7 +144,7 @@ def replay(step: LoweredStep, graph: Graph, plan: Plan, constraints) -> tuple[Lo
 
 
 def _groups(coshards: list[CoShard], graph: Graph) -> list[tuple[CoShard, list[tuple[int, ...]]]]:
-    """Each constraint's groups (`hlo_passes.coshard.groups`); an op two constraints name is the first's."""
+    """Each constraint's groups (`search.coshard.groups`); an op two constraints name is the first's."""
     claimed: set[int] = set()
     out = []
     for c in coshards:

@@ -23,10 +23,11 @@ from typing import Protocol
 
 import numpy as np
 
+from rhino_jax.core.ops import COMPUTE_HEAVY
+
 from ..hlo_passes.graph import Graph
 from .cluster import Combiner, MeshTopology
 from .collectives import Collective
-from .rules import COMPUTE_HEAVY
 
 
 class Planned(Protocol):

@@ -87,7 +87,7 @@ SHARED = -1  # `fixed_stages`' stage of an op that runs on every device (op_assi
 @dataclass(frozen=True)
 class CoShard(Named):
     """`rj.coshard`: the ops `where` names run as `chunks` chunks one after another on the same
-    devices (`hlo_passes.coshard`); "auto": the search picks the number."""
+    devices (`search.coshard`); "auto": the search picks the number."""
 
     chunks: int | str = "auto"
 

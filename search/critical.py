@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rhino_jax.core.ops import COMPUTE_HEAVY
+
 from ..hlo_passes.graph import Graph
-from .rules import COMPUTE_HEAVY
 
 
 @dataclass(frozen=True)

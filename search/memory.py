@@ -19,12 +19,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from rhino_jax.core.ops import FUSED_READERS, FUSIBLE
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Graph
 from .cluster import MeshTopology
 from .collectives import reshard
-from .strategies import FUSED_READERS, FUSIBLE
 
 VIEWS = {"stablehlo.reshape", "sdy.sharding_constraint"}  # XLA makes them bitcasts of their operand
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rhino_jax.core.ops import ELEMENTWISE
+
 from ..hlo_passes.graph import Graph, Node
 
 Dims = tuple[int | None, ...]  # loop index per tensor dimension
@@ -36,21 +38,6 @@ class LoopSpace:
         return tuple(l for l in range(len(self.sizes)) if l not in in_result)
 
 
-# Ops that apply one function per element, by full name (operands have the result's shape, or
-# are scalars: clamp bounds, a select's predicate). XLA expands the CHLO ones into StableHLO
-# elementwise ops before it partitions; CHLO's broadcast_* ops broadcast implicitly and are left out.
-ELEMENTWISE = frozenset({f"stablehlo.{k}" for k in (
-    "abs", "add", "and", "atan2", "cbrt", "ceil", "clamp", "compare", "complex", "convert", "cosine",
-    "count_leading_zeros", "divide", "exponential", "exponential_minus_one", "floor", "imag",
-    "is_finite", "log", "log_plus_one", "logistic", "maximum", "minimum", "multiply", "negate", "not",
-    "or", "popcnt", "power", "real", "reduce_precision", "remainder", "round_nearest_afz",
-    "round_nearest_even", "rsqrt", "select", "shift_left", "shift_right_arithmetic",
-    "shift_right_logical", "sign", "sine", "sqrt", "subtract", "tan", "tanh", "xor")} | {
-    f"chlo.{k}" for k in (
-    "_asin_acos_kernel", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bessel_i1e", "conj",
-    "cosh", "digamma", "erf", "erf_inv", "erfc", "is_inf", "is_neg_inf", "is_pos_inf", "lgamma",
-    "mulhi", "next_after", "polygamma", "sinh", "square", "tan", "zeta")})
-COMPUTE_HEAVY = {"stablehlo.dot_general", "stablehlo.convolution"}
 
 
 def _same(rank: int) -> Dims:

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rhino_jax.core.ops import FUSED_READERS, FUSIBLE
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Graph, Node, Value
 from .cluster import Cluster, MeshTopology
 from .collectives import Collective
-from .rules import ELEMENTWISE, LoopSpace, loop_space
+from .rules import LoopSpace, loop_space
 from .strides import STRIDED_OPS, Fact, map_reshape
 
 
@@ -104,12 +105,6 @@ class _Assigned:
         return [_spec(d, self) for d in self.space.results]
 
 
-# Ops XLA fuses into one loop kernel with their fusible producers and readers (reductions take
-# fused producers as their input too): the tensors between them never reach memory.
-FUSIBLE = set(ELEMENTWISE) | {
-    "stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.iota",
-    "stablehlo.constant", "sdy.sharding_constraint"}
-FUSED_READERS = FUSIBLE | {"stablehlo.reduce"}
 
 
 def memory_traffic(graph: Graph) -> dict[int, int]:

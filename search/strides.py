@@ -18,11 +18,12 @@ from collections import defaultdict, deque
 
 import numpy as np
 
+from rhino_jax.core.ops import ELEMENTWISE
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Graph, Node
 from .cluster import MeshTopology
-from .rules import ELEMENTWISE, loop_space
+from .rules import loop_space
 
 # Ops whose strided operands the rewrite can split (see hlo_passes/split_dims).
 STRIDED_OPS = set(ELEMENTWISE) | {

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from rhino_jax.errors import ShardingPinError
+from rhino_jax.core.ops import COMPUTE_HEAVY
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Graph, Pin, slots
 from . import carried
 from .cluster import Cluster, MeshTopology
 from .cones import Cone
-from .rules import COMPUTE_HEAVY
 from .strategies import Strategy, memory_traffic, node_strategies, tensor_specs
 from .strides import candidates as stride_candidates
 

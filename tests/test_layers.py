@@ -26,10 +26,6 @@ RANK = {"rhino_jax.core": 0, "rhino_jax.hlo_passes": 1, "rhino_jax.search": 2, "
 UPWARD = {
     ("rhino_jax.hlo_passes.compiled_cost", "rhino_jax.search.cluster"),
     ("rhino_jax.hlo_passes.compiled_cost", "rhino_jax.search.collectives"),
-    ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.combining"),
-    ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.rules"),
-    ("rhino_jax.hlo_passes.coshard", "rhino_jax.search.strides"),
-    ("rhino_jax.hlo_passes.sinking", "rhino_jax.search.strategies"),
     ("rhino_jax.search.memory_limit", "rhino_jax.plan"),
     ("rhino_jax.search.plan_making", "rhino_jax.plan"),
     ("rhino_jax.search.planner", "rhino_jax.plan"),

@@ -3,7 +3,7 @@ Training" §4.2): named ops run as C chunks, one after another, on the same devi
 they make and drop inside takes about 1/C of the memory.
 
 A group is a connected set of the ops a `rj.coshard` glob names (ops of @main's top level with a
-sharding rule, `search.rules`), closed under paths: no value leaves it and comes back. Chunking
+sharding rule, `rules`), closed under paths: no value leaves it and comes back. Chunking
 a group splits one loop of each op into C contiguous blocks, the same way sharding splits it
 over a mesh axis of size C, except over time: every value the group makes is cut on the dim
 that loop indexes (through reshapes as `strides.map_reshape` maps a layout), the values it
@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
+from rhino_jax.core.ops import ELEMENTWISE
 from rhino_jax.core.specs import ShardingSpec
 
-from ..search.combining import HEAD, combining_sides
-from ..search.rules import ELEMENTWISE, loop_space
-from ..search.strides import map_reshape
-from . import module as mod
-from .graph import Graph, Node
+from ..hlo_passes import module as mod
+from ..hlo_passes.graph import Graph, Node
+from .combining import HEAD, combining_sides
+from .rules import loop_space
+from .strides import map_reshape
 
 # Ops a chunk may hold: a loop space whose attributes name no size of a split dim (a slice's
 # limits are rewritten). Loops, conditionals, gathers and scatters stay outside.
