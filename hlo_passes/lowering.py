@@ -43,9 +43,41 @@ def _keys(path) -> list[str]:
     return out
 
 
-def _named_role(keys: Sequence[str]) -> str | None:
-    """The role key names give: an optimizer's, a parameter's or a batch's; None without one."""
-    if any(k in _OPT_KEYS or k.startswith("opt") for k in keys):
+def _is_optimizer_state(node) -> bool:
+    """An optimizer's state by its type: optax's states (a chain's tuple holds one per transform),
+    and the variables Flax NNX's `Optimizer` keeps them in. Named by module, so that neither
+    library need be installed."""
+    kind = type(node)
+    return (kind.__module__.split(".")[0] == "optax"
+            or (kind.__module__.startswith("flax.nnx") and kind.__name__ in ("OptState", "OptArray", "OptVariable")))
+
+
+def _is_parameter(node) -> bool:
+    """A model's parameters by their type: a Flax NNX `Param`, an Equinox `Module`'s arrays."""
+    kind = type(node)
+    return ((kind.__module__.startswith("flax.nnx") and kind.__name__ == "Param")
+            or any(c.__module__.split(".")[0] == "equinox" and c.__name__ == "Module" for c in kind.__mro__))
+
+
+def typed_roles(tree) -> dict[str, str]:
+    """Leaf path (`jax.tree_util.keystr`) → the role the types around it give: optimizer state
+    inside an optimizer's state (`_is_optimizer_state`; an Adam state's moments mirror the
+    parameters, modules and all), else a parameter inside a parameter's type (`_is_parameter`).
+    Leaves in plain containers (a Flax linen params dict) have none."""
+    out: dict[str, str] = {}
+    for role, holds in (("optimizer_state", _is_optimizer_state), ("parameter", _is_parameter)):
+        for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=holds)[0]:
+            if holds(node):
+                for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
+                    out.setdefault(jax.tree_util.keystr((*path, *inner)), role)
+    return out
+
+
+def _named_role(keys: Sequence[str], state_typed: bool = False) -> str | None:
+    """The role key names give: an optimizer's, a parameter's or a batch's; None without one.
+    `state_typed`: the call's optimizer state is known by its type (`typed_roles`), so a name
+    like a moment's ("mu", "nu", "momentum": a VAE's mean layer) says nothing of another leaf."""
+    if not state_typed and any(k in _OPT_KEYS or k.startswith("opt") for k in keys):
         return "optimizer_state"
     if any(k in ("params", "param", "weights") for k in keys):
         return "parameter"
@@ -54,14 +86,15 @@ def _named_role(keys: Sequence[str]) -> str | None:
     return None
 
 
-def infer_role(keys: Sequence[str], position: int, num_args: int) -> str:
+def infer_role(keys: Sequence[str], position: int, num_args: int, state_typed: bool = False) -> str:
     """Parameter, optimizer state or batch, from the argument position and the key names (`keys`:
-    the argument's keyword, if passed by keyword, then the keys inside it).
+    the argument's keyword, if passed by keyword, then the keys inside it), for a leaf its types
+    give no role (`typed_roles`; `state_typed`: as `_named_role`).
 
     The usual signature is step(params, opt_state, batch) or step(state, batch) with
     state.params / state.opt_state; keys that name an optimizer or a batch win over position.
     Keyword arguments count as passed positionally after the positional ones, in call order."""
-    named = _named_role(keys)
+    named = _named_role(keys, state_typed)
     if named is not None:
         return named
     if num_args > 1 and position == num_args - 1:
@@ -75,11 +108,13 @@ def flat_arguments(args: Sequence, kwargs: dict | None = None, positions: Sequen
                    ) -> list[tuple[str, str, object, bool]]:
     """(path, role, leaf, named) of each leaf of a call, in the order jax flattens (args, kwargs):
     paths `arg[i]...` for positional arguments (`positions[i]`: the user's position, when static
-    arguments were taken out) and `arg['name']...` for keyword ones; `named`: key names gave the
-    role, not the position alone."""
+    arguments were taken out) and `arg['name']...` for keyword ones; `named`: the types around the
+    leaf (`typed_roles`) or key names gave the role, not the position alone."""
     kwargs = kwargs or {}
     num_args = len(args) + len(kwargs)
     order = {name: len(args) + k for k, name in enumerate(kwargs)}
+    typed = typed_roles((tuple(args), kwargs))
+    state_typed = "optimizer_state" in typed.values()
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path((tuple(args), kwargs))[0]:
         top, rest = path[1], path[2:]
@@ -91,8 +126,9 @@ def flat_arguments(args: Sequence, kwargs: dict | None = None, positions: Sequen
         else:
             label = f"arg[{top.key!r}]"
             keys, position = [str(top.key).lower()] + inner, order[top.key]
-        out.append((label + jax.tree_util.keystr(rest), infer_role(keys, position, num_args), leaf,
-                    _named_role(keys) is not None))
+        role = typed.get(jax.tree_util.keystr(path))
+        out.append((label + jax.tree_util.keystr(rest), role or infer_role(keys, position, num_args, state_typed),
+                    leaf, role is not None or _named_role(keys, state_typed) is not None))
     return out
 
 

@@ -371,3 +371,57 @@ def test_a_jax_make_mesh_steps_results_off_the_stages_name_the_users_mesh(option
     with jax.set_mesh(mesh):
         doubled = jax.jit(lambda x: x * 2)(loss)  # the user's own code
     np.testing.assert_array_equal(np.asarray(doubled), 2 * np.asarray(loss))
+
+
+def _vae_like_step(params, opt_state, batch):
+    """An encoder whose mean and variance layers are named as a VAE's are ("mu", "nu" here), and
+    Adam, whose moments are also "mu" and "nu"."""
+    import optax
+
+    def loss(p):
+        h = jnp.tanh(batch["x"] @ p["enc"]["kernel"])
+        return jnp.mean((h @ p["mu"]["kernel"] + jnp.exp(h @ p["nu"]["kernel"]) - batch["y"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = optax.adam(1e-2).update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+
+def test_roles_come_from_the_optimizer_states_type_before_key_names():
+    """A layer named "mu" is a parameter, though Adam's first moment is named so too: the
+    optimizer state is known by its type (optax's states), and a key name no longer makes a
+    parameter optimizer state (it did, and such a layer's kernel was planned and tied as state)."""
+    import optax
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
+    params = {"enc": {"kernel": jax.random.normal(k1, (16, 32))}, "mu": {"kernel": jax.random.normal(k2, (32, 8))},
+              "nu": {"kernel": 0.1 * jax.random.normal(k3, (32, 8))}}
+    batch = {"x": jax.random.normal(k4, (16, 16)), "y": jnp.zeros((16, 8))}
+    args = (params, optax.adam(1e-2).init(params), batch)
+    lowered = rj.parallelize(_vae_like_step, mesh=_mesh()).lower(*args)
+    roles = dict(zip(lowered.plan.arg_paths, lowered.plan.arg_roles))
+    assert [roles[f"arg[0]['{k}']['kernel']"] for k in ("enc", "mu", "nu")] == ["parameter"] * 3
+    assert {r for p, r in roles.items() if p.startswith("arg[1]")} == {"optimizer_state"}
+    assert [roles[f"arg[2]['{k}']"] for k in ("x", "y")] == ["batch"] * 2
+    assert_same_numbers(jax.jit(_vae_like_step)(*args), lowered.compile()(*args))
+
+
+def test_optimizer_state_passed_last_is_state_by_its_type():
+    """step(params, batch, opt_state): the last argument is the batch by position, but an optax
+    state is optimizer state wherever it is passed (SGD's momentum is a `trace`, which no key name
+    says), and is not split into micro-batches."""
+    import optax
+
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def step(p, batch, s):
+        value, grads = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]
+                                                              - batch["y"]) ** 2))(p)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    params, batch = _args()
+    args = (params, batch, tx.init(params))
+    lowered = rj.parallelize(step, mesh=_mesh(), num_micro_batches=2).lower(*args)
+    assert lowered.plan.arg_roles == ("parameter",) * 2 + ("batch",) * 2 + ("optimizer_state",) * 2
+    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args), rtol=1e-4, atol=1e-5)
