@@ -28,7 +28,7 @@ between and after the stages on every device; a micro-batch then passes through 
 places, the stages and those, each planned, moved between and scheduled as a stage is, the
 latter on the whole mesh, their tasks interlaced with the stages' (`schedules.interlace`).
 
-Multi-forward (nnScaler's 3F1B, `search.passes`): a step that runs its layers R times per
+Multi-forward (nnScaler's 3F1B, `search.multi_forward`): a step that runs its layers R times per
 micro-batch, the earlier passes under stop_gradient, has a chain of R·p places, pass r on stage s
 being place r·p + s on stage s's sub-mesh; the places of one stage are one home for
 apply-gradients and for memory, and only the last pass's places have a backward program.
@@ -48,7 +48,7 @@ from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph, transfer
-from rhino_jax.search import interrupt, passes, progress, stager
+from rhino_jax.search import interrupt, multi_forward, progress, stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
 from rhino_jax.search.constraints import SHARED, OpAssign, fixed_stages, shared_backward
 from rhino_jax.search.memory import local_bytes
@@ -183,7 +183,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         if given is None:
             loss = _loss_sum(cg)
             forward = stager.forward_ops(cg, loss)
-            found = passes.find(cg, forward)
+            found = multi_forward.find(cg, forward)
             assigned = {i: at for i, at in fixed_stages(options.constraints, cg, forward, p).items()
                         if i not in found.earlier}  # an earlier pass goes where its last pass goes
             if found.count > 1 and SHARED in assigned.values():
@@ -310,8 +310,8 @@ class PipelinedLowered(SeveralProgramsLowered):
             stages = [self._stage_plan(s) for s in range(len(meshes))]
         self.stages = tuple(stages)
         self.transfers = _transfers(self._programs, meshes, cg, cluster)
-        self.moves_s = _step_moves(self._programs, self._applies, _named(self._layouts()),
-                                   _named(self._output_layouts()), step, meshes, cluster)
+        self.moves_s = _step_moves(self._programs, self._applies, _shardings(self._layouts()),
+                                   _shardings(self._output_layouts()), step, meshes, cluster)
         self.apply_tasks = _apply_tasks(self._applies, self._home, len(cg.args))
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.plan = dataclasses.replace(self._summary(staged), placement=place, target=target)
@@ -328,7 +328,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         """A multi-forward step's places on place s's stage (none otherwise)."""
         return self._together(s) if self.passes > 1 else ()
 
-    def _named(self, s: int) -> Mesh:
+    def _naming_mesh(self, s: int) -> Mesh:
         """The mesh place s's layouts name: the user's for a place on every device."""
         return self.named_on if self.meshes[s] is self.mesh else self.meshes[s]
 
@@ -353,7 +353,7 @@ class PipelinedLowered(SeveralProgramsLowered):
             s = self._home.get(i)
             spec = _taken_layout(everyone, self._together(s) if s is not None else (), i, fed.get(i))
             out.append((self.named_on, ShardingSpec.replicated(len(ag.values[ag.args[i].value].shape))) if spec is None
-                       else (self._named(s), spec))
+                       else (self._naming_mesh(s), spec))
         return out
 
     def _output_layouts(self) -> list[tuple[Mesh, ShardingSpec]]:
@@ -364,7 +364,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         ag = self._step.apply_graph
         fed = set(ag.fed_back())
         made = {v: (prog, plan) for prog, _, plan in self._applies for v in prog.outputs}
-        return [(self._named(made[v][0].stage), made[v][1].output_specs[made[v][0].outputs.index(v)]) if k in fed
+        return [(self._naming_mesh(made[v][0].stage), made[v][1].output_specs[made[v][0].outputs.index(v)]) if k in fed
                 else (self.named_on, ShardingSpec.replicated(len(ag.values[v].shape)))
                 for k, v in enumerate(ag.outputs)]
 
@@ -428,8 +428,8 @@ class PipelinedLowered(SeveralProgramsLowered):
             backend=plans[0].backend, stages=self.stages,
             programs={program_name("A", prog.stage, prog.wave): plan for prog, _, plan in self._applies},
             interrupted=any(plan.interrupted for plan in plans),
-            input_shardings=call_tree(self._trees[0], _named(layouts)),
-            output_shardings=jax.tree.unflatten(self._trees[1], _named(outputs)))
+            input_shardings=call_tree(self._trees[0], _shardings(layouts)),
+            output_shardings=jax.tree.unflatten(self._trees[1], _shardings(outputs)))
 
     def _compile_with(self, compiler_options: dict | None) -> "PipelinedCompiled":
         return PipelinedCompiled(self, compiler_options)
@@ -481,7 +481,7 @@ def _on_stage(prog: stage_programs.Program, axes: dict[str, int], paths, roles, 
     return prog, graph
 
 
-def _named(layouts: list[tuple[Mesh, ShardingSpec]]) -> list[NamedSharding]:
+def _shardings(layouts: list[tuple[Mesh, ShardingSpec]]) -> list[NamedSharding]:
     return [NamedSharding(mesh, spec.to_partition_spec()) for mesh, spec in layouts]
 
 

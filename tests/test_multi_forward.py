@@ -13,7 +13,7 @@ from rhino_jax.micro_batched import split_step
 from rhino_jax.pipelined import _loss_sum
 from rhino_jax.runtime import schedules, task_graph
 from rhino_jax.runtime.schedules import Task
-from rhino_jax.search import passes
+from rhino_jax.search import multi_forward
 from rhino_jax.search.stager import forward_ops
 
 from benchmarks.third_party_models import recycling_lm, tied_lm
@@ -53,7 +53,7 @@ def _forward(c):
 
 def test_the_passes_are_found_from_the_layers_runs(case):
     cg, forward = _forward(case[0])
-    found = passes.find(cg, forward)
+    found = multi_forward.find(cg, forward)
     assert found.count == R and found.layers == ("Recycle", "Block_0-Block_3")
     layer = layer_of(cg)
     assert {layer[i] for i in found.tied} == {"Recycle", *(f"Block_{i}" for i in range(4))}  # tied to the last's
@@ -64,7 +64,7 @@ def test_the_passes_are_found_from_the_layers_runs(case):
 def test_a_tied_embedding_is_not_a_second_pass():
     """The lookup and the output projection of one Embed are two runs of different ops."""
     cg, forward = _forward(tied_lm(vocab=512, width=64, layers=2))
-    assert passes.find(cg, forward).count == 1
+    assert multi_forward.find(cg, forward).count == 1
 
 
 def test_3f1b_by_op_order_runs_with_one_devices_numbers_and_holds_less_than_gpipe(case, tmp_path):
