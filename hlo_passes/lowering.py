@@ -19,7 +19,8 @@ from .graph import Leaf, feeds
 from .jax_internals import top_k_lowered_as_sort
 from .sinking import sink_constants
 
-_OPT_KEYS = ("opt", "optimizer", "adam", "mu", "nu", "momentum", "velocity", "count", "step")
+_OPT_KEYS = ("opt", "optimizer", "count", "step")
+_MOMENT_KEYS = ("adam", "mu", "nu", "momentum", "velocity")  # also a model's names (a VAE's mean layer)
 _BATCH_KEYS = ("batch", "inputs", "input", "labels", "targets", "tokens", "images", "x", "y")
 
 
@@ -75,9 +76,10 @@ def typed_roles(tree) -> dict[str, str]:
 
 def _named_role(keys: Sequence[str], state_typed: bool = False) -> str | None:
     """The role key names give: an optimizer's, a parameter's or a batch's; None without one.
-    `state_typed`: the call's optimizer state is known by its type (`typed_roles`), so a name
-    like a moment's ("mu", "nu", "momentum": a VAE's mean layer) says nothing of another leaf."""
-    if not state_typed and any(k in _OPT_KEYS or k.startswith("opt") for k in keys):
+    `state_typed`: the call's optimizer state is known by its type (`typed_roles`), so a moment's
+    name (`_MOMENT_KEYS`) says nothing of another leaf; an optimizer's or a counter's still does
+    (a Flax `TrainState`'s step)."""
+    if any(k in _OPT_KEYS or k.startswith("opt") or (not state_typed and k in _MOMENT_KEYS) for k in keys):
         return "optimizer_state"
     if any(k in ("params", "param", "weights") for k in keys):
         return "parameter"
