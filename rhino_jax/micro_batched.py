@@ -441,8 +441,9 @@ def _compile(module, graph: Graph, plan: Plan, mesh: Mesh, donated: Sequence[int
     remedies priced on `cluster` (`runtime.executable.compile_module`); its results named on
     `returned_on` (the user's mesh of the same devices) where given. A donated argument
     (positions `donated`) is overwritten by the output the graph pairs it with (`Arg.donated_to`)
-    where the plan gives both one layout, as the search does when it knew of the donation. With the program, the layout of the micro-batch's index it takes
-    last where it counts positions along the batch (`batch_positions`), else None."""
+    where the plan gives both one layout, as the search does when it knew of the donation. With
+    the program, the layout of the micro-batch's index it takes last where it counts positions
+    along the batch (`batch_positions`), else None."""
     aliases = {a.index: a.donated_to for a in graph.args if a.index in donated and a.donated_to is not None
                and plan.arg_specs[a.index] == plan.output_specs[a.donated_to]}
     rewritten = rewrite_pass.rewrite(copy_module(module), graph, plan.value_specs, plan.read_specs, plan.read_paths,

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from rhino_jax.errors import CompiledMemoryWarning
 from rhino_jax.hlo_passes import module as mod
 from rhino_jax.hlo_passes.compiled_cost import price_compiled, program_device
-from rhino_jax.hlo_passes.hlo_stats import compiled_memory
+from rhino_jax.hlo_passes.hlo_stats import CompiledMemory, compiled_memory
 from rhino_jax.hlo_passes.jax_internals import compile_replacing_module
 from rhino_jax.hlo_passes.program_order import tie_to_program_order
 from rhino_jax.search.cluster import Cluster
@@ -135,9 +135,8 @@ def _held(compile_again: Callable[[str, ir.Module, dict], _Try], what: str, modu
     while True:
         tries.append(compile_again(f"{what}its latency-hiding scheduler held to the limit ({SLOP}={slop})", module,
                                    dict(options, **{SLOP: slop})))
-        memory = compiled_memory(tries[-1].program)
-        room = limit - (memory.total - memory.temp_bytes)
-        lower = int(slop * REAIM_SHARE * room / memory.temp_bytes) if memory.temp_bytes else 0
+        temp = tries[-1].memory.temp_bytes
+        lower = int(slop * REAIM_SHARE * (limit - tries[-1].held_around) / temp) if temp else 0
         if tries[-1].nbytes <= limit or len(tries) > REAIMS or not 1 <= lower < slop:
             return tries
         slop = lower
@@ -150,13 +149,22 @@ class _Try:
 
     how: str
     program: jax.stages.Compiled
-    nbytes: int
+    memory: CompiledMemory
     overlapped_s: float | None
 
     @classmethod
     def of(cls, how: str, program: jax.stages.Compiled, cluster: Cluster | None) -> "_Try":
         priced = None if cluster is None else price_compiled(program, cluster).overlapped_s
-        return cls(how, program, compiled_memory(program).total, priced)
+        return cls(how, program, compiled_memory(program), priced)
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.total
+
+    @property
+    def held_around(self) -> int:
+        """What its arguments and outputs hold: all but the temporaries."""
+        return self.memory.total - self.memory.temp_bytes
 
     def seconds(self) -> float:
         """The time the choice among programs that fit goes by; unpriced, they rank as tried."""
@@ -182,8 +190,7 @@ def _held_slop(planned: _Try, limit: int, cluster: Cluster | None, options: dict
     sets the slop factor or turns the scheduler off is not held."""
     if cluster is None or SLOP in options or options.get(LATENCY_HIDING) is False:
         return None
-    memory = compiled_memory(planned.program)
-    io = memory.total - memory.temp_bytes
+    io = planned.held_around
     budget = SCHEDULED_SHARE * cluster.memory_per_device - io
     slop = int(100 * (limit - io) / budget) if budget > 0 else 0
     return slop if 1 <= slop < DEFAULT_SLOP else None
