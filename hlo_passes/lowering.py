@@ -2,7 +2,8 @@
 
 The step is lowered once, with every argument and result replicated on the mesh and the mesh
 set as context (so `rj.annotate` pins become Shardy constraints). The search reads that module;
-the rewrite later swaps in the plan's shardings without tracing the function again.
+the rewrite later swaps in the plan's shardings without tracing the function again. What a plan
+is made for (`PlanTarget`) is read from the lowered step here: a saved plan is checked against it.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import jax
 from jax.extend.mlir import ir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rhino_jax.core.plan_target import PlanTarget
+
 from . import module as mod
-from .graph import Leaf, feeds
+from .graph import Graph, Leaf, feeds
 from .jax_internals import top_k_lowered_as_sort
 from .sinking import sink_constants
 
@@ -180,3 +183,28 @@ def lower_on_mesh(fn, args: Sequence, mesh: Mesh, donate_argnums: tuple[int, ...
     outs = [(p[len("out"):], tuple(o.shape), str(o.dtype))
             for p, o in zip(out_paths, jax.tree.leaves(lowered.out_info))]
     return LoweredStep(lowered, module, [p for p, _, _, _ in flat], _unfed_state_is_data(flat, outs), out_paths)
+
+
+def step_target(step: LoweredStep, mesh: Mesh, donated: tuple[int, ...] = ()) -> PlanTarget:
+    """The target of a step lowered on `mesh` for the search (`lower_on_mesh`), with these flat
+    arguments donated."""
+    avals = jax.tree.leaves(step.lowered.in_avals)
+    return PlanTarget(program=mod.fingerprint(step.module), arg_paths=tuple(step.arg_paths),
+                      arg_shapes=tuple(tuple(int(d) for d in a.shape) for a in avals),
+                      arg_dtypes=tuple(str(a.dtype) for a in avals), donated=tuple(donated), **_mesh_target(mesh))
+
+
+def program_target(module: ir.Module, graph: Graph, mesh: Mesh) -> PlanTarget:
+    """The target of one program cut from a step (micro-batches, pipeline stages) on its mesh or
+    sub-mesh: a saved plan's program plan is checked against the program cut now."""
+    values = [graph.values[a.value] for a in graph.args]
+    return PlanTarget(program=mod.fingerprint(module), arg_paths=tuple(a.path for a in graph.args),
+                      arg_shapes=tuple(v.shape for v in values), arg_dtypes=tuple(v.dtype for v in values),
+                      donated=tuple(a.index for a in graph.args if a.donated_to is not None), **_mesh_target(mesh))
+
+
+def _mesh_target(mesh: Mesh) -> dict:
+    """A target's mesh fields: shape, axis names, platform, which process holds each device (row-major)."""
+    return dict(mesh_shape=tuple(int(n) for n in mesh.devices.shape), axis_names=tuple(mesh.axis_names),
+                platform=str(mesh.devices.flat[0].platform),
+                processes=tuple(int(d.process_index) for d in mesh.devices.flat), jax_version=jax.__version__)

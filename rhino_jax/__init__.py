@@ -1,5 +1,9 @@
 """rhino_jax: automatic SPMD parallelization of JAX training steps (Rhino, in JAX)."""
+from rhino_jax.core import plan as _plan
+from rhino_jax.core.plan import MeshCandidate, Plan, PlanCost
+from rhino_jax.runtime import schedules as _schedules, task_graph as _task_graph
 from rhino_jax.runtime.schedules import Task
+from rhino_jax.search import combining as _combining
 from rhino_jax.search.cluster import A100_8X, H100_8X, H200_8X, M8_V100, Cluster
 
 from .annotate import annotate
@@ -8,11 +12,10 @@ from .api import Compiled, Lowered, Parallelized, parallelize
 from .errors import (CompiledMemoryWarning, ConstraintError, HostCallbackError, MemoryLimitError, MeshError,
                      NoFeasibleMeshError, RhinoError, ShardingPinError, SolverError, SolverTimeLimitWarning,
                      TracedCallWarning, UnscheduledProgramWarning)
-from . import explain as _explain, plan as _plan, render as _render
+from . import explain as _explain, render as _render, report as _report
 from .explain import diff
 from .gpu_topology import DescribedDeviceError, gpu_topology
 from .mesh import device_mesh
-from .plan import MeshCandidate, Plan, PlanCost
 
 __all__ = [
     "parallelize", "annotate", "device_mesh", "gpu_topology", "Plan", "PlanCost", "Lowered", "Compiled",
@@ -23,4 +26,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_plan.READERS.update(explain=_explain.explain, render=_render.render)
+# the plan's readers, which stand above the floor the plan is on (`rhino_jax.core.plan.READERS`)
+_plan.READERS.update(explain=_explain.explain, render=_render.render, report=_report.report,
+                     schedule=_schedules.of_plan, task_graph=_task_graph.of_plan,
+                     combined_kinds=_combining.combined_kinds)

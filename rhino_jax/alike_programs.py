@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from rhino_jax.core.plan import Plan
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.search.constraints import OpTrans, arg_names
 
-from .plan import Plan
 
 __all__ = ["alike_key", "renamed"]
 

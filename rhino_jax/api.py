@@ -27,12 +27,14 @@ from rhino_jax.hlo_passes.compiled_cost import xla_cost_analysis
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.hlo_stats import CollectiveStats, CompiledMemory, collective_stats, compiled_memory
 from rhino_jax.hlo_passes.importer import import_step
-from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
+from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh, step_target
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_module
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import BACKENDS, Cluster, get_cluster
 from rhino_jax.search.constraints import CoShard, OpAssign, check_matched, check_parts
+from rhino_jax.core.plan import Plan
+from rhino_jax.core.plan_file import spec_problem
 from rhino_jax.core.specs import ShardingSpec
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
@@ -49,9 +51,6 @@ from .micro_batched import MicroBatchedLowered
 from .multiprocess import agree
 from .pipelined import PipelinedLowered
 from .options import Options, device_memory, naming_the_closest
-from .plan import Plan
-from .plan_file import spec_problem
-from .plan_target import PlanTarget
 
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, int, float, complex, bool)
@@ -386,7 +385,7 @@ class Parallelized:
             graph = import_step(step)
             if self.given_plan is not None:  # a saved plan: no search, once it is shown to fit
                 step, graph = coshard_search.replay(step, graph, self.given_plan, options.constraints)
-                self.given_plan.check_matches(PlanTarget.of(step, mesh, donated_leaves(call)))
+                self.given_plan.check_matches(step_target(step, mesh, donated_leaves(call)))
                 plan = self.given_plan
             else:
                 check_matched(options.constraints, graph)
@@ -398,7 +397,7 @@ class Parallelized:
         named = lambda specs: [NamedSharding(named_on, s.to_partition_spec()) for s in specs]  # noqa: E731
         plan = dataclasses.replace(plan, input_shardings=call_tree(tree, named(plan.arg_specs)),
                                    output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)),
-                                   target=PlanTarget.of(step, mesh, donated_leaves(call)),
+                                   target=step_target(step, mesh, donated_leaves(call)),
                                    # explain searches again later, under the limit, not in this step's share
                                    search_inputs=SearchInputs(graph, mesh, dataclasses.replace(options,
                                                                                                search_until=None)))

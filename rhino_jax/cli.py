@@ -24,12 +24,13 @@ from pathlib import Path
 
 import jax
 
+from rhino_jax.core.plan import Plan
+from rhino_jax.core.plan_file import check_writable
+
 from .api import parallelize
 from .errors import GpuPluginError, RhinoError
 from .gpu_topology import GPUS, gpu_topology
 from .mesh import device_mesh
-from .plan import Plan
-from .plan_file import check_writable
 
 DEFAULT_AXES = ("data", "model", "extra")  # as parallelize(mesh=None) names enumerated meshes
 

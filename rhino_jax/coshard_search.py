@@ -19,6 +19,7 @@ import dataclasses
 import jax
 from jax.sharding import Mesh
 
+from rhino_jax.core.plan import Plan
 from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError
 from rhino_jax.search import coshard as cut
 from rhino_jax.hlo_passes.graph import Graph
@@ -30,7 +31,6 @@ from rhino_jax.search.cluster import Cluster, MeshTopology
 
 from .mesh_search import plan_on
 from .options import Options, budget_of, within
-from .plan import Plan
 
 MAX_AUTO = 16  # the most chunks "auto" tries
 # The first jax whose XLA keeps the chunks in order: the optimization barriers between them are

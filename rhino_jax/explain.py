@@ -30,6 +30,8 @@ from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
 from rhino_jax.search.collectives import reshard_path
 from rhino_jax.search.units import tied_outputs
+from rhino_jax.core.plan import Plan, PlanCost, PlannedCollective, as_plan
+from rhino_jax.core.plan_file import mesh_label
 from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.search.constraints import layout_allowed
 from rhino_jax.search.strategies import tensor_specs
@@ -38,7 +40,6 @@ from rhino_jax.search.ties import SAME_STEP
 from .errors import RhinoError, UnknownTensorError
 from .mesh_search import finished, plan_on
 from .options import Options, seconds_left
-from .plan import Plan, PlanCost, PlannedCollective, as_plan, mesh_label
 
 
 @dataclass(frozen=True)

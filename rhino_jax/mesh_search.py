@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from jax.sharding import Mesh
 
+from rhino_jax.core.plan import MeshCandidate, Plan
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.importer import import_step
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
@@ -43,7 +44,6 @@ from .arguments import Call
 from .errors import NoFeasibleMeshError, RhinoError
 from .mesh import device_mesh
 from .options import Options, budget_of, seconds_left, within
-from .plan import MeshCandidate, Plan
 
 
 # With search_workers=None the first candidate is searched here, and its time decides whether the

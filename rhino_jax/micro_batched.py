@@ -25,20 +25,20 @@ from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.compiled_cost import price_compiled
 from rhino_jax.hlo_passes.importer import extended_leaves, import_module, pinned_whole
 from rhino_jax.hlo_passes.jax_internals import key_impl_of
-from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
+from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh, program_target, step_target
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_program
 from rhino_jax.search import interrupt, progress
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
 from rhino_jax.search.constraints import check_matched
+from rhino_jax.core.plan import Plan, PlanCost
+from rhino_jax.core.plan_target import PlanTarget
 
 from .arguments import Call, call_tree, donated_leaves
 from .errors import MeshError
 from .gpu_topology import refuse_described
 from .mesh_search import plan_on
 from .options import Options, budget_of, device_memory, within
-from .plan import Plan, PlanCost
-from .plan_target import PlanTarget
 
 
 def micro_batch_args(args, roles: Sequence[str], k: int, paths: Sequence[str]) -> list[list]:
@@ -284,7 +284,7 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         k = options.num_micro_batches
         step = split_step(call, mesh, k, options.constraints)
         whole, parts, compute_graph, apply_graph = step.whole, step.parts, step.compute_graph, step.apply_graph
-        target = PlanTarget.of(whole, mesh, step.donated)
+        target = step_target(whole, mesh, step.donated)
         if given is not None:
             given.check_matches(target)
         cluster = get_cluster(options.cluster, list(mesh.devices.flat))
@@ -293,7 +293,7 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         budget = budget_of(options, len(compute_graph.nodes) + APPLY_WEIGHT * len(apply_graph.nodes))
 
         def plan(name: str, module, graph: Graph, weight: float) -> Plan:
-            return program_plan(name, PlanTarget.of_program(module, graph, mesh), given, lambda: plan_on(
+            return program_plan(name, program_target(module, graph, mesh), given, lambda: plan_on(
                 graph, topo, cluster, within(options, budget, weight * len(graph.nodes), name), mesh))
 
         compute_plan = plan("compute_gradients", parts.compute, compute_graph, 1)
@@ -318,7 +318,7 @@ class MicroBatchedLowered(SeveralProgramsLowered):
 
 def program_plan(name: str, target: PlanTarget, given: Plan | None, search: Callable[[], Plan]) -> Plan:
     """The plan of one program of the step (`name` as in `compiled.programs`) cut now as
-    `target` (`PlanTarget.of_program`): the saved plan's (`given`), once it is shown to be made
+    `target` (`lowering.program_target`): the saved plan's (`given`), once it is shown to be made
     for this program, else `search()`'s, recording the program it was made for. The progress
     line names the program first: what its search then predicts is one run of that program."""
     if given is not None:

@@ -16,8 +16,9 @@ import hashlib
 import jax
 import numpy as np
 
+from rhino_jax.core.plan import Plan
+
 from .errors import RhinoError
-from .plan import Plan
 
 
 class PlanMismatchError(RhinoError, RuntimeError):

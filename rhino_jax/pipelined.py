@@ -46,12 +46,15 @@ from rhino_jax.hlo_passes import stages as stage_programs
 from rhino_jax.hlo_passes.compiled_cost import price_compiled
 from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
+from rhino_jax.hlo_passes.lowering import program_target, step_target
 from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import resharding, schedules, task_graph, transfer
 from rhino_jax.search import interrupt, multi_forward, progress, stager
 from rhino_jax.search.cluster import MeshTopology, get_cluster, host_ids
 from rhino_jax.search.constraints import SHARED, OpAssign, fixed_stages, shared_backward
 from rhino_jax.search.memory import local_bytes
+from rhino_jax.core.plan import Plan, PlanCost, StagePlan, place_name, program_name
+from rhino_jax.core.plan_target import PlanTargetError
 from rhino_jax.core.specs import ShardingSpec
 
 from . import alike_programs
@@ -64,8 +67,6 @@ from .micro_batched import (APPLY_WEIGHT, SeveralPrograms, SeveralProgramsLowere
                             accumulated, add_up, flat_call, named, priced_line, priced_s, program_plan, say_step,
                             split_step, summed_bytes, with_index)
 from .options import Options, budget_of, device_memory, seconds_left, within
-from .plan import Plan, PlanCost, StagePlan, place_name, program_name
-from .plan_target import PlanTarget, PlanTargetError
 
 # A program of the step, its graph and its plan.
 Planned = tuple[stage_programs.Program, Graph, Plan]
@@ -175,7 +176,7 @@ class PipelinedLowered(SeveralProgramsLowered):
         p, k = options.pipeline, options.num_micro_batches
         self.stage_meshes = sub_meshes(mesh, p)
         step = split_step(call, mesh, k, options.constraints)
-        target = PlanTarget.of(step.whole, mesh, step.donated)
+        target = step_target(step.whole, mesh, step.donated)
         cg, ag, whole = step.compute_graph, step.apply_graph, step.whole
         # One time limit for the stager and every program's search, shared by their ops.
         ops = len(cg.nodes)
@@ -234,7 +235,7 @@ class PipelinedLowered(SeveralProgramsLowered):
             or a search's."""
             name = program_name(prog.kind, prog.stage, prog.wave)
             weight = (APPLY_WEIGHT if prog.kind == "A" else 1) * len(graph.nodes)
-            target = PlanTarget.of_program(prog.module, graph, meshes[prog.stage])
+            target = program_target(prog.module, graph, meshes[prog.stage])
             key = (alike_programs.alike_key(prog.kind, target.program, graph, axes[prog.stage], opts.constraints),
                    opts.memory_limit_bytes)
             if given is None and key in searched:  # an alike program's plan, renamed; its time to the rest

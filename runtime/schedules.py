@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from rhino_jax.core.plan import Plan
 from rhino_jax.errors import ScheduleError
 
 NAMES = ("gpipe", "1f1b", "eager-1f1b")
@@ -231,6 +232,16 @@ def make(name: str, stages: int, micro_batches: int, passes: int = 1) -> Schedul
     schedule = Schedule(name, stages, micro_batches, tuple(order))
     schedule.check()
     return schedule
+
+
+def of_plan(plan: Plan) -> Schedule:
+    """A plan's pipeline schedule as it runs (one stage, one micro-batch without a pipeline): an
+    op_order or interlaced schedule from its saved rows, the others made again from their name."""
+    s = plan.search_stats
+    if "schedule_order" in s:
+        return Schedule.parse(s["schedule"], s["schedule_order"], s["micro_batches"], s.get("shared_places", ()),
+                              s.get("passes", 1))
+    return make(s.get("schedule", "1f1b"), s.get("pipeline", 1), s.get("micro_batches", 1), s.get("passes", 1))
 
 
 def _multi_forward(name: str, stages: int, micro_batches: int, passes: int) -> list[tuple[Task, Task]]:

@@ -19,6 +19,9 @@ import networkx as nx
 
 from rhino_jax.errors import ScheduleError
 
+from rhino_jax.core.plan import Plan
+
+from . import schedules
 from .schedules import Schedule, Task
 
 KINDS = ("source", "forward", "backward", "send", "recv", "accumulate", "apply", "sink")
@@ -141,3 +144,9 @@ def build(schedule: Schedule, applies: Sequence[Apply] = ()) -> TaskGraph:
     graph = TaskGraph(tuple(nodes), tuple(edges), schedule.name)
     graph.order()  # acyclic, or ScheduleError
     return graph
+
+
+def of_plan(plan: Plan) -> TaskGraph:
+    """What runs in a plan's step, where and after what: its schedule's tasks and its stages'
+    apply-gradients programs."""
+    return build(schedules.of_plan(plan), plan.search_stats.get("applies", ()))

@@ -26,7 +26,7 @@ import numpy as np
 from rhino_jax.core.ops import COMPUTE_HEAVY
 
 from ..hlo_passes.graph import Graph
-from .cluster import Combiner, MeshTopology
+from .cluster import Combiner, MeshTopology, combiner_for
 from .collectives import Collective
 
 
@@ -176,9 +176,16 @@ def _merged(planned: Sequence[Planned], group: list[int], combiner: Combiner) ->
     return Collective(combiner.compiled_kind(first.kind), first.axes, sum(planned[i].bytes for i in group))
 
 
-def combined_collectives(planned: Sequence[Planned], combiner: Combiner) -> list[Collective]:
-    """One collective per combined op (as the backend compiles it), with the members' bytes."""
-    return [_merged(planned, g, combiner) for g in combine(planned, combiner)]
+def combined_kinds(planned: Sequence[Planned], backend: str) -> dict[str, tuple[int, int, int]]:
+    """kind → (count, bytes, planned collectives merged into them) of the ops a backend's XLA
+    compiles for the planned collectives, once its combiners have merged independent ones."""
+    combiner = combiner_for(backend)
+    out: dict[str, tuple[int, int, int]] = {}
+    for group in combine(planned, combiner):
+        c = _merged(planned, group, combiner)
+        n, b, m = out.get(c.kind, (0, 0, 0))
+        out[c.kind] = (n + 1, b + c.bytes, m + len(group))
+    return out
 
 
 def combined_time(planned: Sequence[Planned], topo: MeshTopology) -> tuple[float, float]:

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 
 from rhino_jax.errors import MemoryLimitError, SolverError, SolverTimeLimitWarning
-from rhino_jax.plan import Plan
+from rhino_jax.core.plan import Plan
 
 from ..hlo_passes.graph import Graph
 from . import levels, progress

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 
-from rhino_jax.plan import Plan, PlanCost, PlannedCollective
+from rhino_jax.core.plan import Plan, PlanCost, PlannedCollective
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Graph

@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 
 from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError, SolverTimeLimitWarning
-from rhino_jax.plan import Plan
+from rhino_jax.core.plan import Plan
 
 from ..hlo_passes.graph import Graph
 from . import coarse_axes, ilp, interrupt, levels, progress, windows

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rhino_jax.plan import Plan
+from rhino_jax.core.plan import Plan
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Pin

@@ -12,10 +12,9 @@ import pytest
 import rhino_jax as rj
 import rhino_jax.cli
 from rhino_jax.cli import main
-from rhino_jax.hlo_passes.lowering import lower_on_mesh
+from rhino_jax.hlo_passes.lowering import lower_on_mesh, step_target
 from rhino_jax.models import make_mlp_train_step, mlp_example
 from rhino_jax.multiprocess import digest
-from rhino_jax.plan_target import PlanTarget
 
 WIDTHS = (16, 32, 32, 16)
 STEP_MODULE = f"""
@@ -59,7 +58,7 @@ def test_plan_writes_the_plan_this_process_finds_and_accepts(workdir):
     loaded = rj.Plan.load(workdir / "tiny.json")
     step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
     mesh = rj.device_mesh((2, 4), ("data", "model"))
-    loaded.check_matches(PlanTarget.of(lower_on_mesh(step, args, mesh, ()), mesh))
+    loaded.check_matches(step_target(lower_on_mesh(step, args, mesh, ()), mesh))
     assert digest(loaded) == digest(rj.parallelize(step, mesh=mesh).lower(*args).plan)
 
 

@@ -10,7 +10,7 @@ import rhino_jax as rj
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import mlp
-from rhino_jax.plan import PlannedCollective
+from rhino_jax.core.plan import PlannedCollective
 from rhino_jax.search import ilp, pricing
 from rhino_jax.search.cluster import MeshTopology, combiner_for, get_cluster
 from rhino_jax.search.combining import DERIVED, HEAD, TAIL, combine, combining_sides, families

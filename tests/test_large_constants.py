@@ -8,8 +8,7 @@ import pytest
 from jax.extend.mlir import ir
 
 import rhino_jax as rj
-from rhino_jax.hlo_passes.lowering import lower_on_mesh
-from rhino_jax.plan_target import PlanTarget
+from rhino_jax.hlo_passes.lowering import lower_on_mesh, step_target
 
 from helpers import assert_same_numbers
 
@@ -47,8 +46,8 @@ def test_a_large_closed_over_constant_is_neither_printed_nor_parsed(monkeypatch)
 def test_the_program_fingerprint_reads_the_elements_it_does_not_print(changed):
     mesh = rj.device_mesh((8,), ("data",))
     args = (jnp.float32(0.5), jnp.ones((SHAPE[2], 8), jnp.float32))
-    first = PlanTarget.of(lower_on_mesh(_step(_constant()), args, mesh, ()), mesh)
-    second = PlanTarget.of(lower_on_mesh(_step(_constant(changed)), args, mesh, ()), mesh)
+    first = step_target(lower_on_mesh(_step(_constant()), args, mesh, ()), mesh)
+    second = step_target(lower_on_mesh(_step(_constant(changed)), args, mesh, ()), mesh)
     assert (first.program != second.program) == changed
 
 

@@ -26,10 +26,6 @@ RANK = {"rhino_jax.core": 0, "rhino_jax.hlo_passes": 1, "rhino_jax.search": 2, "
 UPWARD = {
     ("rhino_jax.hlo_passes.compiled_cost", "rhino_jax.search.cluster"),
     ("rhino_jax.hlo_passes.compiled_cost", "rhino_jax.search.collectives"),
-    ("rhino_jax.search.memory_limit", "rhino_jax.plan"),
-    ("rhino_jax.search.plan_making", "rhino_jax.plan"),
-    ("rhino_jax.search.planner", "rhino_jax.plan"),
-    ("rhino_jax.search.repin", "rhino_jax.plan"),
 }
 # Modules that import each other around a loop, today (one set per loop).
 LOOPS: list[set[str]] = []

@@ -15,7 +15,7 @@ from rhino_jax.hlo_passes import stages
 from rhino_jax.pipelined import _compute_homes
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 from rhino_jax.options import Options
-from rhino_jax.plan import Plan, PlanCost
+from rhino_jax.core.plan import Plan, PlanCost
 from rhino_jax.search.cluster import get_cluster
 
 from benchmarks.third_party_models import linen_clip_adamw

@@ -10,10 +10,10 @@ import jax
 import pytest
 
 import rhino_jax as rj
-from rhino_jax.hlo_passes.lowering import lower_on_mesh
+from rhino_jax.hlo_passes.lowering import lower_on_mesh, step_target
 from rhino_jax.models import make_mlp_train_step, mlp_example
-from rhino_jax.plan import PLAN_FORMAT, Plan
-from rhino_jax.plan_target import PlanTarget, PlanTargetError
+from rhino_jax.core.plan import PLAN_FORMAT, Plan
+from rhino_jax.core.plan_target import PlanTargetError
 
 from helpers import assert_same_numbers
 
@@ -21,7 +21,7 @@ WIDTHS = (16, 32, 32, 32, 16)
 
 
 def _target(step, args, mesh):
-    return PlanTarget.of(lower_on_mesh(step, args, mesh, ()), mesh)
+    return step_target(lower_on_mesh(step, args, mesh, ()), mesh)
 
 
 def _round_trip(plan, tmp_path):

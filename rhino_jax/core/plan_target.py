@@ -2,28 +2,21 @@
 
 A plan names values by their position in the imported module and layouts by mesh axes, so it
 only means something for the program it was searched on and a mesh of the same axes; laid on
-other devices it would also move data the user did not expect. `PlanTarget.of` records a hash of
+other devices it would also move data the user did not expect. A target records a hash of
 the step's StableHLO (as lowered for the search, before the plan's shardings), its arguments'
 paths, shapes and dtypes, which are donated, and the mesh's shape, axis names, platform and
 process layout (which process holds each device). Device ids are not compared: a plan made for a
 described cluster (`rj.gpu_topology`) runs on a real one of the same shape, whose ids differ. A
 consumer builds the target of what it is about to run and calls `Plan.check_matches`, which names
-the first difference and what to change.
+the first difference and what to change. The targets are built where the step is lowered
+(`hlo_passes.lowering.step_target`, `program_target`); this is what they hold and how two differ.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-import jax
-from jax.extend.mlir import ir
-from jax.sharding import Mesh
-
-from rhino_jax.hlo_passes.graph import Graph
-from rhino_jax.hlo_passes.lowering import LoweredStep
-from rhino_jax.hlo_passes.module import fingerprint
-
-from .errors import RhinoError
+from rhino_jax.errors import RhinoError
 
 
 class PlanTargetError(RhinoError, ValueError):
@@ -44,38 +37,6 @@ class PlanTarget:
     # the flat arguments donated (`arguments.donated_leaves`): the search ties a donated
     # argument's layout to its output's, so a plan made otherwise would not reuse the buffers
     donated: tuple[int, ...] = ()
-
-    @staticmethod
-    def of(step: LoweredStep, mesh: Mesh, donated: tuple[int, ...] = ()) -> "PlanTarget":
-        """The target of a step lowered on `mesh` for the search (`lowering.lower_on_mesh`),
-        with these flat arguments donated."""
-        avals = jax.tree.leaves(step.lowered.in_avals)
-        return PlanTarget(
-            program=fingerprint(step.module),
-            arg_paths=tuple(step.arg_paths),
-            arg_shapes=tuple(tuple(int(d) for d in a.shape) for a in avals),
-            arg_dtypes=tuple(str(a.dtype) for a in avals),
-            mesh_shape=tuple(int(n) for n in mesh.devices.shape),
-            axis_names=tuple(mesh.axis_names),
-            platform=_platform(mesh), processes=_processes(mesh),
-            jax_version=jax.__version__,
-            donated=tuple(donated))
-
-    @staticmethod
-    def of_program(module: ir.Module, graph: Graph, mesh: Mesh) -> "PlanTarget":
-        """The target of one program cut from a step (micro-batches, pipeline stages) on its mesh
-        or sub-mesh: a saved plan's program plan is checked against the program cut now."""
-        values = [graph.values[a.value] for a in graph.args]
-        return PlanTarget(
-            program=fingerprint(module),
-            arg_paths=tuple(a.path for a in graph.args),
-            arg_shapes=tuple(v.shape for v in values),
-            arg_dtypes=tuple(v.dtype for v in values),
-            mesh_shape=tuple(int(n) for n in mesh.devices.shape),
-            axis_names=tuple(mesh.axis_names),
-            platform=_platform(mesh), processes=_processes(mesh),
-            jax_version=jax.__version__,
-            donated=tuple(a.index for a in graph.args if a.donated_to is not None))
 
     def mismatch(self, other: "PlanTarget") -> str | None:
         """Why a plan made for this target cannot run on `other`, or None when it can."""
@@ -109,14 +70,6 @@ class PlanTarget:
             return ("the step's program differs from the one the plan was made for, though its arguments match "
                     f"(changed code, closed-over values or static arguments){version}; plan again")
         return None
-
-
-def _platform(mesh: Mesh) -> str:
-    return str(mesh.devices.flat[0].platform)
-
-
-def _processes(mesh: Mesh) -> tuple[int, ...]:
-    return tuple(int(d.process_index) for d in mesh.devices.flat)
 
 
 def _runs(processes: tuple[int, ...]) -> str:
