@@ -13,6 +13,7 @@ setup(
         "rhino_jax.hlo_passes",
         "rhino_jax.search",
         "rhino_jax.runtime",
+        "rhino_jax.runtime.compiled",
     ],
     package_dir={
         "rhino_jax": "rhino_jax",

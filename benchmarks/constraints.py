@@ -8,7 +8,7 @@ plan with and without the constraint, predicted and priced from what XLA's GPU c
 The step: `third_party_models.linen_gpt` (Flax linen GPT-2-like LM, d 256, 4 blocks of 8 heads,
 seq 128, batch 16, vocab 1024, adamw), f32. Devices: 8 described H100s on one host
 (`rj.gpu_topology`), mesh (2, 4) ("data", "model"), preset 8x-h100, O2. Every plan is compiled for
-those GPUs and priced from its GPU HLO (`hlo_passes.compiled_cost.price_compiled`; a pipeline's
+those GPUs and priced from its GPU HLO (`runtime.compiled.compiled_cost.price_compiled`; a pipeline's
 programs in its schedule, `compiled_step_s`), as its schedule overlaps communication with compute
 (the verdict) and serially beside it; the Megatron row beside op_trans is the hand plan
 (`jax.jit` with `in_shardings` from `third_party_models`' Megatron rules) priced the same way.
@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
-from rhino_jax.hlo_passes.compiled_cost import price_compiled  # noqa: E402
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled  # noqa: E402
 
 from .compilers import devices  # noqa: E402
 from rhino_jax.errors import StagingError  # noqa: E402

@@ -101,7 +101,7 @@ def fidelity(hosts: int) -> list[dict]:
     its prediction: does the controller's ranking hold on what XLA builds?"""
     import rhino_jax as rj
     from benchmarks.models import gpt
-    from rhino_jax.hlo_passes.compiled_cost import price_compiled
+    from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 
     config = dataclasses.replace(gpt.PRESETS["GPT-Medium"], n_layers=FIDELITY_LAYERS, batch=8 * hosts)
     step, args = gpt.make_train_step(config), gpt.example(config, abstract=True)

@@ -62,7 +62,7 @@ import rhino_jax as rj  # noqa: E402
 from benchmarks.calibrate import timed  # noqa: E402
 from benchmarks.third_party_models import CASES  # noqa: E402
 from rhino_jax.gpu_topology import GPUS  # noqa: E402
-from rhino_jax.hlo_passes.compiled_cost import price_compiled, xla_cost_analysis  # noqa: E402
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled, xla_cost_analysis  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 PRESET = {"h100": "8x-h100", "h200": "8x-h200", "a100": "8x-a100"}

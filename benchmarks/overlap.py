@@ -56,7 +56,7 @@ def _hand(step, args, mesh, method: str):
 
 
 def priced(compiled) -> dict:
-    from rhino_jax.hlo_passes.compiled_cost import price_compiled
+    from rhino_jax.runtime.compiled.compiled_cost import price_compiled
     cost = price_compiled(compiled, "8x-h100", "bfloat16")
     return {"serial_s": cost.total_s, "overlapped_s": cost.overlapped_s, "exposed_s": cost.exposed_comm_s,
             "compute_s": cost.compute_s, "comm_s": cost.comm_s, "gib": cost.memory.total / GIB}

@@ -83,7 +83,7 @@ from benchmarks import baselines as B  # noqa: E402
 from benchmarks import compilers  # noqa: E402
 from benchmarks.compilers import COMPILERS, KIND_ABBR  # noqa: E402
 from benchmarks.models import MODELS, sharding_memory_limit  # noqa: E402
-from rhino_jax.hlo_passes.compiled_cost import price_compiled  # noqa: E402
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled  # noqa: E402
 from rhino_jax.search.cluster import get_cluster  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent

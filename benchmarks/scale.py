@@ -279,7 +279,7 @@ def compile_and_price(step, args, mesh, lowered) -> dict:
     assignment counts it, how it was compiled)} or the error. rhino_jax's plan is compiled as
     `compile()` compiles it: where XLA's schedule does not fit 80 GiB, tied to the program's
     order, then also without XLA's latency-hiding scheduler (`runtime.executable.compile_module`)."""
-    from rhino_jax.hlo_passes.compiled_cost import price_compiled
+    from rhino_jax.runtime.compiled.compiled_cost import price_compiled
     out = {}
 
     def priced(compiled, note: str = "") -> tuple[float, float, str]:

@@ -29,7 +29,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
-from rhino_jax.hlo_passes.compiled_cost import price_compiled  # noqa: E402
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled  # noqa: E402
 
 
 @dataclass(frozen=True)

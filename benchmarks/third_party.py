@@ -1,6 +1,6 @@
 """Third-party-style train steps (`third_party_models.py`), rhino_jax's plan
 against hand plans compiled by plain jax, every program priced from its compiled HLO the same way
-(`hlo_passes.compiled_cost.price_compiled`), as XLA's CPU compiler and as its GPU compiler build it.
+(`runtime.compiled.compiled_cost.price_compiled`), as XLA's CPU compiler and as its GPU compiler build it.
 
 python -m benchmarks.third_party [--quick] [--models NAME ...] [--compiler cpu|gpu|both]
                                  [--meshes 8 2x4 2x8] [--out DIR] [--keep]
@@ -72,7 +72,7 @@ from benchmarks import compilers  # noqa: E402
 from benchmarks.compilers import COMPILERS, KIND_ABBR  # noqa: E402
 from benchmarks.hand_plans import HAND, compile_hand  # noqa: E402
 from benchmarks.third_party_models import CASES, QUICK, Case  # noqa: E402
-from rhino_jax.hlo_passes.compiled_cost import CompiledCost, price_compiled  # noqa: E402
+from rhino_jax.runtime.compiled.compiled_cost import CompiledCost, price_compiled  # noqa: E402
 from rhino_jax.search.cluster import get_cluster  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
@@ -350,13 +350,13 @@ def write(rows: list[Row], checks: dict, out: pathlib.Path, argv: list[str], wal
     md += [f"- **{c}**: {COMPILED_BY[c]}." for c in ran]
     md += ["",
            "Every program (hand plans compiled by `jax.jit` with in/out shardings, and rhino_jax's) is priced "
-           "by `hlo_passes/compiled_cost.price_compiled` with the cluster it was made for: compute = the sum "
+           "by `runtime/compiled/compiled_cost.price_compiled` with the cluster it was made for: compute = the sum "
            "over the per-device program's kernels (fusions, library calls, copies) of max(flops / F(dtype), bytes "
            "accessed / memory bandwidth), each from XLA's generic cost analysis of that kernel alone "
-           "(`hlo_passes/kernels.py`; while-loop bodies' kernels per trip; collectives are not kernels: they are "
+           "(`runtime/compiled/kernels.py`; while-loop bodies' kernels per trip; collectives are not kernels: they are "
            "communication); communication = α-β ring time of "
            "each compiled collective (`search/collectives.Collective.time`). The step is both replayed in XLA's "
-           "schedule on a compute stream and a collective stream (`hlo_passes/timeline.py`: an asynchronous "
+           "schedule on a compute stream and a collective stream (`runtime/compiled/timeline.py`: an asynchronous "
            "collective runs from its start to its done beside the kernels scheduled between; a synchronous one "
            "and a done waited for hold compute; the verdict), and summed serially (compute + communication), "
            "beside it; the CPU compiler issues its collectives synchronously, so its two prices are one. "

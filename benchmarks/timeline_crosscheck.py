@@ -1,4 +1,4 @@
-"""The timeline referee (`hlo_passes/timeline.py`) beside XLA's own estimate of the same schedule.
+"""The timeline referee (`runtime/compiled/timeline.py`) beside XLA's own estimate of the same schedule.
 
 Each step is compiled for 8 described H100s (`rj.gpu_topology`, no GPU) with XLA's analytical
 speed-of-light latency estimator, which also dumps the latency-hiding scheduler's estimate of each
@@ -25,9 +25,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
-from rhino_jax.hlo_passes.compiled_cost import dot_dtype, replay  # noqa: E402
-from rhino_jax.hlo_passes.hlo_stats import collective_stats  # noqa: E402
-from rhino_jax.hlo_passes.kernels import program_kernels  # noqa: E402
+from rhino_jax.runtime.compiled.compiled_cost import dot_dtype, replay  # noqa: E402
+from rhino_jax.runtime.compiled.collectives import collective_stats  # noqa: E402
+from rhino_jax.runtime.compiled.kernels import program_kernels  # noqa: E402
 from rhino_jax.models.mlp import make_mlp_train_step, mlp_example  # noqa: E402
 from rhino_jax.search.cluster import H100_8X  # noqa: E402
 

@@ -23,9 +23,10 @@ from jax.extend.mlir import ir
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
-from rhino_jax.hlo_passes.compiled_cost import xla_cost_analysis
+from rhino_jax.runtime.compiled.compiled_cost import xla_cost_analysis
 from rhino_jax.hlo_passes.graph import Graph
-from rhino_jax.hlo_passes.hlo_stats import CollectiveStats, CompiledMemory, collective_stats, compiled_memory
+from rhino_jax.runtime.compiled.collectives import CollectiveStats, collective_stats
+from rhino_jax.runtime.compiled.memory import CompiledMemory, compiled_memory
 from rhino_jax.hlo_passes.importer import import_step
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh, step_target
 from rhino_jax.hlo_passes.module import copy_module

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rhino_jax.hlo_passes import batch_positions, micro_batch
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
 from rhino_jax.hlo_passes.graph import Graph, Pin
-from rhino_jax.hlo_passes.compiled_cost import price_compiled
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.hlo_passes.importer import extended_leaves, import_module, pinned_whole
 from rhino_jax.hlo_passes.jax_internals import key_impl_of
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh, program_target, step_target

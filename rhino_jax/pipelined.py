@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from rhino_jax.hlo_passes import stages as stage_programs
-from rhino_jax.hlo_passes.compiled_cost import price_compiled
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import program_target, step_target

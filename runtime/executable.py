@@ -32,8 +32,8 @@ from jax.sharding import NamedSharding
 
 from rhino_jax.errors import CompiledMemoryWarning
 from rhino_jax.hlo_passes import module as mod
-from rhino_jax.hlo_passes.compiled_cost import price_compiled, program_device
-from rhino_jax.hlo_passes.hlo_stats import CompiledMemory, compiled_memory
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled, program_device
+from rhino_jax.runtime.compiled.memory import CompiledMemory, compiled_memory
 from rhino_jax.hlo_passes.jax_internals import compile_replacing_module
 from rhino_jax.hlo_passes.program_order import tie_to_program_order
 from rhino_jax.search.cluster import Cluster

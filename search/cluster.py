@@ -54,9 +54,9 @@ class Combiner:
         return dict(self.threshold_bytes).get(kind, 0)
 
     def counted(self, kind: str, nbytes: int, group: int) -> int:
-        """The bytes of a collective (`nbytes` in hlo_stats' convention, over `group` devices) that
-        its combiner adds up against the threshold: XLA counts each op's result, which for a
-        reduce-scatter is its operand / group (measured on GPU: 53 gradients of an FSDP step,
+        """The bytes of a collective (`nbytes` in the compiled collectives' convention, over `group`
+        devices) that its combiner adds up against the threshold: XLA counts each op's result,
+        which for a reduce-scatter is its operand / group (measured on GPU: 53 gradients of an FSDP step,
         56.4 MiB of operands, 7.0 MiB of results, are one op at the 30 MiB default and two at a
         4 MiB threshold)."""
         return nbytes // max(group, 1) if self.compiled_kind(kind) == "reduce-scatter" else nbytes

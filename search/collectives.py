@@ -1,6 +1,6 @@
 """Collectives and their α-β cost, and resharding a tensor from one spec to another.
 
-Bytes follow the convention of `hlo_passes.hlo_stats` so that predicted and compiled
+Bytes follow the convention of `runtime.compiled.collectives` so that predicted and compiled
 communication compare one to one: per device, all-reduce = its buffer, all-gather = the gathered
 result, reduce-scatter = the un-scattered operand, all-to-all and collective-permute = its buffer.
 

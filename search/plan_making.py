@@ -31,8 +31,9 @@ def _visible(reached: dict, v: int, own: ShardingSpec, branch: tuple[int, ...]) 
 def _taken_branches(planned: list[PlannedCollective], graph: Graph) -> list[PlannedCollective]:
     """The collectives a step runs: of each conditional's branches (outer conditionals first) only
     the one with the most collective bytes (then the most collectives, then the first), as
-    `hlo_stats` counts the compiled program's: an upper bound whichever branch runs. Dependency
-    masks are renumbered (they hold every collective a collective waits for, so none is lost)."""
+    `runtime.compiled.collectives` counts the compiled program's: an upper bound whichever branch
+    runs. Dependency masks are renumbered (they hold every collective a collective waits for, so
+    none is lost)."""
     cases = sorted((n for n in graph.nodes if "alternatives" in n.attrs), key=lambda n: len(n.attrs.get("branch", ())))
     kept = list(range(len(planned)))
     for case in cases:

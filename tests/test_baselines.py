@@ -10,7 +10,7 @@ import jax
 import pytest
 
 import rhino_jax as rj
-from rhino_jax.hlo_passes import hlo_stats
+from rhino_jax.runtime.compiled.hlo_text import _computations
 from benchmarks import baselines as B
 from benchmarks.models import MODELS
 
@@ -100,7 +100,7 @@ def _forward_instructions(hlo_text: str) -> tuple[set[str], set[str]]:
     """(what the loss depends on, every instruction) in the ENTRY computation of a compiled step
     that returns the loss last: its forward pass told by structure. (The op names jax records,
     `jvp(...)` against `transpose(jvp(...))`, differ between jax versions for the same program.)"""
-    comps, texts, entry = hlo_stats._computations(hlo_text)
+    comps, texts, entry = _computations(hlo_text)
     instrs = {i.name: i for i in comps[entry]}
     root = instrs[re.search(r"\bROOT\s+%?([\w.\-]+)", texts[entry]).group(1)]
 

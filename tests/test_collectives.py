@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
-from rhino_jax.hlo_passes.hlo_stats import collective_stats
+from rhino_jax.runtime.compiled.collectives import collective_stats
 from rhino_jax.search.collectives import _layouts, reshard, reshard_path
 from rhino_jax.core.specs import ShardingSpec
 
@@ -307,7 +307,7 @@ def test_a_gather_along_a_minor_dim_prices_the_copy_xla_adds():
     for the step's output: read and written once, 2 x 64 KiB of memory traffic more than the
     gather along dim 0, which needs no copy. The model prices that copy; compiled pricing
     (collectives' own buffers aside) sees it as the bytes the copy moves."""
-    from rhino_jax.hlo_passes.compiled_cost import price_compiled
+    from rhino_jax.runtime.compiled.compiled_cost import price_compiled
     from rhino_jax.search.cluster import M8_V100
 
     topo = topology(d=8)

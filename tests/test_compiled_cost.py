@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rhino_jax.hlo_passes.compiled_cost import dot_dtype, price_compiled, program_device
-from rhino_jax.hlo_passes.hlo_stats import collective_stats
-from rhino_jax.hlo_passes.kernels import program_kernels
+from rhino_jax.runtime.compiled.compiled_cost import dot_dtype, price_compiled, program_device
+from rhino_jax.runtime.compiled.collectives import collective_stats
+from rhino_jax.runtime.compiled.kernels import program_kernels
 from rhino_jax.search.cluster import H100_8X, M8_V100
 
 M, K, N = 64, 32, 16

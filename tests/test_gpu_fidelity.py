@@ -16,7 +16,7 @@ import pytest
 import rhino_jax as rj
 from benchmarks.hand_plans import compile_hand
 from benchmarks.third_party_models import CASES, Case
-from rhino_jax.hlo_passes.compiled_cost import price_compiled
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.search.gemm_workspace import gemm_workspaces
 from rhino_jax.models.gpt import GPTConfig, gpt_example, make_gpt_train_step
 from test_gpu_topology import _plugin_skip
@@ -201,7 +201,7 @@ def test_a_plan_xlas_gpu_schedule_takes_past_the_limit_is_tied_to_its_order(micr
     scheduler and says the step will not fit. On CPUs nothing is compiled twice
     (`test_memory_limit::test_a_cpu_compile_is_not_held_to_the_limit`)."""
     from benchmarks.scale import Shape, llama_step
-    from rhino_jax.hlo_passes.hlo_stats import compiled_memory
+    from rhino_jax.runtime.compiled.memory import compiled_memory
     from rhino_jax.runtime.executable import LATENCY_HIDING
 
     def biggest(compiled) -> int:

@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
-from rhino_jax.hlo_passes.compiled_cost import price_compiled, xla_cost_analysis
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled, xla_cost_analysis
 from rhino_jax.models.mlp import make_mlp_train_step, mlp_example
 from rhino_jax.core.plan_target import PlanTargetError
 from rhino_jax.search.cluster import H100_8X, MeshTopology, get_cluster, host_ids

@@ -14,10 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
 from rhino_jax.errors import UnscheduledProgramWarning
-from rhino_jax.hlo_passes.compiled_cost import collective_seconds, price_compiled
-from rhino_jax.hlo_passes.hlo_stats import collective_stats
-from rhino_jax.hlo_passes.kernels import program_kernels
-from rhino_jax.hlo_passes.timeline import scope, timeline
+from rhino_jax.runtime.compiled.compiled_cost import collective_seconds, price_compiled
+from rhino_jax.runtime.compiled.collectives import collective_stats
+from rhino_jax.runtime.compiled.kernels import program_kernels
+from rhino_jax.runtime.compiled.timeline import scope, timeline
 from rhino_jax.search.cluster import H100_8X
 from test_gpu_topology import _plugin_skip
 

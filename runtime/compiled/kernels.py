@@ -12,32 +12,22 @@ CPU client's: a GPU's client runs none) of a module of its own: the instruction 
 root, its operands as parameters, the computations it calls (fused computations, reducers).
 The control flow around kernels (ENTRY, while bodies and conditions, conditional branches,
 calls, async wrappers) is walked, each kernel weighted by how often its computation runs per
-step (`hlo_stats.computation_runs`: loop trips counted, every branch as if taken).
+step (`collectives.computation_runs`: loop trips counted, every branch as if taken).
 Collectives are not kernels here: communication prices them.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 import jax
 
-from .hlo_stats import (
-    COLLECTIVE_KINDS,
-    _CALLEE_RE,
-    _INSTR_HEAD_RE,
-    _REF_RE,
-    ComputationRuns,
-    _computations,
-    _Instr,
-    _kind_of,
-    _leaf_bytes,
-    _leaves,
-    _parse_shape,
-    computation_runs,
-    library_flops,
-)
-from .jax_internals import UnsupportedJaxError, hlo_cost_analysis
+from rhino_jax.hlo_passes.jax_internals import UnsupportedJaxError, hlo_cost_analysis
+
+from .collectives import COLLECTIVE_KINDS, _kind_of, computation_runs
+from .hlo_text import (_CALLEE_RE, _INSTR_HEAD_RE, _LEAF_RE, _REF_RE, ComputationRuns, _computations, _elements, _Instr,
+                       _leaf_bytes, _leaves, _parse_shape)
 
 __all__ = ["Kernel", "program_kernels", "parseable", "module_header"]
 
@@ -156,7 +146,7 @@ def _own_bytes(instr: _Instr, shapes: dict[str, str]) -> float:
 
 def program_kernels(text: str) -> tuple[tuple[Kernel, ...], ComputationRuns]:
     """Every kernel of the compiled program `text` with its FLOPs and bytes per run (library
-    calls' FLOPs, which XLA's analysis leaves out, from `hlo_stats.library_flops`),
+    calls' FLOPs, which XLA's analysis leaves out, from `library_flops`),
     and how often each computation runs."""
     comps, texts, entry = _computations(text)
     if not entry:
@@ -187,3 +177,63 @@ def program_kernels(text: str) -> tuple[tuple[Kernel, ...], ComputationRuns]:
                 float(cost.get("flops", 0.0)) + sum(library_flops(kernel).values()),
                 nbytes if nbytes >= 0 else _own_bytes(instr, shapes)))
     return tuple(kernels), module
+
+
+# Which of a cuDNN convolution's operands and result are the forward convolution's input, kernel
+# and output (its dim_labels always describe the forward one).
+_CONV_ROLES = {"convForward": ("input", "kernel", "output"), "convBiasActivationForward": ("input", "kernel", "output"),
+               "convBackwardInput": ("output", "kernel", "input"), "convBackwardFilter": ("input", "output", "kernel")}
+_CUDNN_RE = re.compile(r'custom_call_target="__cudnn\$(\w+)"')
+_DIM_LABELS_RE = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+_CUBLAS_RE = re.compile(r'custom_call_target="__cublas\$[\w$]*(?:gemm|matmul)[\w$]*"')
+_LHS_CONTRACTING_RE = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
+def _dims(leaf: str) -> list[int]:
+    return [int(d) for d in _LEAF_RE.match(leaf).group(2).split(",") if d.strip()]
+
+
+def _conv_flops(instr: _Instr, operands: list) -> float | None:
+    """A cuDNN convolution: 2 x its forward output's elements x the kernel's elements / its
+    output features; a backward one as its forward twin, whose shapes its operands and result are."""
+    target, labels = _CUDNN_RE.search(instr.attrs), _DIM_LABELS_RE.search(instr.attrs)
+    if target is None or labels is None or target.group(1) not in _CONV_ROLES:
+        return None
+    tensors = dict(zip(_CONV_ROLES[target.group(1)], operands[:2] + [_leaves(instr.shape)[0]]))
+    if any(not isinstance(t, str) for t in tensors.values()):
+        return None  # an operand whose shape the text does not give: not counted
+    kernel_dims = _dims(tensors["kernel"])
+    return 2.0 * _elements(tensors["output"]) * math.prod(kernel_dims) / max(kernel_dims[labels.group(2).index("o")], 1)
+
+
+def _gemm_flops(instr: _Instr, operands: list) -> float | None:
+    """A cuBLAS GEMM: 2 x its output's elements (the result's first leaf; a workspace follows) x
+    the left operand's contracted elements (the backend config's dot dimension numbers)."""
+    contracting = _LHS_CONTRACTING_RE.search(instr.attrs)
+    if _CUBLAS_RE.search(instr.attrs) is None or contracting is None or not isinstance(operands[0], str):
+        return None
+    lhs = _dims(operands[0])
+    contracted = math.prod(lhs[int(d.strip().strip('"'))] for d in contracting.group(1).split(",") if d.strip())
+    return 2.0 * _elements(_leaves(instr.shape)[0]) * contracted
+
+
+def library_flops(hlo_text: str) -> dict[str, float]:
+    """FLOPs of the library calls in each computation (each instruction once): GPU XLA compiles
+    a convolution to a cuDNN call and may compile a dot to a cuBLAS one (the real device's
+    compiler does, for some shapes), whose FLOPs XLA's generic cost analysis (what a GPU's
+    program is priced by) does not count."""
+    comps, _, _ = _computations(hlo_text)
+    shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
+    out: dict[str, float] = {}
+    for comp, instrs in comps.items():
+        for i in instrs:
+            if i.opcode != "custom-call":
+                continue
+            operands = [shapes.get(name) for name in _REF_RE.findall(i.operands)]
+            if not operands:
+                continue
+            flops = _conv_flops(i, operands)
+            flops = _gemm_flops(i, operands) if flops is None else flops
+            if flops is not None:
+                out[comp] = out.get(comp, 0.0) + flops
+    return out

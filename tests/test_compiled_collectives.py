@@ -14,16 +14,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rhino_jax.hlo_passes.hlo_stats import (
-    COLLECTIVE_KINDS,
-    CollectiveStats,
-    CompiledCollective,
-    CompiledLoop,
-    CompiledMemory,
-    collective_stats,
-    compiled_memory,
-    computation_runs,
-)
+from rhino_jax.runtime.compiled.collectives import (COLLECTIVE_KINDS, CollectiveStats, CompiledCollective,
+                                                    collective_stats, computation_runs)
+from rhino_jax.runtime.compiled.hlo_text import CompiledLoop
+from rhino_jax.runtime.compiled.memory import CompiledMemory, compiled_memory
 
 F32 = jnp.float32
 

@@ -11,7 +11,7 @@ compare on what XLA really built:
   `scan` over layers costs all of its layers). Collectives are not kernels: communication prices
   them. (One roofline over the program's totals would let memory-bound kernels hide under
   compute-bound ones: a ZeRO plan's sharded optimizer update would save nothing.)
-- communication: every compiled collective (`hlo_stats.collective_stats`, once per execution:
+- communication: every compiled collective (`collectives.collective_stats`, once per execution:
   loop trips counted) at the α-β ring cost of `search.collectives.Collective.time`, on a one-axis
   topology of its group size and link. For a GPU cluster, an all-reduce whose result is only read
   in 1/group slices is priced as the reduce-scatter GPU XLA makes of it
@@ -36,18 +36,12 @@ import jax
 from rhino_jax.search.cluster import Cluster, MeshTopology, combiner_for, get_cluster, is_described
 from rhino_jax.search.collectives import Collective
 
-from .hlo_stats import (
-    _REF_RE,
-    COLLECTIVE_KINDS,
-    CollectiveStats,
-    CompiledCollective,
-    CompiledMemory,
-    collective_stats,
-    compiled_memory,
-    library_flops,
-)
-from .jax_internals import hlo_cost_analysis
-from .kernels import Kernel, parseable, program_kernels
+from rhino_jax.hlo_passes.jax_internals import hlo_cost_analysis
+
+from .collectives import COLLECTIVE_KINDS, CollectiveStats, CompiledCollective, collective_stats
+from .hlo_text import _REF_RE
+from .kernels import Kernel, library_flops, parseable, program_kernels
+from .memory import CompiledMemory, compiled_memory
 from .timeline import CollectiveExposure, Timeline, timeline
 
 __all__ = ["CompiledCost", "price_compiled", "price_collectives", "collective_seconds", "replay", "program_device",
@@ -65,7 +59,7 @@ class CompiledCost:
     dtype: str  # the FLOP rate's dtype (`price_compiled` says how it is chosen)
     flops: float  # per device, loop bodies counted per trip
     bytes_accessed: float  # by the kernels (collectives' buffers are communication)
-    collectives: dict[str, tuple[int, int]]  # kind -> (count, bytes per device), as hlo_stats counts
+    collectives: dict[str, tuple[int, int]]  # kind -> (count, bytes per device), as `collectives` counts
     comm_by_kind: dict[str, float]  # kind -> seconds
     memory: CompiledMemory
     unknown_trip_loops: int = 0  # while loops XLA gave no trip count: their bodies are priced once
@@ -114,7 +108,7 @@ def program_device(compiled: Any) -> jax.Device:
 def _generic_cost(text: str) -> dict[str, float]:
     """XLA's generic HloCostAnalysis of an HLO module's text, by the CPU's client (it counts the
     dots of Triton GEMM fusions, not library calls: cuDNN convolutions and cuBLAS GEMMs,
-    `hlo_stats.library_flops`)."""
+    `kernels.library_flops`)."""
     return _cost_dict(hlo_cost_analysis(parseable(text), jax.devices("cpu")[0]))
 
 
@@ -179,7 +173,7 @@ def collective_seconds(c: CompiledCollective, cluster: Cluster, num_devices: int
     n = 2 if permute else c.group_size
     if n <= 0:
         raise ValueError(f"collective {c.name!r} ({c.kind}) has no readable replica group size; "
-                         "cannot price it (see hlo_stats._group_size for the forms understood)")
+                         "cannot price it (see groups._group_size for the forms understood)")
     combiner = combiner_for(cluster.backend)
     per_host = cluster.devices_per_host
     # Device i lies on host i // devices_per_host. A group (its first replica group, or a

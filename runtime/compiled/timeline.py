@@ -20,7 +20,7 @@ its time minus the compute stream's busy time.
 
 Control flow: a `call` runs its computation in place; a while loop's body and condition are
 timelines of their own, run trip-count times (and the condition once more; a loop XLA gave no
-trip count runs once, as `hlo_stats` counts it); a conditional runs its slowest branch. A loop
+trip count runs once, as `collectives` counts it); a conditional runs its slowest branch. A loop
 or conditional that communicates holds both streams while it runs (collectives in flight
 around it finish first: one link, no two collectives at once); one that does not is compute.
 Fusions and the computations of reductions are inside their kernel, not walked.
@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 from rhino_jax.errors import UnscheduledProgramWarning
 
-from .hlo_stats import _Instr, _REF_RE, _call_of, _computations, _kind_of, _op_name
+from .collectives import _kind_of
+from .hlo_text import _REF_RE, _call_of, _computations, _Instr, _op_name
 
 __all__ = ["CollectiveExposure", "Timeline", "timeline", "is_scheduled"]
 
@@ -230,7 +231,7 @@ class _Replay:
 def timeline(text: str, kernel_s: Mapping[str, float], comm_s: Mapping[str, float]) -> Timeline:
     """Replay one step of the module `text` (its ENTRY computation): `kernel_s` prices each
     kernel instruction per run (instructions it lacks cost nothing: parameters, bitcasts,
-    tuples), `comm_s` each collective instruction per execution (by the name `hlo_stats`
+    tuples), `comm_s` each collective instruction per execution (by the name `collectives`
     gives it: a start's, or the collective an `async-start` wraps)."""
     scheduled = is_scheduled(text)
     if not scheduled:
