@@ -8,7 +8,8 @@ python -m benchmarks.scale --small
 python -m benchmarks.scale --compile [--cases ...]
     also compile the plan and the hand plans (`HAND`) for the described H100s with XLA's GPU
     compiler and price each from its GPU HLO (`compiled_cost.price_compiled`, bf16 matmuls): the
-    referee. Minutes and GiBs per 70B compile.
+    referee, as the program's schedule runs (communication beside compute where XLA issued it
+    asynchronously), the serial sum beside it. Minutes and GiBs per 70B compile.
 
 The model is written as users write it in plain JAX: f32 parameters and AdamW states
 (`optax.adamw`), bf16 compute, each layer under `jax.checkpoint`, integer tokens, seq 2048, 8
@@ -268,23 +269,26 @@ def compile_as_users_do(lowered):
 
 
 def kept_note(said: str) -> str:
-    """What a `CompiledMemoryWarning` says `compile()` kept, for a table cell ("" if nothing was said)."""
-    kept = re.search(r"kept: (.*?)\.", said)
-    return (f"kept: {kept.group(1)}" if kept else "") + ("; does not fit" if "will not fit" in said else "")
+    """What a `CompiledMemoryWarning` says `compile()` kept and what that costs against the program
+    as planned, for a table cell ("" if nothing was said)."""
+    kept = re.search(r"kept: (.*?)(?:, its step priced|\. |\.$)", said)
+    cost = re.search(r"as planned \(([+-][\d.]+%)\)", said)
+    return ((f"kept: {kept.group(1)}" if kept else "") + (f" ({cost.group(1)} against as planned)" if cost else "")
+            + ("; does not fit" if "will not fit" in said else ""))
 
 
 def compile_and_price(step, args, mesh, lowered) -> dict:
     """The plan and each hand plan compiled for the described GPUs, the state donated as in
-    training, priced from their GPU HLO: {name: (seconds, GiB per device as XLA's buffer
-    assignment counts it, how it was compiled)} or the error. rhino_jax's plan is compiled as
+    training, priced from their GPU HLO: {name: (seconds as the schedule runs, GiB per device as
+    XLA's buffer assignment counts it, how it was compiled, seconds serially)} or the error. rhino_jax's plan is compiled as
     `compile()` compiles it: where XLA's schedule does not fit 80 GiB, tied to the program's
     order, then also without XLA's latency-hiding scheduler (`runtime.executable.compile_module`)."""
     from rhino_jax.runtime.compiled.compiled_cost import price_compiled
     out = {}
 
-    def priced(compiled, note: str = "") -> tuple[float, float, str]:
+    def priced(compiled, note: str = "") -> tuple[float, float, str, float]:
         cost = price_compiled(compiled, "8x-h100", "bfloat16")
-        return cost.total_s, cost.memory.total / GIB, note
+        return cost.overlapped_s, cost.memory.total / GIB, note, cost.total_s
 
     try:
         out["rhino_jax"] = priced(*compile_as_users_do(lowered))
@@ -339,6 +343,14 @@ def run_case(case: Case, limit_s: float, compile_plans: bool = False) -> dict:
     return out
 
 
+def _priced_cell(got) -> str:
+    """A compiled program's table cell: its step as scheduled (and serially, where kept) and memory."""
+    if not isinstance(got, list):
+        return f"failed: {got[:80]}"
+    serial = f" ({got[3]:.3f} s serially)" if len(got) > 3 else ""
+    return f"{got[0]:.3f} s{serial}, {got[1]:.1f} GiB"
+
+
 def _child(case_name: str, limit_s: float, compile_plans: bool) -> None:
     case = next(c for c in CASES if c.name == case_name)
     try:
@@ -388,26 +400,31 @@ def table(rows: list[dict]) -> str:
         out += ["", "pipeline='auto' candidates (chosen first; predicted step, or why not):", *auto]
     compiled = [r for r in rows if r["result"].get("compiled")]
     if compiled:
-        out += ["", "Priced from the GPU compile (8x-h100, bf16 matmuls; seconds per step, GiB per device as XLA's "
-                "buffer assignment counts it, the state donated or not as the case says; a hand plan whose "
-                "parameters and AdamW moments alone exceed 80 GiB per device cannot run and is not the best hand "
-                "plan):", "",
-                "| case | rhino_jax | " + " | ".join(HAND) + " | rhino_jax / best hand |",
-                "|---|---|" + "---|" * len(HAND) + "---|"]
+        out += ["", "Priced from the GPU compile (8x-h100, bf16 matmuls; seconds per step as the program's schedule "
+                "runs, communication beside compute where XLA issued it asynchronously, the serial sum in brackets; "
+                "GiB per device as XLA's buffer assignment counts it, the state donated or not as the case says; MFU "
+                "by the formula above on the scheduled step; a hand plan whose parameters and AdamW moments alone "
+                "exceed 80 GiB per device cannot run and is not the best hand plan):", "",
+                "| case | rhino_jax | " + " | ".join(HAND) + " | rhino_jax / best hand | rhino_jax MFU |",
+                "|---|---|" + "---|" * len(HAND) + "---|---|"]
         for r in compiled:
             got = r["result"]["compiled"]
             state = {k: _hand_state_gib(r["case"], k) for k in HAND}
-            cells = [f"{got[k][0]:.3f} s, {got[k][1]:.1f} GiB" if isinstance(got[k], list) else f"failed: {got[k][:80]}"
-                     for k in ("rhino_jax", *HAND)]
+            cells = [_priced_cell(got[k]) for k in ("rhino_jax", *HAND)]
             cells[0] += f" (predicted {r['result']['step_s']:.3f} s, {r['result']['gib_per_device']:.1f} GiB)"
             said = got["rhino_jax"][2] if isinstance(got["rhino_jax"], list) and len(got["rhino_jax"]) > 2 else ""
             cells[0] += f"; compiled again, {kept_note(said)}" if said else ""
             cells[1:] = [c + (f" (state {state[k]:.1f} GiB > 80)" if state[k] > 80 else "") for c, k in zip(cells[1:], HAND)]
-            hands = [got[k][0] for k in HAND if isinstance(got[k], list) and state[k] <= 80]
-            ratio = (f"{got['rhino_jax'][0] / min(hands):.2f}" if hands and isinstance(got["rhino_jax"], list)
-                     else "-")
+            hands = [k for k in HAND if isinstance(got[k], list) and state[k] <= 80]
+            mine = got["rhino_jax"] if isinstance(got["rhino_jax"], list) else None
+            ratio = (f"{mine[0] / min(got[k][0] for k in hands):.2f}" if hands and mine else "-")
+            if hands and mine and len(mine) > 3:  # the serial ratio, where the serial sums were kept
+                ratio += f" ({mine[3] / min(got[k][3] for k in hands):.2f} serially)"
+            shape = model_shape(r["case"]["model"], r["case"]["layers"])
+            mfu = (f"{100 * 6 * shape.parameters() * PER_DEVICE * SEQ / mine[0] / PEAK_FLOPS:.0f} %" if mine
+                   else "-")
             donated = "donated" if r["result"].get("donated") else "not donated"
-            out.append(f"| {r['case']['name']} ({donated}) | " + " | ".join(cells) + f" | {ratio} |")
+            out.append(f"| {r['case']['name']} ({donated}) | " + " | ".join(cells) + f" | {ratio} | {mfu} |")
     maxtext = 6 * LLAMA["7b"].parameters() * MAXTEXT_7B["tokens"] / MAXTEXT_7B["step_s"] / 8 / PEAK_FLOPS
     out.append(f"\nPublished like-for-like figure: MaxText Llama2-7B, 8 H100, bf16, seq 4096, 2 sequences per "
                f"GPU, FSDP 8: {MAXTEXT_7B['step_s']} s a step, {100 * maxtext:.0f} % by the same formula.")
