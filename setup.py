@@ -10,6 +10,7 @@ setup(
         "rhino_jax",
         "rhino_jax.models",
         "rhino_jax.core",
+        "rhino_jax.pipelined",
         "rhino_jax.hlo_passes",
         "rhino_jax.search",
         "rhino_jax.runtime",

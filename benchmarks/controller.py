@@ -43,7 +43,7 @@ NOTES = """Reading the table:
 - Memory per device counts parameters, optimizer state, the activations each stage holds for the
   micro-batches in flight and the running gradient sums; a candidate over the preset's device
   memory is not taken. GPT-6.7B needs 8 micro-batches: with one, no candidate fits a V100.
-- The stager balances forward FLOPs within 25% (`pipelined.EPSILON`) and then cuts the fewest
+- The stager balances forward FLOPs within 25% (`pipelined.staging.EPSILON`) and then cuts the fewest
   bytes, so the two stages of GPT-6.7B differ in predicted time (the LM head and the backward
   pass are not in that balance).
 - Rhino does not publish its plans; its GPT MFU range is measured on real V100s, ours is a

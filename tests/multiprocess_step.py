@@ -13,6 +13,7 @@ jax.distributed.initialize()  # as on a cluster; the launcher has joined the job
 import rhino_jax as rj  # noqa: E402
 from rhino_jax.models import gpt  # noqa: E402
 from rhino_jax.multiprocess import digest  # noqa: E402
+from rhino_jax.search import stager  # noqa: E402
 
 
 def process_rows(x: np.ndarray, sharding) -> np.ndarray:
@@ -39,7 +40,7 @@ if sys.argv[1] == "pipeline":
     def no_search(*_args, **_kwargs):
         raise AssertionError("searched although a plan was given")
 
-    rj.pipelined.plan_on = rj.pipelined.stager.stage = no_search
+    rj.pipelined.lowered.plan_on = stager.stage = no_search
     lowered = rj.parallelize(step, mesh=rj.device_mesh((2, 4), ("data", "model")), plan=sys.argv[2],
                              **stages).lower(*args)
     print(f"plan digest {digest(lowered.plan)} (loaded)", flush=True)

@@ -10,7 +10,7 @@ import rhino_jax as rj
 from rhino_jax.errors import ScheduleError
 from rhino_jax.hlo_passes.stages import layer_of
 from rhino_jax.micro_batched import split_step
-from rhino_jax.pipelined import _loss_sum
+from rhino_jax.pipelined.staging import _loss_sum
 from rhino_jax.runtime import schedules, task_graph
 from rhino_jax.runtime.schedules import Task
 from rhino_jax.search import multi_forward

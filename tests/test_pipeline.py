@@ -12,7 +12,7 @@ import rhino_jax as rj
 from rhino_jax.errors import MemoryLimitError, MeshError, StagingError
 from rhino_jax import controller
 from rhino_jax.hlo_passes import stages
-from rhino_jax.pipelined import _compute_homes
+from rhino_jax.pipelined.programs import _compute_homes
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 from rhino_jax.options import Options
 from rhino_jax.core.plan import Plan, PlanCost
@@ -48,7 +48,7 @@ def test_two_stages_keep_the_numbers_of_one_device(model, shape, names):
 
 def _searched_programs(monkeypatch) -> list[int]:
     """The ops of each program the pipeline's next lowering searches (not given another's plan)."""
-    from rhino_jax import pipelined
+    from rhino_jax.pipelined import lowered as pipelined
     searched, real = [], pipelined.plan_on
 
     def recording(graph, *args, **kwargs):
@@ -369,7 +369,8 @@ def test_the_searches_of_one_step_share_its_time_limit(monkeypatch, how):
     candidates, mesh=None's mesh shapes: each search takes a share of the time left, so each
     ends by the step's limit, however long the set-up between them takes (here, 2 s to split a
     step once the first search has run: a slow machine's tracing)."""
-    from rhino_jax import micro_batched, pipelined
+    from rhino_jax import micro_batched
+    from rhino_jax.pipelined import lowered as pipelined
     limits = _search_limits(monkeypatch)
     split = micro_batched.split_step
 

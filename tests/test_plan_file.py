@@ -14,6 +14,7 @@ from rhino_jax.hlo_passes.lowering import lower_on_mesh, step_target
 from rhino_jax.models import make_mlp_train_step, mlp_example
 from rhino_jax.core.plan import PLAN_FORMAT, Plan
 from rhino_jax.core.plan_target import PlanTargetError
+from rhino_jax.search import stager
 
 from helpers import assert_same_numbers
 
@@ -259,9 +260,9 @@ def _no_search(monkeypatch):
     def no_search(*_args, **_kwargs):
         raise AssertionError("searched although a plan was given")
 
-    for module in (rj.coshard_search, rj.micro_batched, rj.pipelined):
+    for module in (rj.coshard_search, rj.micro_batched, rj.pipelined.lowered):
         monkeypatch.setattr(module, "plan_on", no_search)
-    monkeypatch.setattr(rj.pipelined.stager, "stage", no_search)
+    monkeypatch.setattr(stager, "stage", no_search)
 
 
 @pytest.mark.parametrize("options", [dict(num_micro_batches=2), dict(num_micro_batches=4, pipeline=2)],
