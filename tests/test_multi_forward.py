@@ -9,7 +9,7 @@ import pytest
 import rhino_jax as rj
 from rhino_jax.errors import ScheduleError
 from rhino_jax.hlo_passes.stages import layer_of
-from rhino_jax.micro_batched import split_step
+from rhino_jax.several_programs import split_step
 from rhino_jax.pipelined.staging import _loss_sum
 from rhino_jax.runtime import schedules, task_graph
 from rhino_jax.runtime.schedules import Task

@@ -2,7 +2,7 @@
 in a static schedule (Rhino §5-6), then apply-gradients on the stages, each optimizer op beside
 the parameters it updates.
 
-The step is split at its sums as for micro-batching (`micro_batched.split_step`); the stager places
+The step is split at its sums as for micro-batching (`several_programs.split_step`); the stager places
 the forward ops of compute-gradients (balanced FLOPs, least bytes cut), the backward ops follow
 (`hlo_passes.stages`), and each stage's forward and backward program is planned by the SPMD search
 on its sub-mesh (the mesh cut along its first axis). apply-gradients' ops go where the bytes they

@@ -11,8 +11,8 @@ from rhino_jax.runtime import resharding, task_graph, transfer
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 
 from ..gpu_topology import refuse_described
-from ..micro_batched import (SeveralPrograms, SeveralProgramsLowered, _compile, accumulated, add_up, flat_call,
-                             micro_batches_of, named, priced_line, priced_s, with_index)
+from ..several_programs import (SeveralPrograms, SeveralProgramsLowered, _compile, accumulated, add_up, flat_call,
+                                micro_batches_of, named, priced_line, priced_s, with_index)
 
 class PipelinedCompiled(SeveralPrograms):
     """The stage programs and apply-gradients' programs compiled; call it like the step."""

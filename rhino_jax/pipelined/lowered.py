@@ -22,7 +22,7 @@ from .. import alike_programs
 from ..arguments import Call, call_tree
 from ..errors import MemoryLimitError, SolverError, StagingError
 from ..mesh_search import plan_on
-from ..micro_batched import APPLY_WEIGHT, SeveralProgramsLowered, program_plan, say_step, split_step
+from ..several_programs import APPLY_WEIGHT, SeveralProgramsLowered, program_plan, say_step, split_step
 from ..options import Options, budget_of, device_memory, within
 from .memory import _held_around, _held_bytes, _summed_bytes
 from .moves import _shardings, _step_moves, _transfer_s, _transfers

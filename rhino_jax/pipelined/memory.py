@@ -6,7 +6,7 @@ from jax.sharding import Mesh
 
 from rhino_jax.search.memory import local_bytes
 
-from ..micro_batched import summed_bytes
+from ..several_programs import summed_bytes
 
 def _held_around(stages, s: int, shared: tuple[int, ...], passes: tuple[int, ...] = ()) -> int:
     """Per device, what the devices running place s hold for the other places they run while it
@@ -33,7 +33,7 @@ def _summed_bytes(plans, s: int, mesh: Mesh, sums: set[int], accumulate: str | N
 
 def _output_bytes(planned, mesh: Mesh, wanted: set[int], accumulate: str | None = None) -> int:
     """Per device, the results of a program that `wanted` names; held as running sums in
-    `accumulate`'s dtype where given (`micro_batched.summed_bytes`)."""
+    `accumulate`'s dtype where given (`several_programs.summed_bytes`)."""
     program, graph, plan = planned
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     return sum(summed_bytes(local_bytes(graph, out, spec, sizes), graph.values[out].dtype, accumulate)

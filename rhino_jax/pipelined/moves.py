@@ -11,7 +11,7 @@ from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.runtime import resharding
 from rhino_jax.search.cluster import host_ids
 
-from ..micro_batched import named
+from ..several_programs import named
 from .programs import Planned
 
 def _shardings(layouts: list[tuple[Mesh, ShardingSpec]]) -> list[NamedSharding]:

@@ -108,7 +108,7 @@ def _fed_back_names(prog: stage_programs.Program, ag: Graph) -> list[str]:
 
 def _with_donation(graph: Graph, prog: stage_programs.Program, ag: Graph, donated: set[int]) -> Graph:
     """The program's graph with each donated step argument (of `donated`) aliasing the result the
-    step pairs it with (`micro_batched._with_donation`) where the program makes that result."""
+    step pairs it with (`several_programs._with_donation`) where the program makes that result."""
     args = list(graph.args)
     for pos, i in enumerate(prog.args):
         k = ag.args[i].donated_to
