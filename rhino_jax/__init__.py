@@ -8,12 +8,13 @@ from rhino_jax.search.cluster import A100_8X, H100_8X, H200_8X, M8_V100, Cluster
 
 from .annotate import annotate
 from .constraints import coshard, op_assign, op_order, op_trans
-from .api import Compiled, Lowered, Parallelized, parallelize
+from .api import Parallelized, parallelize
+from .one_program import Compiled, Lowered
 from .errors import (CompiledMemoryWarning, ConstraintError, HostCallbackError, MemoryLimitError, MeshError,
                      NoFeasibleMeshError, RhinoError, ShardingPinError, SolverError, SolverTimeLimitWarning,
                      TracedCallWarning, UnscheduledProgramWarning)
 from . import explain as _explain, render as _render, report as _report
-from .explain import diff
+from .plan_diff import diff
 from .gpu_topology import DescribedDeviceError, gpu_topology
 from .mesh import device_mesh
 

@@ -1,6 +1,6 @@
-"""Why a plan is what it is: `explain` (one argument's layout, the collectives it causes, and what
-the best plans with it laid out otherwise are predicted to cost) and `diff` (two plans of one step,
-layout by layout and cost by cost).
+"""Why a plan is what it is: `explain`, one argument's layout, the collectives it causes, and what
+the best plans with it laid out otherwise are predicted to cost (two plans of one step compared:
+`plan_diff`).
 
 The alternatives come from the search itself: the argument is pinned to another layout and the
 plan's own ILP is solved again (`search.repin`: the plan's cones and prices, the argument's cone
@@ -14,32 +14,30 @@ as several programs (micro-batches, pipeline stages), explains its layouts and c
 """
 from __future__ import annotations
 
-import difflib
 import functools
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from rhino_jax.hlo_passes.graph import Graph, Pin, dtype_size, path_tokens
+from rhino_jax.core.plan import Plan, PlanCost
+from rhino_jax.core.specs import ShardingSpec
+from rhino_jax.hlo_passes.graph import Graph, Pin, dtype_size
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
 from rhino_jax.search.collectives import reshard_path
-from rhino_jax.search.units import tied_outputs
-from rhino_jax.core.plan import Plan, PlanCost, PlannedCollective, as_plan
-from rhino_jax.core.plan_file import mesh_label
-from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.search.constraints import layout_allowed
 from rhino_jax.search.strategies import tensor_specs
 from rhino_jax.search.ties import SAME_STEP
+from rhino_jax.search.units import tied_outputs
 
-from .errors import RhinoError, UnknownTensorError
+from .errors import RhinoError
 from .mesh_search import finished, plan_on
 from .options import Options, seconds_left
+from .plan_view import (all_collectives, arg_index, arg_layers, bytes_text, describe, kinds_text, ms_text, op_layer,
+                        plan_axes)
 
 
 @dataclass(frozen=True)
@@ -97,12 +95,12 @@ def explain(plan: Plan, name: str, alternatives: int = 3) -> Explanation:
     path, shape, layout = plan.arg_paths[i], plan.arg_shapes[i], plan.arg_specs[i]
     axes = plan_axes(plan)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype_size(plan.arg_dtypes[i])
-    lines = [f"{path}: {plan.arg_roles[i]} {tuple(shape)} {plan.arg_dtypes[i]}, {_bytes(nbytes)}",
+    lines = [f"{path}: {plan.arg_roles[i]} {tuple(shape)} {plan.arg_dtypes[i]}, {bytes_text(nbytes)}",
              f"  layout        {layout}: {describe(layout, shape, axes)}; "
-             f"{_bytes(nbytes // layout.shard_factor(axes))} per device"]
+             f"{bytes_text(nbytes // layout.shard_factor(axes))} per device"]
     collectives = all_collectives(plan)
     own = [c for c in collectives if c.where == path]
-    lines.append("  at it         " + (_kinds(own) + " (its new value, made in another layout, brought back "
+    lines.append("  at it         " + (kinds_text(own) + " (its new value, made in another layout, brought back "
                                        "into this one for the next step)" if own else "no collectives"))
     inputs: SearchInputs | None = plan.search_inputs
     if inputs is not None:
@@ -110,10 +108,10 @@ def explain(plan: Plan, name: str, alternatives: int = 3) -> Explanation:
     layers = arg_layers(plan)
     layer = layers[path]
     near = [c for c in collectives if c.where != path and op_layer(c.where, layers) == layer]
-    lines.append(f"  its layer     {layer}: {_kinds(near) if near else 'no collectives'}")
+    lines.append(f"  its layer     {layer}: {kinds_text(near) if near else 'no collectives'}")
     c = plan.cost
-    parts = "" if plan.stages else f" (compute {_ms(c.compute_s)}, communication {_ms(c.comm_s)})"
-    lines.append(f"  plan          step {_ms(c.total_s)}{parts}, {c.memory_bytes / 2**20:.2f} MiB/device")
+    parts = "" if plan.stages else f" (compute {ms_text(c.compute_s)}, communication {ms_text(c.comm_s)})"
+    lines.append(f"  plan          step {ms_text(c.total_s)}{parts}, {c.memory_bytes / 2**20:.2f} MiB/device")
     found: tuple[Alternative, ...] = ()
     if inputs is None:
         lines.append("  alternatives  not priced: they are found by searching the step again, and this plan keeps no "
@@ -138,7 +136,7 @@ def _reads(plan: Plan, inputs: SearchInputs, i: int) -> list[str]:
             continue
         moved = [c for step in reshard_path(plan.arg_specs[i], read, value.nbytes, topo, value.shape)
                  for c in step.collectives]
-        how = ", ".join(f"{c.kind} over {'+'.join(c.axes)} {_bytes(c.bytes)} {c.alone(topo) * 1e6:.1f} µs"
+        how = ", ".join(f"{c.kind} over {'+'.join(c.axes)} {bytes_text(c.bytes)} {c.alone(topo) * 1e6:.1f} µs"
                         for c in moved)
         lines.append(f"  read as       {read} by {len(ops)} op(s) ({', '.join(ops[:2])}{', ...' if len(ops) > 2 else ''}): "
                      + (how or "a local slice, no collective"))
@@ -245,268 +243,7 @@ def _alternative_line(a: Alternative, base: PlanCost) -> str:
                "memory, then splits the leading dims)" if tie else
                "  (cheaper: the search missed it; opt_level='O3' searches the whole graph)"
                if a.delta_s < 0 else "")
-    return (f"    {str(a.layout):<16} alternative step {_ms(c.total_s)}: {_ms(a.delta_s, sign=True)} "
-            f"({a.delta_s / base.total_s:+.1%}); compute {_ms(c.compute_s - base.compute_s, sign=True)}, "
-            f"communication {_ms(c.comm_s - base.comm_s, sign=True)}, memory "
+    return (f"    {str(a.layout):<16} alternative step {ms_text(c.total_s)}: {ms_text(a.delta_s, sign=True)} "
+            f"({a.delta_s / base.total_s:+.1%}); compute {ms_text(c.compute_s - base.compute_s, sign=True)}, "
+            f"communication {ms_text(c.comm_s - base.comm_s, sign=True)}, memory "
             f"{(c.memory_bytes - base.memory_bytes) / 2**20:+.2f} MiB/device{cheaper}")
-
-
-def arg_index(plan: Plan, name: str) -> int:
-    """The argument `name` names: its path as the report prints it (arg[0]['w']) or as a path of
-    `plan.input_shardings` ([0]['w']); UnknownTensorError listing the closest names otherwise."""
-    names = {p: i for i, p in enumerate(plan.arg_paths)}
-    names.update((p.removeprefix("arg"), i) for i, p in enumerate(plan.arg_paths))
-    if plan.input_shardings is not None:  # with keyword arguments its paths start [0] (args) or [1] (kwargs)
-        leaves = jax.tree_util.tree_flatten_with_path(plan.input_shardings)[0]
-        if len(leaves) == len(plan.arg_paths):
-            names.update((jax.tree_util.keystr(p), i) for i, (p, _) in enumerate(leaves))
-    key = str(name).strip().replace('"', "'")
-    if key in names:
-        return names[key]
-    close = dict.fromkeys(plan.arg_paths[names[c]] for c in difflib.get_close_matches(key, list(names), n=8))
-    shown = list(close)[:5] or list(plan.arg_paths[:5])
-    raise UnknownTensorError(
-        f"the plan has no argument {name!r}; it has {len(plan.arg_paths)} arguments, named as plan.report() prints "
-        f"them or as paths of plan.input_shardings (without the leading 'arg'). "
-        + ("Closest: " if close else "The first: ") + ", ".join(shown))
-
-
-def describe(spec: ShardingSpec, shape: tuple[int, ...], axes: dict[str, int]) -> str:
-    """A layout in words: which mesh axes split which dim, and which replicate it."""
-    split = [f"dim {d} ({shape[d]}) split over {'+'.join(a)} ({ShardingSpec.shard_factor_of(a, axes)} ways)"
-             for d, a in enumerate(spec.dims) if a]
-    if not split:
-        return f"replicated on all {int(np.prod(list(axes.values())))} devices"
-    rest = [a for a in axes if a not in spec.used_axes() and axes[a] > 1]
-    return "; ".join(split) + (f"; replicated over {', '.join(rest)}" if rest else "")
-
-
-def plan_axes(plan: Plan) -> dict[str, int]:
-    """The axes an argument's layout is over: a pipeline's arguments live on their stage's
-    sub-mesh (all stages alike; an interlaced pipeline's on every device use the same axes),
-    others on the whole mesh."""
-    return next((st.mesh_axes for st in plan.stages if not st.shared), plan.mesh_axes)
-
-
-def all_collectives(plan: Plan) -> list[PlannedCollective]:
-    """The collectives of one step that move data: a pipeline's apply-gradients programs' (in
-    `plan.collectives`) and its stages' forward and backward programs', once per micro-batch. One
-    over mesh axes of a single device (a layout naming an axis of size 1 on a stage's sub-mesh)
-    moves nothing, costs nothing and is no op XLA compiles: left out."""
-    k = plan.search_stats.get("micro_batches", 1)
-    runs = [plan.collectives] + [p.collectives * k for st in plan.stages for p in (st.forward, st.backward) if p]
-    return [c for run in runs for c in run if c.group > 1]
-
-
-def _keys(path: str) -> list[str]:
-    """An argument path's dict keys and indices from its first dict key on (the attributes and
-    indices before it, an optimizer's chain and moment, left out): arg[1][0].mu['Block_0']['kernel']
-    → ['Block_0', 'kernel']."""
-    tokens = path_tokens(path)
-    first = next((j for j, (kind, _) in enumerate(tokens) if kind == "key"), len(tokens))
-    return [text for kind, text in tokens[first:] if kind != "attr"]
-
-
-def arg_layers(plan: Plan) -> dict[str, str]:
-    """Argument path → its layer: the keys of the parameter it belongs to, less the leaf's own
-    name ("Block_0/Dense_0"), so a parameter and its optimizer moments share one (a state's path
-    ends with its parameter's: arg[1]['mu']['head']['w'] and arg[0]['head']['w'] → "head"); a
-    leaf alone in its path is its own layer, every batch argument in "(batch)"."""
-    keys = [_keys(p) for p in plan.arg_paths]
-    params = {tuple(k) for k, role in zip(keys, plan.arg_roles) if role == "parameter"}
-    out = {}
-    for path, role, k in zip(plan.arg_paths, plan.arg_roles, keys):
-        own = next((k[j:] for j in range(len(k)) if tuple(k[j:]) in params), k)
-        out[path] = "(batch)" if role == "batch" else "/".join(own[:-1]) or "/".join(own) or path
-    return out
-
-
-def op_layer(where: str, layers: dict[str, str]) -> str:
-    """The layer of the op a collective serves (`PlannedCollective.where`): an argument's
-    (`arg_layers`), else the named scopes in its source name less the transformations, einsum
-    specs and the primitive ("transpose(jvp(LM))/Block_0/Dense_0/transpose" → "Block_0/Dense_0");
-    "" for an op in no named scope."""
-    if where in layers:
-        return layers[where]
-    parts = [p for p in where.split("/") if p and not any(c in p for c in "()->,")]
-    # Flax names a module's scope twice where its method runs in it (.../SelfAttention_0/SelfAttention_0/query)
-    return "/".join(p for k, p in enumerate(parts[:-1]) if k == 0 or p != parts[k - 1])
-
-
-@dataclass(frozen=True)
-class Kind:
-    """Collectives of one kind, summed."""
-
-    count: int = 0
-    bytes: int = 0
-    alone_s: float = 0.0  # each priced alone, before XLA combines them
-    combined_s: float | None = 0.0  # their shares of the ops XLA combines them into; None: not kept
-
-    def add(self, c: PlannedCollective) -> "Kind":
-        combined = None if self.combined_s is None or c.combined_s is None else self.combined_s + c.combined_s
-        return Kind(self.count + 1, self.bytes + c.bytes, self.alone_s + c.time_s, combined)
-
-
-def by_kind(collectives: list[PlannedCollective]) -> dict[str, Kind]:
-    """Kind → the collectives of that kind summed, kinds in the order they first run."""
-    out: dict[str, Kind] = {}
-    for c in collectives:
-        out[c.kind] = out.get(c.kind, Kind()).add(c)
-    return out
-
-
-def _kinds(collectives: list[PlannedCollective]) -> str:
-    """Collectives summed by kind: "all-gather ×2 (512.0 KiB, 2.41 µs in the step, 37.6 µs alone)"."""
-    return ", ".join(f"{kind} ×{k.count} ({_bytes(k.bytes)}, {times(k)})" for kind, k in by_kind(collectives).items())
-
-
-def times(k: Kind) -> str:
-    """What collectives summed by kind cost: in the step (as XLA combines them) and alone."""
-    alone = f"{k.alone_s * 1e6:.1f} µs alone"
-    return alone if k.combined_s is None else f"{k.combined_s * 1e6:.3g} µs in the step ({alone})"
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def _ms(seconds: float, sign: bool = False) -> str:
-    """Seconds in ms to the tenth of a µs (a difference of -0.00001 µs prints as +0.0000)."""
-    return f"{round(seconds * 1e3, 4) + 0.0:{'+' if sign else ''}.4f} ms"
-
-
-MAX_ROWS = 20  # layouts rj.diff lists; the rest are counted
-
-
-@dataclass(frozen=True)
-class LayoutChange:
-    """One argument laid out differently by two plans."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    a: ShardingSpec
-    b: ShardingSpec
-
-
-@dataclass(frozen=True)
-class PlanDiff:
-    """`rj.diff(a, b)`: print it, or read the changes and the deltas (b minus a)."""
-
-    changes: tuple[LayoutChange, ...]  # held otherwise by the devices; largest argument first
-    renamed: tuple[LayoutChange, ...]  # named otherwise (other meshes), each device holding the same slice
-    a: PlanCost
-    b: PlanCost
-    # b minus a
-    step_s: float
-    compute_s: float
-    comm_s: float
-    memory_bytes: int
-    text: str = field(repr=False)
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def diff(a: Plan | str | os.PathLike, b: Plan | str | os.PathLike) -> PlanDiff:
-    """The arguments two plans of one step (each a Plan or the path of a saved one) lay out
-    differently, and what b costs more than a (step, compute, communication, memory, collectives
-    as XLA combines them). Layouts are compared as the devices hold them (`holdings`): [data+model, -]
-    on a (2, 4) mesh and [data, -] on an (8,) mesh of the same devices are one layout. Devices are
-    the plans' own (`plan.input_shardings`) where both have them; where one has none (a plan loaded
-    from a file, or made for described GPUs and saved) each device is its position in its mesh's
-    device order, row-major, as `rj.device_mesh` lays devices out, so two plans are compared as if
-    both meshes were built over one list of devices. ValueError for plans of different steps
-    (other arguments)."""
-    a, b = as_plan(a, "a of rj.diff(a, b)"), as_plan(b, "b of rj.diff(a, b)")
-    for what, x, y in (("argument paths", a.arg_paths, b.arg_paths), ("argument shapes", a.arg_shapes, b.arg_shapes),
-                       ("argument dtypes", a.arg_dtypes, b.arg_dtypes)):
-        if tuple(x) != tuple(y):
-            k = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-            at = [repr(seq[k]) if k < len(seq) else "nothing" for seq in (x, y)]
-            raise ValueError(f"rj.diff compares two plans of one step, but their {what} differ (a has {len(x)}, b "
-                             f"{len(y)}; the first difference, at {k}: {at[0]} in a, {at[1]} in b)")
-    meshes_a, meshes_b = arg_meshes(a), arg_meshes(b)
-    by_ids = meshes_a is not None and meshes_b is not None
-    if not by_ids:
-        meshes_a, meshes_b = _positions(a), _positions(b)
-    sizes = [int(np.prod(sh, dtype=np.int64)) * dtype_size(dt) for sh, dt in zip(a.arg_shapes, a.arg_dtypes)]
-    changes: list[LayoutChange] = []
-    renamed: list[LayoutChange] = []
-    for i in sorted(range(len(a.arg_paths)), key=lambda i: -sizes[i]):
-        if a.arg_specs[i] == b.arg_specs[i] and meshes_a[i] == meshes_b[i]:
-            continue
-        ch = LayoutChange(a.arg_paths[i], tuple(a.arg_shapes[i]), a.arg_dtypes[i], a.arg_specs[i], b.arg_specs[i])
-        if holdings(ch.a, ch.shape, *meshes_a[i]) != holdings(ch.b, ch.shape, *meshes_b[i]):
-            changes.append(ch)
-        elif ch.a != ch.b:
-            renamed.append(ch)
-    ca, cb = a.cost, b.cost
-    step, compute, comm = cb.total_s - ca.total_s, cb.compute_s - ca.compute_s, cb.comm_s - ca.comm_s
-    memory = cb.memory_bytes - ca.memory_bytes
-    lines = [f"plan {x}: mesh {mesh_label(p.mesh_axes)}, {p.opt_level}, step {_ms(p.cost.total_s)}, "
-             f"{p.cost.memory_bytes / 2**20:.2f} MiB/device" for x, p in (("a", a), ("b", b))]
-    lines.append(f"b - a: step {_ms(step, sign=True)} ({step / ca.total_s:+.1%}), compute {_ms(compute, sign=True)}, "
-                 f"communication {_ms(comm, sign=True)}, memory {memory / 2**20:+.2f} MiB/device")
-    sa, sb = a.collective_summary(), b.collective_summary()
-    moved = [f"{kind} {sa.get(kind, (0, 0))[0]} → {sb.get(kind, (0, 0))[0]} ops, "
-             f"{_bytes(sa.get(kind, (0, 0))[1])} → {_bytes(sb.get(kind, (0, 0))[1])}"
-             for kind in sorted(set(sa) | set(sb)) if sa.get(kind) != sb.get(kind)]
-    lines.append("collectives (as XLA combines them): " + ("; ".join(moved) or "the same"))
-    devices = "device ids of the plans' meshes" if by_ids else "devices by their position in each mesh, row-major"
-    lines.append(f"layouts that differ (which device holds which slice; {devices}): {len(changes)} of "
-                 f"{len(a.arg_paths)} arguments" + (" (largest first):" if changes else ""))
-    lines += _rows(changes[:MAX_ROWS], len(changes))
-    if renamed:
-        ch = renamed[0]
-        lines.append(f"named otherwise, laid out alike: {len(renamed)} arguments (each device holds the same slice), "
-                     f"e.g. {ch.path} {ch.a} on {mesh_label(plan_axes(a))}, {ch.b} on {mesh_label(plan_axes(b))}")
-    return PlanDiff(tuple(changes), tuple(renamed), ca, cb, step, compute, comm, memory, "\n".join(lines))
-
-
-def _rows(shown: list[LayoutChange], total: int) -> list[str]:
-    """The changes shown, one a line, and how many more of `total` there are."""
-    width = max((len(ch.path) for ch in shown), default=0)
-    rows = [f"  {ch.path:<{width}}  {str(ch.shape):<16} {str(ch.a):<16} → {ch.b}" for ch in shown]
-    return rows + ([f"  ... and {total - len(shown)} more"] if total > len(shown) else [])
-
-
-def holdings(spec: ShardingSpec, shape: tuple[int, ...], axes: dict[str, int], devices: tuple[int, ...]
-             ) -> dict[int, tuple[tuple[int, int], ...]]:
-    """Device → the [start, stop) of each dim it holds of a tensor of `shape` laid out as `spec`
-    on a mesh of `axes` whose devices (ids or positions) are `devices`, row-major: what jax's
-    `NamedSharding(mesh, spec).devices_indices_map(shape)` says, without needing the devices.
-    A dim split over several axes takes the first as the major one, as a PartitionSpec does; a
-    strided dim is read in its split form (`ShardingSpec.split`)."""
-    shape, spec = spec.split(tuple(shape), axes)
-    out = {}
-    for device, at in zip(devices, np.ndindex(*axes.values())):
-        coord = dict(zip(axes, at))
-        held = []
-        for size, dim_axes in zip(shape, spec.dims):
-            k, n = 0, 1
-            for axis in dim_axes:
-                k, n = k * axes[axis] + coord[axis], n * axes[axis]
-            held.append((k * size // n, (k + 1) * size // n))
-        out[device] = tuple(held)
-    return out
-
-
-def arg_meshes(plan: Plan) -> list[tuple[dict[str, int], tuple[int, ...]]] | None:
-    """Each argument's mesh, as (axis sizes, device ids row-major), from the plan's shardings (a
-    pipeline's state on its stage's sub-mesh); None for a plan that has none."""
-    leaves = jax.tree.leaves(plan.input_shardings) if plan.input_shardings is not None else []
-    if len(leaves) != len(plan.arg_paths):
-        return None
-    return [(dict(zip(s.mesh.axis_names, s.mesh.devices.shape)), tuple(int(d.id) for d in s.mesh.devices.flat))
-            for s in leaves]
-
-
-def _positions(plan: Plan) -> list[tuple[dict[str, int], tuple[int, ...]]]:
-    """Each argument's mesh with its devices as positions: the mesh its layout names (a stage's
-    sub-mesh for a pipeline, `plan_axes`)."""
-    axes = plan_axes(plan)
-    return [(axes, tuple(range(int(np.prod(list(axes.values()), dtype=np.int64)))))] * len(plan.arg_paths)

@@ -17,8 +17,8 @@ from rhino_jax.core.plan import Plan, PlannedCollective, place_name
 from rhino_jax.core.plan_file import mesh_label
 from rhino_jax.core.specs import ShardingSpec
 
-from .explain import (Kind, all_collectives, arg_layers, arg_meshes, by_kind, describe, op_layer, plan_axes,
-                      times)
+from .plan_view import (Kind, all_collectives, arg_layers, arg_meshes, by_kind, describe, op_layer, plan_axes,
+                        times)
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
 REPLICATED = "#d9d9d9"

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 import rhino_jax as rj
 from rhino_jax import explain as explain_module
 from rhino_jax.errors import UnknownTensorError
-from rhino_jax.explain import MAX_ROWS, holdings
+from rhino_jax.plan_diff import MAX_ROWS
+from rhino_jax.plan_view import holdings
 from rhino_jax.hlo_passes.graph import Pin
 from rhino_jax.models import gpt
 from rhino_jax.runtime.schedules import make as make_schedule
