@@ -68,12 +68,10 @@ from dataclasses import dataclass  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
-from collections import defaultdict  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -81,14 +79,18 @@ import numpy as np  # noqa: E402
 import rhino_jax as rj  # noqa: E402
 from benchmarks import baselines as B  # noqa: E402
 from benchmarks import compilers  # noqa: E402
-from benchmarks.compilers import COMPILERS, KIND_ABBR  # noqa: E402
+from benchmarks.compilers import COMPILERS  # noqa: E402
 from benchmarks.models import MODELS, sharding_memory_limit  # noqa: E402
+from benchmarks.run_plot import plot  # noqa: E402
+from benchmarks.run_report import RHINO, _compiler, _is_rhino, render  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled  # noqa: E402
 from rhino_jax.search.cluster import get_cluster  # noqa: E402
-
 HERE = pathlib.Path(__file__).parent
+
+
 M8, H100 = rj.M8_V100, rj.H100_8X
-RHINO = ("rhino_jax O2", "rhino_jax O3")
+
+
 # Tiny presets only: O2 under `sharding_memory_limit`, so that agreement with one device checks a
 # sharded plan (unlimited, the search replicates a tiny model: the right plan, and a vacuous check).
 LIMITED = "rhino_jax O2, memory-limited"
@@ -119,6 +121,8 @@ class Target:
 
 
 _1D, _2D = ("devices",), ("data", "model")
+
+
 TARGETS = (Target("cpu", (8,), _1D, M8), Target("cpu", (2, 4), _2D, M8),
            Target("gpu", (8,), _1D, H100), Target("gpu", (2, 4), _2D, H100),
            Target("gpu", (2, 8), _2D, get_cluster("8x-h100-2hosts"), hosts=2, o3=False))
@@ -136,10 +140,6 @@ def _order(r: dict) -> tuple:
     return (list(MODELS).index(r["model"]) if r.get("model") in MODELS else 99, r.get("kind") != "tiny", target,
             methods.index(r["method"]) if r.get("method") in methods else 99)
 
-
-def _is_rhino(method: str) -> bool:
-    """A rhino_jax search (RHINO or LIMITED), not a pinned baseline."""
-    return method.startswith("rhino_jax")
 
 # model -> (paper preset, overrides, why). Batches: the zoo's presets carry the full-parallelism
 # (pipelined) global batches; without pipelining we use the paper's SPMD-only batches where it
@@ -160,6 +160,8 @@ PAPER = {
     "unet": ("UNet-8gpu", {}, "Table 3, 8 GPUs x 16 images (full size)"),
     "bert": ("DNABert-8gpu", {"n_layers": 6}, "Table 3, 8 GPUs x 32 sequences, at 6 of its 12 layers"),
 }
+
+
 STRONG_SCALING_BATCH = 8
 
 
@@ -390,8 +392,6 @@ def run_case(name, model, preset, cfg, concrete: bool, o3_limit: float, log, tar
     return rows
 
 
-# ------------------------------------------------------------------------------ strong scaling
-
 def sharded_summary(plan) -> list[str]:
     """Parameters and Adam moments the plan does not replicate, grouped over layers and over
     (parameter, mu, nu): e.g. "layers[*].mlp.fc1_w ×24: mu+nu [devices, -] (768 MiB)", largest first."""
@@ -465,468 +465,6 @@ def search_vs_layers(layer_counts, o3_limit: float, log) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------- report
-
-def _fmt(v, digits=3):
-    if v is None:
-        return "—"
-    if isinstance(v, bool):
-        return "yes" if v else "**no**"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "—"
-        if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
-            return f"{v:.2e}"
-        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
-
-
-COLUMNS = [("mesh", "mesh"), ("method", "method"), ("status", "status"), ("search_s", "search s (M8)"),
-           ("step_ms", "step ms M8"), ("compute_ms", "compute ms"), ("comm_ms", "comm ms"),
-           ("step_ms_h100", "step ms H100"), ("samples_per_s", "samples/s M8"), ("pred_mib", "pred MiB"),
-           ("pred_count", "pred colls"), ("hlo_count", "HLO colls"), ("count_fidelity", "HLO/pred colls"),
-           ("hlo_mib", "HLO MiB"), ("fidelity", "HLO/pred"), ("mem_pred_gib", "mem pred GiB"), ("mem_hlo_gib", "mem HLO GiB"), ("fits", "fits 32 GiB")]
-# The GPU compile's columns: predicted under the H100 preset of the row's mesh, compiled for described
-# H100s, priced from that HLO (`price_compiled`) as its schedule runs and serially; `kinds` is
-# predicted -> compiled per collective kind.
-GPU_COLUMNS = [("mesh", "mesh"), ("method", "method"), ("status", "status"), ("search_s", "search s (H100)"),
-               ("step_ms", "step ms H100 pred"), ("priced_ms", "priced ms (GPU HLO, overlapped)"),
-               ("priced_serial_ms", "priced ms serially"), ("priced_compute_ms", "priced compute ms"),
-               ("priced_comm_ms", "priced comm ms"), ("priced_exposed_ms", "of it exposed ms"),
-               ("priced_over_pred", "priced/pred"), ("pred_count", "pred colls"), ("hlo_count", "HLO colls"),
-               ("count_fidelity", "HLO/pred colls"), ("pred_mib", "pred MiB"), ("hlo_mib", "HLO MiB"),
-               ("fidelity", "HLO/pred"), ("kinds", "per kind: pred → HLO (count/MiB)"),
-               ("mem_pred_gib", "mem pred GiB"), ("mem_hlo_gib", "mem HLO GiB"), ("fits", "fits 80 GiB"),
-               ("compile_s", "GPU compile s")]
-TINY_COLUMNS = [("mesh", "mesh"), ("method", "method"), ("status", "status"), ("search_s", "search s"),
-                ("step_ms", "step ms M8"), ("pred_mib", "pred MiB"), ("pred_count", "pred colls"),
-                ("hlo_count", "HLO colls"), ("count_fidelity", "HLO/pred colls"), ("hlo_mib", "HLO MiB"),
-                ("fidelity", "HLO/pred"), ("max_abs_diff", "max |Δ| vs 1 device")]
-
-
-def _compiler(r) -> str:
-    return r.get("compiler", "cpu")  # rows of runs before the GPU targets are the CPU's
-
-
-def _kinds_cell(r) -> str:
-    """'AR 25/581→25/1161, AG 3/232→3/232': each kind's predicted then compiled count/MiB."""
-    pred, hlo = r.get("pred_kinds") or {}, r.get("hlo_kinds")
-    if hlo is None:
-        return "—"
-    cell = lambda nb: f"{nb[0]}/{nb[1] / 2**20:.0f}" if nb else "0"  # noqa: E731
-    return ", ".join(f"{KIND_ABBR[k]} {cell(pred.get(k))}→{cell(hlo.get(k))}" for k in KIND_ABBR
-                     if k in pred or k in hlo) or "none"
-
-
-def _skipped(r) -> bool:
-    """A baseline written for other models or another mesh rank (listed under the table, not in it)."""
-    return r["status"] == "n/a" and ("applies to" in r["note"] or "-D plan" in r["note"])
-
-
-def _table(rows, columns) -> list[str]:
-    lines = ["| " + " | ".join(h for _, h in columns) + " | note |", "|" + "---|" * (len(columns) + 1)]
-    skipped = sorted({f"{r['method']} ({r['note']})" for r in rows if _skipped(r)})
-    rows = [r for r in rows if not _skipped(r)]
-    for r in rows:
-        cells = []
-        for k, _ in columns:
-            if k == "kinds":
-                cells.append(_kinds_cell(r))
-            elif k == "fits":
-                cells.append(_fmt(r.get("fits", r.get("fits_m8"))))  # fits_m8: results.json before the GPU rows
-            else:
-                cells.append(_fmt(r.get(k)) if k not in ("mesh", "method", "status") else str(r.get(k)))
-        lines.append("| " + " | ".join(cells) + f" | {r.get('note', '')} |")
-    if skipped:
-        lines += ["", "Not applicable here: " + "; ".join(skipped) + "."]
-    return lines
-
-
-def _h100_ms(r) -> float | None:
-    """A row's predicted step under the H100 preset: a GPU row's own search, or the second search
-    of a CPU row (made when no GPU target runs)."""
-    return r.get("step_ms") if _compiler(r) == "gpu" else r.get("step_ms_h100")
-
-
-# Goal columns: (heading, which rows, the value compared).
-GOAL_MEASURES = (("M8 predicted", "cpu", lambda r: r.get("step_ms")),
-                 ("H100 predicted", "h100", _h100_ms),
-                 ("H100 priced from GPU HLO, overlapped", "gpu", lambda r: r.get("priced_ms")),
-                 ("H100 priced from GPU HLO, serially", "gpu", lambda r: r.get("priced_serial_ms")))
-
-
-def goals(rows) -> tuple[list[str], dict]:
-    """The goals on the paper-size rows, per model and mesh: rhino_jax's best step over the
-    best baseline's, predicted under M8 (CPU rows) and H100 (the GPU rows' searches, else the CPU
-    rows' second searches), and priced from the programs compiled for described H100s, as their
-    schedules run and serially."""
-    lines, verdict = [], {}
-    by_case = defaultdict(list)
-    for r in rows:
-        if r.get("kind") == "paper":
-            by_case[(r["model"], r["mesh"])].append(r)
-    heads = [h for h, _, _ in GOAL_MEASURES]
-    lines += ["| model | mesh | " + " | ".join(f"{h}: best rhino_jax ms | {h}: best baseline ms | ratio"
-                                               for h in heads) + " | never worse | strictly better |",
-              "|---|---|" + "---|---|---|" * len(heads) + "---|---|"]
-
-    def best(rs, value):
-        rs = [r for r in rs if value(r) is not None]
-        return min(rs, key=value) if rs else None
-
-    def cell(r, value, fits=False):
-        if r is None:
-            return "—"
-        mark = "" if not fits or r.get("fits", r.get("fits_m8", True)) else ", > 32 GiB"
-        return f"{value(r):.4g} ({r['method']}{mark})"
-
-    f = lambda q: "—" if q is None else f"{q:.3f}"  # noqa: E731
-    for (model, mesh), rs in by_case.items():
-        ok = [r for r in rs if r["status"] in ("ok", "time limit")]
-        gpu = any(_compiler(r) == "gpu" for r in ok)
-        cells, out = [], []
-        for head, which, value in GOAL_MEASURES:
-            pick = {"cpu": "cpu", "gpu": "gpu", "h100": "gpu" if gpu else "cpu"}[which]
-            mine = [r for r in ok if _compiler(r) == pick]
-            r, b = best([r for r in mine if _is_rhino(r["method"])], value), best(
-                [r for r in mine if not _is_rhino(r["method"])], value)
-            ratio = value(r) / value(b) if r is not None and b is not None else None
-            out.append((r, b, ratio, None if ratio is None else ratio <= 1 + 1e-9,
-                        None if ratio is None else ratio < 1 - 1e-3))
-            cells += [cell(r, value, which == "cpu"), cell(b, value, which == "cpu"), f(ratio)]
-        verdict[(model, mesh)] = out
-        lines.append(f"| {model} | {mesh} | " + " | ".join(cells) + " | "
-                     + ", ".join(_fmt(o[3]) for o in out) + " | " + ", ".join(_fmt(o[4]) for o in out) + " |")
-    lines += ["", "ratio = rhino_jax / best baseline (below 1: rhino_jax faster); never worse / strictly better in "
-              "the order of the columns (M8, H100 predicted, H100 priced overlapped, then serially; — where not run). \"> 32 GiB\": the plan's "
-              "predicted memory exceeds M8's device memory (for rhino_jax: its memory-limited search found no plan "
-              "within it, see the notes). The 2x8 mesh (two hosts) is compiled for the GPU only."]
-    return lines, verdict
-
-
-def _fidelity_lines(rows) -> list[str]:
-    """Per compiler: plans whose compiled collective bytes and counts are within ±10 % of predicted."""
-    L = []
-    for compiler in COMPILERS:
-        fid = [r for r in rows if _compiler(r) == compiler and r.get("fidelity") is not None
-               and r["status"] in ("ok", "time limit")]
-        if not fid:
-            continue
-        how = f"predicted as XLA's {compiler.upper()} combiners merge them"
-        for key, what in (("fidelity", "bytes"), ("count_fidelity", "ops")):
-            have = [r for r in fid if r.get(key) is not None]
-            bad = [r for r in have if abs(r[key] - 1) > 0.10]
-            L += [f"{compiler.upper()} compile, fidelity of collective {what} (compiled / {how}) within ±10 %: "
-                  f"{len(have) - len(bad)} of {len(have)} plans" + (": all." if not bad else "; outside: " + ", ".join(
-                      f"{r['model']} {r['mesh']} {r['method']} ({r[key]:.2f})" for r in bad) + "."), ""]
-    return L
-
-
-def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: float, minutes=None,
-           argv=None, kept_from=None) -> str:
-    minutes = (time.perf_counter() - started) / 60 if minutes is None else minutes
-    command = " ".join(["python -m benchmarks.run", *(argv if argv is not None else ["--quick"] * quick)])
-    kept = (f" What it did not rerun is kept from `{' '.join(['python -m benchmarks.run', *kept_from])}`."
-            if kept_from is not None else "")
-    L = ["# rhino_jax vs expert baselines", "",
-         f"Written by `{command}` on {datetime.date.today()}; "
-         f"jax {jax.__version__}, {platform.platform()}, {os.cpu_count()} CPU cores, 8 emulated CPU devices "
-         f"(XLA host platform); whole run {minutes:.1f} min.{kept}", "",
-         "Everything is planned by `rj.parallelize` and compiled by XLA's SPMD partitioner. Times are the cost "
-         "model's predictions (per step, no compute/communication overlap) under the `m8-v100` preset (Rhino's "
-         "M8: 8 V100-32GB, NVLink) and, from a separate search, under `8x-h100`; the CPU never runs the "
-         "paper-size programs. The baselines (`benchmarks/baselines.py`) are expert plans pinned with "
-         "`rj.annotate` on parameters, optimizer state, batch and activations; the search fills in what the "
-         "pins leave open, under the same cost model. The baselines are SPMD only, so the manual \"3-D\" plan "
-         "is 2-D: DP x TP (pipelines are compared in `benchmarks/controller.md`).", "",
-         "Sizes: each model's heading says which paper configuration it is and what we changed. To keep the "
-         "CPU rows under half an hour on 2 cores (about nine plans compiled per model and mesh), GPT, MoE, BERT and "
-         "Wide-ResNet are planned and compiled at half their depth; VGG19 and U-Net at full size. The "
-         "strong-scaling and search-time sections use GPT-Medium's full 24 layers (planned, not compiled). "
-         "Compiles use `--xla_backend_optimization_level=0` (same HLO, a third less CPU time).", "",
-         "Columns: search s = lowering + import + search (wall time, 2 shared cores); pred MiB = bytes the "
-         "plan's collectives move per device (the buffer each collective works on); HLO colls / HLO MiB = "
-         "count and bytes of the collectives in the compiled program; HLO/pred = fidelity (goal: within "
-         "±10 %); mem pred = the plan's per-device peak estimate; mem HLO = arguments + outputs + "
-         "temporaries − aliased from the compiled program's buffer assignment (CPU XLA: no rematerialization, "
-         "so temporaries run high); fits 32 GiB = mem pred within M8's device memory. rhino_jax searches with "
-         "`memory_limit_bytes` = device memory (32 GiB M8, 80 GiB H100); the baselines are not limited, only "
-         "flagged. `n/a`: the baseline does not apply (skipped, not faked).", ""]
-    if any(_compiler(r) == "gpu" for r in rows):
-        L += ["GPU rows (paper sizes only; the tables' second half): the same plans and baselines compiled by XLA's "
-              "GPU compiler (jax's CUDA plugin, compile-only) for described H100 SXM devices (`rj.gpu_topology`), "
-              "meshes 8 and 2x4 on one host of 8, 2x8 on two hosts of 8 (the outer axis across the hosts); planned "
-              "for `8x-h100` (2x8: `8x-h100-2hosts`), rhino_jax with `memory_limit_bytes` 80 GiB; predicted "
-              "collectives combined as XLA's GPU combiners merge them; every program priced from its compiled HLO "
-              "by `compiled_cost.price_compiled` (priced ms: compute from XLA's generic cost analysis of each kernel "
-              "of the GPU HLO at its own roofline plus the preset's launch per kernel run, α-β time of each compiled "
-              "collective, the program replayed as XLA scheduled it: an asynchronous collective runs beside the "
-              "kernels between its start and its done, a synchronous one blocks; 'exposed' is the time compute "
-              "waited on communication; serially: compute plus communication, the price before 2026-11-29); mem HLO is the GPU compiler's buffer "
-              "assignment (it rematerializes towards 80 GiB). Nothing runs on described devices. The CPU rows' "
-              "H100 column is then empty: the GPU rows' search is the H100 prediction.", ""]
-    goal_lines, verdict = goals(rows)
-    L += ["## Goals", ""] + goal_lines + [""]
-    L += _fidelity_lines(rows)
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    for m in models:
-        paper = [r for r in rows if r["model"] == m and r.get("kind") == "paper"]
-        tiny = [r for r in rows if r["model"] == m and r.get("kind") == "tiny"]
-        L += [f"## {m}", ""]
-        if paper:
-            name, over, why = PAPER[m]
-            over_text = ", ".join(f"{k}={v}" for k, v in over.items())
-            L += [f"### {paper[0]['preset']}" + (f" ({over_text})" if over_text else "") + f" — {why}", ""]
-            cpu = [r for r in paper if _compiler(r) == "cpu"]
-            gpu = [r for r in paper if _compiler(r) == "gpu"]
-            if cpu:
-                L += ["Compiled by XLA's CPU compiler (8 emulated devices), planned for M8:", ""]
-                L += _table(cpu, COLUMNS) + [""]
-            if gpu:
-                L += ["Compiled by XLA's GPU compiler for described H100s (8 on one host; 2x8: 16 on two hosts), "
-                      "planned for 8x-h100 (2x8: 8x-h100-2hosts) and priced from the compiled HLO:", ""]
-                L += _table(gpu, GPU_COLUMNS) + [""]
-        if tiny:
-            L += ["### tiny preset: run on the 8 devices, compared with jax.jit on one device", ""]
-            L += _table(tiny, TINY_COLUMNS) + [""]
-    if scaling:
-        L += strong_scaling_section(scaling)
-    if layer_rows:
-        L += ["## Search time vs layers (GPT-Medium width, batch 8, mesh (8,), M8)", "",
-              "| layers | opt | ops | ILP vars | solve s | search s | step ms | note |", "|---|---|---|---|---|---|---|---|"]
-        L += [f"| {r['layers']} | {r['opt']} | {r['ops']} | {r['ilp_vars']} | {r['solve_s']:.2f} | "
-              f"{r['search_s']:.2f} | {r['step_ms']:.4g} | {r['note']} |" for r in layer_rows]
-        L += ["", "![search time](search_time.png)", ""]
-    L += ["## Plots", "", "![predicted throughput](throughput.png)", ""]
-    L += NOTES
-    return "\n".join(L) + "\n"
-
-
-# Hand-written (2026-11-23, revised 2026-11-25 against the tree of that day's run): what the numbers above rest on.
-# Check them against the tables after a rerun on a newer rhino_jax.
-NOTES = [
-    "## Notes: what limits these numbers (rhino_jax as of this run)", "",
-    "- **Pinned plans are completed by the search.** A baseline pins parameters, moments, batch and the "
-    "model's `constrain` sites; the ops in between are planned by rhino_jax under the same cost model. "
-    "On the tiny presets the completions are not textbook (data parallel gathers some 16-64 KiB "
-    "activations in the backward pass, Megatron gathers the 8 KiB vocabulary-split table): the xfail "
-    "test in `tests/test_baselines.py`. At these sizes latency dominates the cost model.",
-    "- **A value read by several cones is moved once** (since 2026-11-25): it is read through a hub "
-    "(search/assembly.py `add_hubs`), a unit of no cost whose strategies are the value's layouts, so the "
-    "ILP pays the move to the hub's layout once and each reader cone from there, as the plan "
-    "(`_shared_path`) and XLA do. Before, the ILP charged the move once per reader cone (up to about 1 % "
-    "above the plan's cost; on a Flax step with global-norm clipping the embedding gradient's all-reduce "
-    "three times, enough to pass over data parallelism, `THIRD_PARTY.md`). It is exact when the readers "
-    "share one layout; readers in several layouts pay from the hub's. Hubs add cones (about 30 % on "
-    "GPT-Medium) and search time.",
-    "- **Since the previous run (2026-11-25, second)**: `solver_time_limit_s` is one deadline for the whole "
-    "search (build, every stage, memory-limit trials), where each solve had its own. Wide-ResNet (2, 4)'s "
-    "exact tying and its layers-alike tying are both too large for one ILP: O2 now runs windows from the "
-    "replicated plan (9 s, 531 ms predicted) and then the whole ILP (its LP relaxation alone 38 s) in the "
-    "time left, 52 s in all for 509 ms; O3 at its 45 s limit keeps the windows' plan (531 ms) where it "
-    "found no plan within 90 s before; the H100 search is then skipped. O3 on GPT (2, 4) reached its "
-    "untied ILP's plan within the limit this time (133.2 vs O2's 133.4 ms), and stops at MoE's with "
-    "O2's plan. This run's machine was faster than the previous one's (21 min in all, 34 min before; the "
-    "same search code): compare search times within one run only.",
-    "- **Fixed since the first 2026-11-23 run**, which had MoE on (2, 4) at 1.14-1.18: a reshard is now a "
-    "path of steps that XLA compiles exactly as priced, and the rewrite pins every intermediate layout "
-    "(`search/collectives.py` `reshard_path`). Left to itself between two distant layouts, XLA often "
-    "replicates the tensor (\"involuntary full rematerialization\") or adds collective-permutes (a gather or "
-    "all-to-all of a dim's major axis): 34 of the 121 layout pairs of a (16, 32) tensor on (2, 4) compiled "
-    "otherwise than priced; now every pair of rank 2 and 3 compiles to the priced collectives "
-    "(`tests/test_collectives.py`); the path into a user's pin (a baseline's) and into a donated "
-    "output's layout is pinned too (16 of 56 pinned argument/result pairs compiled otherwise). A partial "
-    "sum is reduce-scattered only into a dim that still divides (MoE's combine cut 4 groups 8 ways). Earlier (2026-11-22 run): rules for `select_and_scatter`, "
-    "`reverse` and a vocabulary-split lookup; cone DP ties; axes left in another order priced as permutes; "
-    "partial sums settled as priced; stride changes priced as XLA compiles them.",
-    "- **Before that (2026-11-25, first run)**: (1) the one-device step run whole on every device "
-    "(each cone's replicated strategy) is the search's first incumbent: on the tiny presets the "
-    "relaxation's rounding had stopped within one collective launch of its bound at sharded plans up to "
-    "27 % costlier than replicated under the model's own prices (VGG19 (2, 4) 0.0267 vs 0.0210 ms, BERT "
-    "(2, 4) 0.0509 vs 0.0370); every tiny preset is now replicated when unlimited. (2) A solve within one "
-    "launch of its bound stops there (\"near-optimal\") without branch-and-bound, which found nothing "
-    "better on the tiny presets and took most of their time: the memory-limited tiny searches on (2, 4) "
-    "took up to 282 s (BERT), now at most 58 s. (3) O2 solves the untied ILP after the tied one when tying saves little "
-    "(`search/levels.py`). (4) An all-gather along a dim with a longer dim before it pays the copy XLA "
-    "adds to put its result back in the program's layout (`collectives._gather`): predicted steps rose by "
-    "up to 0.3 % (Wide-ResNet (8,) 509.5 -> 510.9 ms). (5) The priced baselines in `THIRD_PARTY.md` no "
-    "longer count collectives' buffers as memory traffic (not used here).",
-    "- **Earlier the same day**: (1) a partial sum is settled as XLA's partitioner "
-    "compiles it, one all-reduce of the whole local buffer per dim its axes are scattered into (a "
-    "reduce-scatter only when there is one such dim), then the axes scattered nowhere on the slice "
-    "(`search/collectives.py` `_settle_step`): GPT-Medium on (2, 4) had its gradients scattered into "
-    "[data, model], which compiled to two full all-reduces where one reduce-scatter was priced (fidelity "
-    "1.39), and MoE O3 on (2, 4) likewise (1.17); now the search settles them into one dim. (2) A "
-    "settled layout pinned before a stride change is moved from as any layout (the stride change was "
-    "priced free: MoE expert parallel's count fidelity 1.16). (3) The hub above. Every compiled plan is "
-    "now within ±10 % of its predicted collective bytes and counts (tables above).",
-    "- **Earlier (2026-11-23/24 runs)**: the ILP solves its LP relaxation first and stops there "
-    "when it is integral; a value read in several layouts is priced as XLA moves it, once per layout from "
-    "the nearest layout reached; a sum split on several loops is priced as XLA compiles it, one full "
-    "all-reduce per loop.",
-    "- **The memory limit (§4.4) constrains only parameters and optimizer states**: activations are "
-    "not forced off replication. Every model here fits without that; a model whose activations alone "
-    "overflow the device would get `MemoryLimitError` although a plan may exist.",
-    "- **Fidelity** compares the buffers of the compiled collectives with the predicted ones: both count an "
-    "all-reduce's buffer once and a reduce-scatter's full operand, so it checks that XLA did what the plan "
-    "said, not the bytes on the wire. XLA's partitioner writes a reduce-scatter as an all-reduce of the "
-    "same buffer and a local slice, which the GPU pipeline (ReduceScatterCreator) merges and the CPU's "
-    "leaves as is: here predicted reduce-scatters compile to all-reduces, the bytes agree, the kind does not.",
-    "- **Agreement with one device** (tiny rows): see the max |Δ| column. Unlimited, rhino_jax rightly "
-    "replicates the tiny models (no collectives: a check that cannot fail), so each tiny table also has "
-    "rhino_jax O2 under a memory limit that the replicated plan exceeds by half of what sharding all "
-    "parameters and Adam moments would save (`models.sharding_memory_limit`): that plan shards state "
-    "and runs with collectives. Its search takes 0.5-2.3 s on (8,) and 5-43 s on (2, 4) (§4.4: one ILP solve "
-    "per trial k, about 2 log2(k) of them; a tiny model's ILP on (2, 4) is large, BERT's 115,000 variables). Adam's first step moves a weight "
-    "by about lr·sign(g), so a weight whose gradient is ~1e-6 can differ by 2·lr where float rounding in "
-    "the split reductions flips the sign (Wide-ResNet's Megatron and DP x TP rows). Not a plan error.",
-    "- **Memory**: `mem HLO` is the CPU compiler's buffer assignment (no rematerialization, CPU scheduling); "
-    "it is reported, not compared with a GPU. `mem pred` decides \"fits 32 GiB\".",
-    "- **Baselines' own choices** are documented in `benchmarks/baselines.py` (ZeRO's persistence threshold, "
-    "Megatron leaving the fused [q | k | v] weight to the search, the convolution column/row pairing). "
-    "They are SPMD only (the 3-D plan is DP x TP); pipelines are compared in `benchmarks/controller.md`.",
-    "- **Calibration**: the compute term uses the presets' datasheet-derived constants; "
-    "`python -m benchmarks.calibrate` fits them on a GPU: on one H100 the fit is within 2 % of them, but no "
-    "time per kernel is charged, so small steps run 2-5x their prediction (`benchmarks/gpu.md`).",
-    "",
-]
-
-
-PAPER_SAYS = {2: "data parallel", 4: "DP, one variable of decoder layer 0 sharded (slightly less data moved)",
-              8: "Q/K/V weights and their optimizer state sharded, ZeRO-2-like (P_os+g); the rest DP; "
-                 "20 % less data moved than DP (the paper: \"20% data transfer size than DP\")"}
-
-
-def _wire_mib(kinds: dict, n: int) -> float:
-    """MiB each device sends in ring collectives over n devices: an all-reduce of S bytes sends
-    2 S (n-1)/n, an all-gather, reduce-scatter or all-to-all S (n-1)/n of its (full) buffer."""
-    return sum(b * (2 if k == "all-reduce" else 1) * (n - 1) / n for k, (_, b) in kinds.items())
-
-
-def strong_scaling_section(scaling) -> list[str]:
-    layers = scaling[0]["layers"]
-    L = [f"## Strong scaling (Rhino §7.3): GPT-Medium ({layers} layers, batch {STRONG_SCALING_BATCH}) on 2/4/8 "
-         "devices, M8, memory limit 32 GiB", "",
-         "rhino_jax O2 next to data parallel and ZeRO under the same cost model (plans only, not compiled). "
-         "buffer MiB = summed buffers of the predicted collectives (an all-reduce counts its buffer once, "
-         "ZeRO's reduce-scatter + all-gather count it twice); wire MiB = what each device sends in ring "
-         "collectives (all-reduce 2(n-1)/n of its buffer, the others (n-1)/n), the paper's \"data transfer "
-         "size\"; vs DP = wire MiB / data parallel's.", "",
-         "| devices | method | step ms | compute ms | comm ms | buffer MiB | wire MiB | vs DP | mem GiB | collectives |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
-    dp = {r["devices"]: _wire_mib(r["kinds"], r["devices"]) for r in scaling if r["method"] == "data parallel"}
-    for r in scaling:
-        wire = _wire_mib(r["kinds"], r["devices"])
-        ratio = wire / dp[r["devices"]] if dp.get(r["devices"]) else float("nan")
-        kinds = ", ".join(f"{k} {n}×/{b:.0f} MiB" for k, (n, b) in sorted(r["kinds"].items()))
-        L.append(f"| {r['devices']} | {r['method']} | {r['step_ms']:.4g} | {r['compute_ms']:.4g} | "
-                 f"{r['comm_ms']:.4g} | {r['pred_mib']:.0f} | {wire:.0f} | {ratio:.2f} | {r['mem_pred_gib']:.2f} | "
-                 f"{kinds} |")
-    L += ["", "| devices | paper (Rhino §7.3) | rhino_jax O2 chooses: non-replicated parameters / Adam moments "
-          "(grouped over layers, largest first) | why: rhino_jax − data parallel | memory limit forced |",
-          "|---|---|---|---|---|"]
-    for r in scaling:
-        if r["method"] != "rhino_jax O2":
-            continue
-        shown = r["sharded"][:8] + ([f"... {len(r['sharded']) - 8} smaller groups"] if len(r["sharded"]) > 8 else [])
-        what = "; ".join(shown) or "nothing: every parameter and moment replicated (data parallel)"
-        base = next(d for d in scaling if d["devices"] == r["devices"] and d["method"] == "data parallel")
-        why = (f"compute {r['compute_ms'] - base['compute_ms']:+.1f} ms, comm {r['comm_ms'] - base['comm_ms']:+.1f} ms, "
-               f"memory {r['mem_pred_gib'] - base['mem_pred_gib']:+.1f} GiB (DP: {base['mem_pred_gib']:.1f} GiB)")
-        forced = f"yes: {r['not_replicated']} tensors" if r["not_replicated"] else "no"
-        L.append(f"| {r['devices']} | {PAPER_SAYS[r['devices']]} | {what} | {why} | {forced} |")
-    L += ["", "How to read it: under the cost model, sharding a weight's Adam moments (mu, nu) lets each device "
-          "update 1/n of the weight, and the update is memory-bound elementwise work over the weight and both "
-          "moments; the gradient is then reduce-scattered into the shards and the weight all-gathered, which "
-          "sends the same bytes on the ring as data parallelism's all-reduce (slightly fewer where the search "
-          "also saves activation traffic). So the search shards the moments of the largest weights (ZeRO-2-like, "
-          "Rhino's P_os+g) and keeps the weights replicated, at every size; compute falls by about the update's "
-          "cost and memory by the moments' share. The vocabulary-sized embedding (200 MiB) is sharded with its "
-          "moments (ZeRO-3-like). Where data parallelism does not fit 32 GiB (the \"DP: ... GiB\" figure), the "
-          "memory limit forces the largest weights themselves off replication (\"memory limit forced\"). The "
-          "paper reports plain DP at 2 devices and a single sharded variable at 4: it does not give the batch "
-          "or the memory at which it planned, and our cost model already rewards the sharded update at 2 and 4 "
-          "devices, so rhino_jax shards earlier than the paper's Rhino."]
-    report = next((r.get("report") for r in scaling if r.get("report")), None)
-    if report:
-        L += ["", "The 8-device plan's report:", "", "```", report, "```"]
-    return L + [""]
-
-
-def plot(rows, layer_rows, out: pathlib.Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    paper = [r for r in rows if r.get("kind") == "paper" and r.get("step_ms") and r["status"] in ("ok", "time limit")]
-    # One bar pair per (model, method, mesh): M8 from the CPU row, H100 from the GPU row where there is one.
-    entries: dict[tuple, dict] = {}
-    for r in paper:
-        e = entries.setdefault((r["model"], r["method"], r["mesh"]), dict(
-            model=r["model"], method=r["method"], mesh=r["mesh"], preset=r["preset"], batch=r["batch"], m8=None,
-            h1=None, fits=True))
-        if _compiler(r) == "cpu":
-            e["m8"], e["fits"] = r["step_ms"], r.get("fits", r.get("fits_m8", True))
-        if _h100_ms(r) is not None and (e["h1"] is None or _compiler(r) == "gpu"):
-            e["h1"] = _h100_ms(r)
-    models = list(dict.fromkeys(e["model"] for e in entries.values()))
-    if models:
-        cols = 3
-        nrows = math.ceil(len(models) / cols)
-        fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4.2 * nrows), squeeze=False)
-        for ax, m in zip(axes.flat, models):
-            rs = [e for e in entries.values() if e["model"] == m]
-            labels = [f"{e['method']}\n({e['mesh']})" for e in rs]
-            x = np.arange(len(rs))
-            base = [e for e in rs if not _is_rhino(e["method"])]
-            best_m8 = max((e["batch"] / e["m8"] for e in base if e["m8"]), default=None)
-            best_h1 = max((e["batch"] / e["h1"] for e in base if e["h1"]), default=None)
-            m8 = [e["batch"] / e["m8"] / best_m8 if best_m8 and e["m8"] else 0 for e in rs]
-            h1 = [e["batch"] / e["h1"] / best_h1 if best_h1 and e["h1"] else 0 for e in rs]
-            colors = ["tab:red" if _is_rhino(e["method"]) else "tab:blue" for e in rs]
-            ax.bar(x - 0.2, m8, 0.4, color=colors, label="m8-v100")
-            ax.bar(x + 0.2, h1, 0.4, color=colors, alpha=0.45, label="8x-h100")
-            ax.axhline(1.0, color="k", lw=0.8, ls="--")
-            for xi, e in zip(x, rs):
-                if not e["fits"]:
-                    ax.text(xi - 0.2, 0.02, "> 32 GiB", rotation=90, va="bottom", ha="center", fontsize=7)
-            ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
-            ax.set(title=f"{m} ({rs[0]['preset']}): best baseline {(best_m8 or 0) * 1e3:.3g} / "
-                         f"{(best_h1 or 0) * 1e3:.3g} samples/s (M8 / H100)",
-                   ylabel="predicted throughput / best baseline's")
-            ax.title.set_fontsize(9)
-            ax.grid(alpha=0.3, axis="y")
-        for ax in list(axes.flat)[len(models):]:
-            ax.axis("off")
-        from matplotlib.patches import Patch
-        fig.legend(handles=[Patch(color="tab:red", label="rhino_jax, m8-v100"),
-                            Patch(color="tab:red", alpha=0.45, label="rhino_jax, 8x-h100"),
-                            Patch(color="tab:blue", label="baseline, m8-v100"),
-                            Patch(color="tab:blue", alpha=0.45, label="baseline, 8x-h100")],
-                   loc="upper center", ncol=4, fontsize=9, frameon=False)
-        fig.tight_layout(rect=(0, 0, 1, 0.96))
-        fig.savefig(out / "throughput.png", dpi=90)
-        plt.close(fig)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    srch = [r for r in paper if _is_rhino(r["method"]) and r["mesh"] == "8" and _compiler(r) == "cpu"]
-    ms = list(dict.fromkeys(r["model"] for r in srch))
-    for k, level in enumerate(("O2", "O3")):
-        vals = [next((r["search_s"] for r in srch if r["model"] == m and r["method"].endswith(level)), 0) for m in ms]
-        ax1.bar(np.arange(len(ms)) + (k - 0.5) * 0.4, vals, 0.4, label=level)
-    ax1.set_xticks(np.arange(len(ms)), ms)
-    ax1.set(ylabel="search s (lowering included)", title="search time, paper sizes, mesh (8,), M8")
-    ax1.legend()
-    ax1.grid(alpha=0.3, axis="y")
-    for level, marker in (("O2", "o"), ("O3", "s")):
-        rs = [r for r in layer_rows if r["opt"] == level]
-        ax2.plot([r["layers"] for r in rs], [r["search_s"] for r in rs], marker=marker, label=level)
-    ax2.set(xlabel="layers", ylabel="search s (lowering included)", title="search time vs layers (GPT-Medium width)")
-    ax2.grid(alpha=0.3)
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(out / "search_time.png", dpi=90)
-    plt.close(fig)
-
-
 def _log(row) -> None:
     keep = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
             if not k.startswith("_") and k not in ("report", "sharded", "kinds")}
@@ -969,7 +507,8 @@ def main():
     if opts.render_only:
         data = json.loads((opts.out / "results.json").read_text())
         text = render(data["rows"], data["scaling"], data["layers"], opts.out, opts.quick, started,
-                      data.get("minutes"), data.get("argv"), data.get("kept_from"))
+                      data.get("minutes"), data.get("argv"), data.get("kept_from"), configs=PAPER,
+                      scaling_batch=STRONG_SCALING_BATCH)
         (opts.out / "RESULTS.md").write_text(text)
         plot(data["rows"], data["layers"], opts.out)
         print(text)
@@ -1011,7 +550,7 @@ def main():
         save()
     done = merged()
     text = render(done["rows"], done["scaling"], done["layers"], opts.out, opts.quick, started, argv=argv,
-                  kept_from=done["kept_from"])
+                  kept_from=done["kept_from"], configs=PAPER, scaling_batch=STRONG_SCALING_BATCH)
     (opts.out / "RESULTS.md").write_text(text)
     plot(done["rows"], done["layers"], opts.out)
     print(text)
