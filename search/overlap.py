@@ -12,6 +12,11 @@ One link runs the collectives one after another. So a collective hides behind th
 between where it can start and where it is waited for: the first layer's parameter gathers and
 the gathers of the last updates stay exposed, where a share of all off-chain communication hid
 them before.
+
+A loop's body is one computation that XLA schedules on its own, trip after trip: a collective in
+it starts no earlier than its trip does and is done before the trip ends, so it hides only
+behind the compute of its own trip (a layer's gradient reduced inside a scan over layers waits
+at the end of that layer's trip, not at the step's end).
 """
 from __future__ import annotations
 
@@ -25,12 +30,16 @@ CHAIN, AHEAD, BEHIND = "chain", "ahead", "behind"
 
 @dataclass(frozen=True)
 class Event:
-    """One step of a plan in program order: compute of `seconds`, or collective `index` (of the
-    plan's planned collectives) that runs `how` (`CHAIN`, `AHEAD` or `BEHIND`)."""
+    """One step of a plan in program order: compute of `seconds` (all trips of its loop's body
+    together), or collective `index` (of the plan's planned collectives) that runs `how`
+    (`CHAIN`, `AHEAD` or `BEHIND`) in trip `trip`; `trips`: the trips of the loop whose body
+    holds it (1 outside loops)."""
 
     seconds: float = 0.0
     index: int = -1
     how: str = ""
+    trips: int = 1
+    trip: int = 0
 
 
 def how_it_runs(combinable: bool, side: str | None) -> str:
@@ -43,14 +52,47 @@ def how_it_runs(combinable: bool, side: str | None) -> str:
 
 def replay(events: Sequence[Event], durations: Sequence[float]) -> float:
     """The step's time: compute events one after another, each collective (of `durations[index]`
-    seconds) on one link, started and waited for as its `how` says (the module's docstring)."""
-    compute = link = 0.0
-    for e in events:
-        if e.index < 0:
-            compute += e.seconds
-            continue
-        start = link if e.how == AHEAD else max(compute, link)
-        link = start + durations[e.index]
+    seconds) on one link, started and waited for as its `how` says; a loop's body (a run of
+    events of the same `trips`) trip by trip, each trip's compute a share of its events' and its
+    collectives done by the trip's end (the module's docstring). A collective of a value made
+    outside the loop and read in its body runs once, before the loop."""
+    streams = _Streams()
+    i = 0
+    while i < len(events):
+        trips, end = events[i].trips, i + 1
+        if trips > 1:  # the body: up to its last event, past collectives of values made outside
+            j = i
+            while j < len(events) and (events[j].trips == trips or (events[j].index >= 0 and events[j].trips == 1)):
+                end = j + 1 if events[j].trips == trips else end
+                j += 1
+        body = [e for e in events[i:end] if e.trips == trips]
+        for e in events[i:end]:
+            if e.trips != trips:
+                streams.run(e, durations[e.index], 0.0)
+        for trip in range(trips):
+            begun, issued = streams.compute, 0.0
+            for e in body:
+                if e.index < 0:
+                    streams.compute += e.seconds / trips
+                elif e.trip == trip:
+                    issued = streams.run(e, durations[e.index], begun if trips > 1 else 0.0)
+            if trips > 1:  # a trip ends once its collectives are done
+                streams.compute = max(streams.compute, issued)
+        i = end
+    return max(streams.compute, streams.link)
+
+
+class _Streams:
+    """Where the compute stream and the link are, in seconds from the step's start."""
+
+    def __init__(self) -> None:
+        self.compute = self.link = 0.0
+
+    def run(self, e: Event, seconds: float, earliest: float) -> float:
+        """Collective `e` of `seconds` on the link, started no earlier than `earliest` (its
+        trip's start); returns when it ends."""
+        start = max(self.link, earliest) if e.how == AHEAD else max(self.compute, self.link)
+        self.link = start + seconds
         if e.how != BEHIND:
-            compute = max(compute, link)
-    return max(compute, link)
+            self.compute = max(self.compute, self.link)
+        return self.link

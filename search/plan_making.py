@@ -113,7 +113,8 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
             side: str | None = None) -> int:
         planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind,
                                          together, needs, trip, trips, branch, topo.link(c.axes)[0], dtype))
-        events.append(overlap.Event(index=len(planned) - 1, how=overlap.how_it_runs(together, side)))
+        events.append(overlap.Event(index=len(planned) - 1, how=overlap.how_it_runs(together, side), trips=trips,
+                                    trip=trip))
         return 1 << (len(planned) - 1)
 
     # Program order; arguments tied to an output read it at the end of the step.
@@ -150,7 +151,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
                 step_mask = 0
                 for c in step.collectives:
                     compute += c.copy_time(topo) * graph.values[v].trips
-                    events.append(overlap.Event(c.copy_time(topo) * graph.values[v].trips))
+                    events.append(overlap.Event(c.copy_time(topo) * graph.values[v].trips, trips=graph.values[v].trips))
                     for trip in range(graph.values[v].trips):  # in a loop's body: each trip after the last
                         step_mask |= add(c, u, graph.values[v].dtype, prices.combined(c, prices.sides.get(v)),
                                          mask | step_mask, trip, graph.values[v].trips, branch, prices.sides.get(v))
@@ -158,8 +159,8 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
                 layout_after[v, step.spec] = mask
             needs |= mask
         side = prices.side_of(u.results)
-        events.append(overlap.Event(s.compute_s))
         trips = graph.values[u.results[0]].trips if u.results else 1
+        events.append(overlap.Event(s.compute_s, trips=trips))
         per_trip = max(1, len(s.collectives) // trips)
         dtype = graph.values[u.results[0]].dtype if u.results else ""
         for k, c in enumerate(s.collectives):  # in a loop's body listed once per trip (`carried.per_trip`)

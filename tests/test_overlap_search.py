@@ -58,3 +58,37 @@ def test_a_plan_priced_with_overlap_hides_what_its_replay_hides():
     assert 0 < overlapped.hidden_s <= min(overlapped.compute_s, overlapped.comm_s)
     assert overlapped.total_s == pytest.approx(overlapped.compute_s + overlapped.comm_s - overlapped.hidden_s)
     assert overlapped.total_s < serial.total_s
+
+
+def _body(seconds, trips):
+    return Event(seconds, trips=trips)
+
+
+def _in_trip(index, how, trip, trips):
+    return Event(index=index, how=how, trip=trip, trips=trips)
+
+
+def test_a_loops_collective_hides_only_behind_its_own_trip():
+    """Two trips of 10 s of compute, each ending in a gradient's 4 s reduction: each trip waits
+    for its own (the next trip does not run beside it), where outside a loop the second would
+    trail behind what follows."""
+    body = [_body(20, 2), _in_trip(0, BEHIND, 0, 2), _in_trip(1, BEHIND, 1, 2)]
+    assert replay(body + [_k(10)], [4, 4]) == 38  # 10 + 4, 10 + 4, then 10
+    flat = [_k(10), _c(0, BEHIND), _k(10), _c(1, BEHIND), _k(10)]
+    assert replay(flat, [4, 4]) == 30  # both hidden
+
+
+def test_a_loops_gather_starts_with_its_trip():
+    """A parameter's gather in a loop's body cannot run ahead of its trip: it hides behind the
+    trip's compute before its reader, not behind the compute before the loop."""
+    body = [_body(0, 2), _in_trip(0, AHEAD, 0, 2), _in_trip(1, AHEAD, 1, 2), _body(20, 2)]
+    assert replay([_k(10)] + body, [4, 4]) == 38  # each trip waits 4 s for its gather
+    flat = [_k(10), _c(0, AHEAD), _k(10), _c(1, AHEAD), _k(10)]
+    assert replay(flat, [4, 4]) == 30
+
+
+def test_a_collective_of_a_value_made_outside_the_loop_runs_once_before_it():
+    """A reshard read in the body of a value made before the loop (trips 1) runs once, before
+    the loop: the body is not cut in two around it."""
+    body = [_body(10, 2), _c(0, CHAIN), _body(10, 2)]
+    assert replay(body, [3]) == 23  # 3, then two trips of 5 + 5
