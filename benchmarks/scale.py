@@ -344,11 +344,18 @@ def run_case(case: Case, limit_s: float, compile_plans: bool = False) -> dict:
 
 
 def _priced_cell(got) -> str:
-    """A compiled program's table cell: its step as scheduled (and serially, where kept) and memory."""
+    """A compiled program's table cell: its step as scheduled, serially beside it, and memory (a
+    row kept from a run before the scheduled price holds the serial sum alone)."""
     if not isinstance(got, list):
         return f"failed: {got[:80]}"
-    serial = f" ({got[3]:.3f} s serially)" if len(got) > 3 else ""
-    return f"{got[0]:.3f} s{serial}, {got[1]:.1f} GiB"
+    if not _scheduled(got):
+        return f"{got[0]:.3f} s serially (a run before the scheduled price), {got[1]:.1f} GiB"
+    return f"{got[0]:.3f} s ({got[3]:.3f} s serially), {got[1]:.1f} GiB"
+
+
+def _scheduled(got) -> bool:
+    """A compiled program priced as its schedule runs (its serial sum fourth), not serially alone."""
+    return isinstance(got, list) and len(got) > 3
 
 
 def _child(case_name: str, limit_s: float, compile_plans: bool) -> None:
@@ -418,11 +425,12 @@ def table(rows: list[dict]) -> str:
             hands = [k for k in HAND if isinstance(got[k], list) and state[k] <= 80]
             mine = got["rhino_jax"] if isinstance(got["rhino_jax"], list) else None
             ratio = (f"{mine[0] / min(got[k][0] for k in hands):.2f}" if hands and mine else "-")
-            if hands and mine and len(mine) > 3:  # the serial ratio, where the serial sums were kept
-                ratio += f" ({mine[3] / min(got[k][3] for k in hands):.2f} serially)"
+            if hands and mine:  # the serial ratio beside; a kept row's first figure is serial
+                ratio += (f" ({mine[3] / min(got[k][3] for k in hands):.2f} serially)" if _scheduled(mine)
+                          else " serially")
             shape = model_shape(r["case"]["model"], r["case"]["layers"])
-            mfu = (f"{100 * 6 * shape.parameters() * PER_DEVICE * SEQ / mine[0] / PEAK_FLOPS:.0f} %" if mine
-                   else "-")
+            mfu = (f"{100 * 6 * shape.parameters() * PER_DEVICE * SEQ / mine[0] / PEAK_FLOPS:.0f} %"
+                   + ("" if _scheduled(mine) else " serially") if mine else "-")
             donated = "donated" if r["result"].get("donated") else "not donated"
             out.append(f"| {r['case']['name']} ({donated}) | " + " | ".join(cells) + f" | {ratio} | {mfu} |")
     maxtext = 6 * LLAMA["7b"].parameters() * MAXTEXT_7B["tokens"] / MAXTEXT_7B["step_s"] / 8 / PEAK_FLOPS
