@@ -29,5 +29,6 @@ __version__ = "0.1.0"
 
 # the plan's readers, which stand above the floor the plan is on (`rhino_jax.core.plan.READERS`)
 _plan.READERS.update(explain=_explain.explain, render=_render.render, report=_report.report,
+                     mesh_candidates_report=_report.mesh_candidates_report,
                      schedule=_schedules.of_plan, task_graph=_task_graph.of_plan,
                      combined_kinds=_combining.combined_kinds)

@@ -91,7 +91,7 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
             lines.append(f"memory limit    kept from replication ({len(s['not_replicated'])}, largest first): "
                          f"{forced}")
     if plan.mesh_candidates:
-        lines += ["", plan.mesh_candidates_report()]
+        lines += ["", mesh_candidates_report(plan)]
     sizes = [int(np.prod(sh, dtype=np.int64)) * dtype_size(dt) for sh, dt in zip(plan.arg_shapes, plan.arg_dtypes)]
     largest = sorted(range(len(sizes)), key=lambda i: -sizes[i])[:max_tensors]
     lines += ["", f"largest arguments (showing {len(largest)} of {len(plan.arg_paths)}):",
@@ -106,6 +106,24 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
         if len(plan.fallback_ops) > 10:
             lines.append(f"  ... and {len(plan.fallback_ops) - 10} more")
     return "\n".join(lines)
+
+def mesh_candidates_report(plan: Plan) -> str:
+    """The mesh shapes searched (mesh=None), best predicted step first."""
+    cands = plan.mesh_candidates
+    n_ok = sum(c.feasible for c in cands)
+    lines = [f"mesh candidates ({len(cands)} searched, {n_ok} feasible; best predicted first):",
+             f"    {'mesh':<34} {'step ms':>10} {'compute ms':>11} {'comm ms':>10} {'MiB/dev':>9} "
+             f"{'search s':>9}"]
+    for c in cands:
+        mark = "  *" if c.chosen else "   "
+        if c.feasible:
+            k = c.cost
+            lines.append(f"{mark} {c.label():<34} {k.total_s * 1e3:>10.4g} {k.compute_s * 1e3:>11.4g} "
+                         f"{k.comm_s * 1e3:>10.4g} {k.memory_bytes / 2**20:>9.1f} {c.search_s:>9.2f}")
+        else:
+            lines.append(f"{mark} {c.label():<34} infeasible: {c.error.splitlines()[0][:120]}")
+    return "\n".join(lines)
+
 
 def _collective_lines(plan: Plan, slowest: int = 6) -> list[str]:
     """The report's predicted collectives: as the cluster's backend compiles them (what the

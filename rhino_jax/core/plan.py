@@ -194,21 +194,8 @@ class Plan:
         return READERS["combined_kinds"](self.collectives, backend or self.backend)
 
     def mesh_candidates_report(self) -> str:
-        """The mesh shapes searched (mesh=None), best predicted step first."""
-        cands = self.mesh_candidates
-        n_ok = sum(c.feasible for c in cands)
-        lines = [f"mesh candidates ({len(cands)} searched, {n_ok} feasible; best predicted first):",
-                 f"    {'mesh':<34} {'step ms':>10} {'compute ms':>11} {'comm ms':>10} {'MiB/dev':>9} "
-                 f"{'search s':>9}"]
-        for c in cands:
-            mark = "  *" if c.chosen else "   "
-            if c.feasible:
-                k = c.cost
-                lines.append(f"{mark} {c.label():<34} {k.total_s * 1e3:>10.4g} {k.compute_s * 1e3:>11.4g} "
-                             f"{k.comm_s * 1e3:>10.4g} {k.memory_bytes / 2**20:>9.1f} {c.search_s:>9.2f}")
-            else:
-                lines.append(f"{mark} {c.label():<34} infeasible: {c.error.splitlines()[0][:120]}")
-        return "\n".join(lines)
+        """The mesh shapes searched (mesh=None), best predicted step first (`rhino_jax.report`)."""
+        return READERS["mesh_candidates_report"](self)
 
     def to_json(self) -> str:
         """The whole plan as JSON (`plain_data`: plain values, no code), less the jax shardings."""
