@@ -69,17 +69,30 @@ def replay(events: Sequence[Event], durations: Sequence[float]) -> float:
         for e in events[i:end]:
             if e.trips != trips:
                 streams.run(e, durations[e.index], 0.0)
-        for trip in range(trips):
-            begun, issued = streams.compute, 0.0
-            for e in body:
-                if e.index < 0:
-                    streams.compute += e.seconds / trips
-                elif e.trip == trip:
-                    issued = streams.run(e, durations[e.index], begun if trips > 1 else 0.0)
-            if trips > 1:  # a trip ends once its collectives are done
-                streams.compute = max(streams.compute, issued)
+        _run_body(streams, body, trips, durations)
         i = end
     return max(streams.compute, streams.link)
+
+
+def _run_body(streams: _Streams, body: Sequence[Event], trips: int, durations: Sequence[float]) -> None:
+    """A loop's body (or one event outside loops, `trips` 1) trip by trip. Each trip's compute is
+    a share of its events'; only the trip's own collectives are walked, each at the compute
+    done before it in the body plus the waits before it in the trip."""
+    done, by_trip = 0.0, {}
+    for e in body:
+        if e.index < 0:
+            done += e.seconds / trips
+        else:
+            by_trip.setdefault(e.trip, []).append((done, e))
+    for trip in range(trips):
+        begun, issued, waited = streams.compute, 0.0, 0.0
+        for at, e in by_trip.get(trip, ()):
+            streams.compute = begun + at + waited
+            issued = streams.run(e, durations[e.index], begun if trips > 1 else 0.0)
+            waited = streams.compute - begun - at
+        streams.compute = begun + done + waited
+        if trips > 1:  # a trip ends once its collectives are done
+            streams.compute = max(streams.compute, issued)
 
 
 class _Streams:
