@@ -107,6 +107,7 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
             lines.append(f"  ... and {len(plan.fallback_ops) - 10} more")
     return "\n".join(lines)
 
+
 def mesh_candidates_report(plan: Plan) -> str:
     """The mesh shapes searched (mesh=None), best predicted step first."""
     cands = plan.mesh_candidates
@@ -142,6 +143,7 @@ def _collective_lines(plan: Plan, slowest: int = 6) -> list[str]:
         lines += [f"  {c.kind:<14} over {'+'.join(c.axes):<12} {c.bytes / 2**10:>10.1f} KiB "
                   f"{c.time_s * 1e6:>9.1f} µs  at {c.where[:60]}" for c in heavy]
     return lines
+
 
 def _kinds_lines(plan: Plan, backend: str) -> list[str]:
     summary = plan.combined_kinds(backend)

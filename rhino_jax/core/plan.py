@@ -286,6 +286,7 @@ class Plan:
         layouts, the predicted collectives (`rhino_jax.report`)."""
         return READERS["report"](self, max_tensors)
 
+
 def as_plan(plan: Plan | str | os.PathLike, name: str) -> Plan:
     """`plan`, or the plan saved at that path (`Plan.load`): what an argument `name` that takes
     either holds; TypeError for anything else."""

@@ -14,6 +14,7 @@ from ..gpu_topology import refuse_described
 from ..several_programs import (SeveralPrograms, SeveralProgramsLowered, _compile, accumulated, add_up, flat_call,
                                 micro_batches_of, named, priced_line, priced_s, with_index)
 
+
 class PipelinedCompiled(SeveralPrograms):
     """The stage programs and apply-gradients' programs compiled; call it like the step."""
 

@@ -22,15 +22,16 @@ from .. import alike_programs
 from ..arguments import Call, call_tree
 from ..errors import MemoryLimitError, SolverError, StagingError
 from ..mesh_search import plan_on
-from ..several_programs import APPLY_WEIGHT, SeveralProgramsLowered, program_plan, say_step, split_step
 from ..options import Options, budget_of, device_memory, within
+from ..several_programs import APPLY_WEIGHT, SeveralProgramsLowered, program_plan, say_step, split_step
+from .executor import PipelinedCompiled
 from .memory import _held_around, _held_bytes, _summed_bytes
 from .moves import _shardings, _step_moves, _transfer_s, _transfers
 from .programs import (Planned, _apply_homes, _apply_tasks, _compute_homes, _fed_back_names, _fed_back_pins,
                        _held_layouts, _on_stage, _own, _searches, _state_copies, _taken_layout, _with_donation,
                        _with_state_beside)
-from .executor import PipelinedCompiled
 from .staging import STAGER_SHARE, _saved_placement, _schedule, place_ops, sub_meshes
+
 
 class PipelinedLowered(SeveralProgramsLowered):
     """A step lowered for p stages and k micro-batches: `plan` sums it up, `stages` holds each stage."""

@@ -8,6 +8,7 @@ from rhino_jax.search.memory import local_bytes
 
 from ..several_programs import summed_bytes
 
+
 def _held_around(stages, s: int, shared: tuple[int, ...], passes: tuple[int, ...] = ()) -> int:
     """Per device, what the devices running place s hold for the other places they run while it
     runs: a stage's devices hold the places of every device's (`StagePlan.beside_bytes`), and

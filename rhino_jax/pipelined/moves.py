@@ -14,6 +14,7 @@ from rhino_jax.search.cluster import host_ids
 from ..several_programs import named
 from .programs import Planned
 
+
 def _shardings(layouts: list[tuple[Mesh, ShardingSpec]]) -> list[NamedSharding]:
     return [NamedSharding(mesh, spec.to_partition_spec()) for mesh, spec in layouts]
 

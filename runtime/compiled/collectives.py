@@ -35,8 +35,6 @@ COLLECTIVE_KINDS: tuple[str, ...] = (
 )
 
 
-
-
 @dataclass(frozen=True)
 class CompiledCollective:
     """One collective instruction of the compiled module.
@@ -121,8 +119,6 @@ class CollectiveStats:
             lines.append(f"{skipped} collective instructions not counted (untaken conditional "
                          "branches, loops of 0 trips)")
         return "\n".join(lines)
-
-
 
 
 def _kind_of(opcode: str) -> tuple[str, bool] | None:

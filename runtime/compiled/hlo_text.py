@@ -127,8 +127,6 @@ def _leaves(shape: _Shape) -> list[str]:
     return [leaf for elem in shape for leaf in _leaves(elem)]
 
 
-
-
 @dataclass(frozen=True)
 class _Instr:
     name: str
