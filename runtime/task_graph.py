@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from rhino_jax.errors import ScheduleError
-
 from rhino_jax.core.plan import Plan
+from rhino_jax.errors import ScheduleError
 
 from . import schedules
 from .schedules import Schedule, Task
