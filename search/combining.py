@@ -188,15 +188,17 @@ def combined_kinds(planned: Sequence[Planned], backend: str) -> dict[str, tuple[
     return out
 
 
+def combined_ops(planned: Sequence[Planned], topo: MeshTopology) -> list[tuple[list[int], float]]:
+    """The combined ops (`combine`), each with its time as one collective of its members' bytes."""
+    return [(group, _merged(planned, group, topo.combiner).time(topo))
+            for group in combine(planned, topo.combiner)]
+
+
 def combined_time(planned: Sequence[Planned], topo: MeshTopology) -> tuple[float, float]:
     """Communication time of the planned collectives once XLA has combined them, and the part of
     it off the compute chain (ops of collectives XLA may combine), which may overlap compute."""
-    total = off_chain = 0.0
-    for group in combine(planned, topo.combiner):
-        time = _merged(planned, group, topo.combiner).time(topo)
-        total += time
-        off_chain += time if planned[group[0]].combinable else 0.0
-    return total, off_chain
+    ops = combined_ops(planned, topo)
+    return sum(t for _, t in ops), sum(t for g, t in ops if planned[g[0]].combinable)
 
 
 def shares(planned: Sequence[Planned], topo: MeshTopology) -> list[float]:
@@ -205,8 +207,7 @@ def shares(planned: Sequence[Planned], topo: MeshTopology) -> list[float]:
     what its collectives cost the step, where their times alone add up to far more (each pays
     a launch that the combined op pays once)."""
     out = [0.0] * len(planned)
-    for group in combine(planned, topo.combiner):
-        time = _merged(planned, group, topo.combiner).time(topo)
+    for group, time in combined_ops(planned, topo):
         total = sum(planned[i].bytes for i in group)
         for i in group:
             out[i] = time * planned[i].bytes / total if total else time / len(group)

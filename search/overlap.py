@@ -17,6 +17,13 @@ A loop's body is one computation that XLA schedules on its own, trip after trip:
 it starts no earlier than its trip does and is done before the trip ends, so it hides only
 behind the compute of its own trip (a layer's gradient reduced inside a scan over layers waits
 at the end of that layer's trip, not at the step's end).
+
+XLA combines independent collectives into one op (`combining.combine`), and that op is issued
+once every member's operand is made: at its last member in program order, or, for parameters'
+gathers run ahead of their readers, before its first member's reader. Issued member by member,
+the early members of a gradients' combined reduction hid behind compute that in the compiled
+program runs before the op exists (4 to 14 times the hidden time the compiled programs show on
+small transformer steps).
 """
 from __future__ import annotations
 
@@ -48,6 +55,22 @@ def how_it_runs(combinable: bool, side: str | None) -> str:
     if not combinable:
         return CHAIN
     return AHEAD if side == HEAD else BEHIND
+
+
+def issued(events: Sequence[Event], ops: Sequence[tuple[Sequence[int], float]]
+           ) -> tuple[list[Event], list[float]]:
+    """The events, and each collective's seconds, as XLA issues the combined `ops` (members'
+    indices, the op's time): an op runs at its last member's event, or at its first where that
+    runs `AHEAD`, with the whole op's time; its other members' events go."""
+    position = {e.index: k for k, e in enumerate(events) if e.index >= 0}
+    seconds = [0.0] * (max(position, default=-1) + 1)
+    issuers = set()
+    for group, time in ops:
+        at = [position[i] for i in group]
+        k = min(at) if events[min(at)].how == AHEAD else max(at)
+        issuers.add(k)
+        seconds[events[k].index] = time
+    return [e for k, e in enumerate(events) if e.index < 0 or k in issuers], seconds
 
 
 def replay(events: Sequence[Event], durations: Sequence[float]) -> float:

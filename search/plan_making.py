@@ -12,7 +12,7 @@ from ..hlo_passes.graph import Graph
 from .cluster import MeshTopology
 from .collectives import reshard_path
 from . import overlap
-from .combining import combined_time, shares
+from .combining import combined_ops, combined_time
 from .pricing import Prices
 from .memory import plan_memory
 from .strategies import Strategy
@@ -169,7 +169,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
         for r in u.results:
             after[r] = needs
     # behind compute as XLA's scheduler runs them (a collective of a branch not taken counted too)
-    step = overlap.replay(events, shares(planned, topo)) if cluster.overlap else float("inf")
+    step = overlap.replay(*overlap.issued(events, combined_ops(planned, topo))) if cluster.overlap else float("inf")
     planned = _taken_branches(planned, graph)
     comm, off_chain = combined_time(planned, topo)
     hidden = min(comm, max(0.0, compute + comm - step))

@@ -8,7 +8,7 @@ import pytest
 import rhino_jax as rj
 from rhino_jax.search.cluster import get_cluster
 from rhino_jax.search.combining import HEAD, TAIL
-from rhino_jax.search.overlap import AHEAD, BEHIND, CHAIN, Event, how_it_runs, replay
+from rhino_jax.search.overlap import AHEAD, BEHIND, CHAIN, Event, how_it_runs, issued, replay
 
 
 def _k(seconds):
@@ -36,6 +36,22 @@ def test_a_gradients_reduction_trails_to_the_steps_end():
 def test_one_link_runs_the_collectives_one_after_another():
     assert replay([_c(0, AHEAD), _c(1, AHEAD), _k(3)], [5, 5]) == 13
     assert replay([_k(4), _c(0, BEHIND), _c(1, CHAIN), _k(1)], [5, 2]) == 12  # the chain's waits behind
+
+
+def test_a_combined_reduction_is_issued_at_its_last_member():
+    # two gradients' reductions combined into one op of 6 s: it exists once the second is made
+    events = [_k(10), _c(0, BEHIND), _k(10), _c(1, BEHIND), _k(1)]
+    kept, seconds = issued(events, [([0, 1], 6.0)])
+    assert kept == [_k(10), _k(10), _c(1, BEHIND), _k(1)] and seconds == [0.0, 6.0]
+    assert replay(kept, seconds) == 26  # 5 of its 6 exposed at the end
+    assert replay(events, [3.0, 3.0]) == 23  # issued member by member, the first hid behind 10
+
+
+def test_a_combined_gather_run_ahead_is_issued_before_its_first_reader():
+    events = [_k(4), _c(0, AHEAD), _k(10), _c(1, AHEAD), _k(10)]
+    kept, seconds = issued(events, [([0, 1], 6.0)])
+    assert kept == [_k(4), _c(0, AHEAD), _k(10), _k(10)] and seconds == [6.0, 0.0]
+    assert replay(kept, seconds) == 26  # the first reader waits 2 s
 
 
 @pytest.mark.parametrize("combinable,side,how", [(False, HEAD, CHAIN), (True, HEAD, AHEAD), (True, TAIL, BEHIND),
@@ -92,3 +108,4 @@ def test_a_collective_of_a_value_made_outside_the_loop_runs_once_before_it():
     the loop: the body is not cut in two around it."""
     body = [_body(10, 2), _c(0, CHAIN), _body(10, 2)]
     assert replay(body, [3]) == 23  # 3, then two trips of 5 + 5
+
