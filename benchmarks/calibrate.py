@@ -328,7 +328,7 @@ def _predicted_seconds(model: str, config, cluster, per_op_s: float = 0.0) -> tu
     """Single-device compute time of the step as rhino_jax's cost model sums it, and the node
     count. `per_op_s` adds the fixed time per op that the roofline leaves out (reported only)."""
     from rhino_jax.core.ops import FUSIBLE
-    from rhino_jax.search.strategies import compute_time, memory_traffic
+    from rhino_jax.search.space.strategies import compute_time, memory_traffic
     module = _zoo()[model]
     graph = _graph(module.make_train_step(config), module.example(config, abstract=True))
     traffic = memory_traffic(graph)
@@ -339,7 +339,7 @@ def _predicted_seconds(model: str, config, cluster, per_op_s: float = 0.0) -> tu
 
 def fit_and_report(measured_path: pathlib.Path, preset: str = "8x-h100", out_dir: pathlib.Path = HERE) -> str:
     """Fit `preset`'s constants to the measured ops and write the report; returns its markdown."""
-    from rhino_jax.search.cluster import get_cluster
+    from rhino_jax.search.cost.cluster import get_cluster
     measured = json.loads(measured_path.read_text())
     measured["ops"] = measured_ops(measured)
     before = get_cluster(preset)

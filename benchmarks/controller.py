@@ -69,7 +69,7 @@ def run(case: dict) -> dict:
 
     import rhino_jax as rj
     from benchmarks.models import gpt, unet
-    from rhino_jax.search.cluster import get_cluster
+    from rhino_jax.search.cost.cluster import get_cluster
 
     module, preset = (gpt, gpt.PRESETS["GPT-6.7B"]) if case["model"] == "GPT-6.7B" else (unet, unet.PRESETS["UNet"])
     config = dataclasses.replace(preset, batch=case["batch"])

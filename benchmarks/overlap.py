@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import jax
 
-    from rhino_jax.search.cluster import get_cluster
+    from rhino_jax.search.cost.cluster import get_cluster
     run_cases(pathlib.Path(args.out), "overlap", [c for c in CASES if c.name in args.cases],
               lambda case: run_case(case, get_cluster("8x-h100")), {"jax": jax.__version__},
               f"# Plans priced overlapped\n\n`python -m benchmarks.overlap` (jax {jax.__version__}, 8 described "

@@ -84,7 +84,7 @@ from benchmarks.models import MODELS, sharding_memory_limit  # noqa: E402
 from benchmarks.run_plot import plot  # noqa: E402
 from benchmarks.run_report import RHINO, _compiler, _is_rhino, render  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled  # noqa: E402
-from rhino_jax.search.cluster import get_cluster  # noqa: E402
+from rhino_jax.search.cost.cluster import get_cluster  # noqa: E402
 HERE = pathlib.Path(__file__).parent
 
 

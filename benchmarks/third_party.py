@@ -73,7 +73,7 @@ from benchmarks.compilers import COMPILERS, KIND_ABBR  # noqa: E402
 from benchmarks.hand_plans import HAND, compile_hand  # noqa: E402
 from benchmarks.third_party_models import CASES, QUICK, Case  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import CompiledCost, price_compiled  # noqa: E402
-from rhino_jax.search.cluster import get_cluster  # noqa: E402
+from rhino_jax.search.cost.cluster import get_cluster  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 RHINO = "rhino_jax O2"

@@ -29,7 +29,7 @@ from rhino_jax.runtime.compiled.compiled_cost import dot_dtype, replay  # noqa: 
 from rhino_jax.runtime.compiled.collectives import collective_stats  # noqa: E402
 from rhino_jax.runtime.compiled.kernels import program_kernels  # noqa: E402
 from rhino_jax.models.mlp import make_mlp_train_step, mlp_example  # noqa: E402
-from rhino_jax.search.cluster import H100_8X  # noqa: E402
+from rhino_jax.search.cost.cluster import H100_8X  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 SOL = {"xla_gpu_enable_analytical_sol_latency_estimator": True, "xla_dump_latency_hiding_schedule": True}

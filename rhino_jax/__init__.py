@@ -3,8 +3,8 @@ from rhino_jax.core import plan as _plan
 from rhino_jax.core.plan import MeshCandidate, Plan, PlanCost
 from rhino_jax.runtime import schedules as _schedules, task_graph as _task_graph
 from rhino_jax.runtime.schedules import Task
-from rhino_jax.search import combining as _combining
-from rhino_jax.search.cluster import A100_8X, H100_8X, H200_8X, M8_V100, Cluster
+from rhino_jax.search.cost import combining as _combining
+from rhino_jax.search.cost.cluster import A100_8X, H100_8X, H200_8X, M8_V100, Cluster
 
 from .annotate import annotate
 from .constraints import coshard, op_assign, op_order, op_trans

@@ -19,7 +19,7 @@ import dataclasses
 
 from rhino_jax.core.plan import Plan
 from rhino_jax.hlo_passes.graph import Graph
-from rhino_jax.search.constraints import OpTrans, arg_names
+from rhino_jax.search.space.constraints import OpTrans, arg_names
 
 
 __all__ = ["alike_key", "renamed"]

@@ -1,13 +1,13 @@
 """Constraints on the search space, the primitives of "nnScaler: Constraint-Guided Parallelization
 Plan Generation for Deep Learning Training" (§3-§4): checked here, applied by the search
-(`search/constraints.py`)."""
+(`search/space/constraints.py`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from rhino_jax.runtime.schedules import Task
-from rhino_jax.search.constraints import CoShard, OpAssign, OpTrans
+from rhino_jax.search.space.constraints import CoShard, OpAssign, OpTrans
 
 from .errors import ConstraintError
 

@@ -21,13 +21,13 @@ from jax.sharding import Mesh
 
 from rhino_jax.core.plan import Plan
 from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError
-from rhino_jax.search import coshard as cut
+from rhino_jax.search.space import coshard as cut
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.importer import import_step
 from rhino_jax.hlo_passes.lowering import LoweredStep
 from rhino_jax.search import progress
-from rhino_jax.search.constraints import CoShard
-from rhino_jax.search.cluster import Cluster, MeshTopology
+from rhino_jax.search.space.constraints import CoShard
+from rhino_jax.search.cost.cluster import Cluster, MeshTopology
 
 from .mesh_search import plan_on
 from .options import Options, budget_of, within

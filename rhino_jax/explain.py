@@ -26,12 +26,12 @@ from rhino_jax.core.plan import Plan, PlanCost
 from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.hlo_passes.graph import Graph, Pin, dtype_size
 from rhino_jax.search import progress as search_progress
-from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster
-from rhino_jax.search.collectives import reshard_path
-from rhino_jax.search.constraints import layout_allowed
-from rhino_jax.search.strategies import tensor_specs
+from rhino_jax.search.cost.cluster import Cluster, MeshTopology, get_cluster
+from rhino_jax.search.cost.collectives import reshard_path
+from rhino_jax.search.space.constraints import layout_allowed
+from rhino_jax.search.space.strategies import tensor_specs
 from rhino_jax.search.ties import SAME_STEP
-from rhino_jax.search.units import tied_outputs
+from rhino_jax.search.space.units import tied_outputs
 
 from .errors import RhinoError
 from .mesh_search import finished, plan_on

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
-from rhino_jax.search.cluster import Cluster, get_cluster, is_described
+from rhino_jax.search.cost.cluster import Cluster, get_cluster, is_described
 
 from .errors import GpuPluginError, MeshError, RhinoError
 

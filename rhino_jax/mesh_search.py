@@ -32,12 +32,12 @@ from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.importer import import_step
 from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.search import interrupt, progress
-from rhino_jax.search.cluster import Cluster, MeshTopology, get_cluster, host_ids
-from rhino_jax.search.combining import shares
-from rhino_jax.search.constraints import check_matched
-from rhino_jax.search.gemm_workspace import with_gemm_workspaces
-from rhino_jax.search.levels import Budget
-from rhino_jax.search.meshes import candidate_meshes
+from rhino_jax.search.cost.cluster import Cluster, MeshTopology, get_cluster, host_ids
+from rhino_jax.search.cost.combining import shares
+from rhino_jax.search.space.constraints import check_matched
+from rhino_jax.search.cost.gemm_workspace import with_gemm_workspaces
+from rhino_jax.search.solvers.levels import Budget
+from rhino_jax.search.space.meshes import candidate_meshes
 from rhino_jax.search.planner import search
 
 from .arguments import Call

@@ -20,7 +20,7 @@ from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.lowering import program_target, step_target
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.search import interrupt
-from rhino_jax.search.cluster import MeshTopology, get_cluster
+from rhino_jax.search.cost.cluster import MeshTopology, get_cluster
 
 from .arguments import Call, call_tree
 from .gpu_topology import refuse_described

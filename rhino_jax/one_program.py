@@ -23,7 +23,7 @@ from rhino_jax.runtime.compiled.collectives import CollectiveStats, collective_s
 from rhino_jax.runtime.compiled.compiled_cost import xla_cost_analysis
 from rhino_jax.runtime.compiled.memory import CompiledMemory, compiled_memory
 from rhino_jax.runtime.executable import Weights, compile_module
-from rhino_jax.search.cluster import BACKENDS, Cluster
+from rhino_jax.search.cost.cluster import BACKENDS, Cluster
 
 from .errors import LayoutError
 from .gpu_topology import refuse_described

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rhino_jax.search.cluster import Cluster, get_cluster
-from rhino_jax.search.constraints import Named
-from rhino_jax.search.levels import Budget
+from rhino_jax.search.cost.cluster import Cluster, get_cluster
+from rhino_jax.search.space.constraints import Named
+from rhino_jax.search.solvers.levels import Budget
 
 from .constraints import OpOrder
 from .errors import ConstraintError, MeshError

@@ -9,7 +9,7 @@ import numpy as np
 from rhino_jax.core.plan import Plan, StagePlan, place_name
 from rhino_jax.core.plan_file import mesh_label
 from rhino_jax.hlo_passes.graph import dtype_size
-from rhino_jax.search.cluster import BACKENDS
+from rhino_jax.search.cost.cluster import BACKENDS
 
 
 def report(plan: Plan, max_tensors: int = 12) -> str:

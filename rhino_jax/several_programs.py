@@ -25,8 +25,8 @@ from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_program
 from rhino_jax.search import progress
-from rhino_jax.search.cluster import Cluster
-from rhino_jax.search.constraints import check_matched
+from rhino_jax.search.cost.cluster import Cluster
+from rhino_jax.search.space.constraints import check_matched
 
 from .arguments import Call, donated_leaves
 from .errors import MeshError

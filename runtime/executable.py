@@ -36,7 +36,7 @@ from rhino_jax.runtime.compiled.compiled_cost import price_compiled, program_dev
 from rhino_jax.runtime.compiled.memory import CompiledMemory, compiled_memory
 from rhino_jax.hlo_passes.jax_internals import compile_replacing_module
 from rhino_jax.hlo_passes.program_order import tie_to_program_order
-from rhino_jax.search.cluster import Cluster
+from rhino_jax.search.cost.cluster import Cluster
 
 __all__ = ["compile_module", "compile_program", "tied_to_order", "Weights", "LATENCY_HIDING"]
 

@@ -13,11 +13,11 @@ import numpy as np
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Graph
-from . import ilp
+from .coarsening.cones import Cone
 from .pricing import Prices
-from .cones import Cone
-from .strategies import Strategy
-from .units import Unit, read_branch
+from .solvers import ilp
+from .space.strategies import Strategy
+from .space.units import Unit, read_branch
 
 
 def add_hubs(graph: Graph, units: list[Unit], groups: list[Cone], group_of: dict[int, int],

@@ -11,9 +11,10 @@ from rhino_jax.errors import MemoryLimitError, SolverError, SolverTimeLimitWarni
 from rhino_jax.core.plan import Plan
 
 from ..hlo_passes.graph import Graph
-from . import levels, progress
-from .cones import Cone
-from .memory import held_fractions, local_bytes
+from . import progress
+from .coarsening.cones import Cone
+from .cost.memory import held_fractions, local_bytes
+from .solvers import levels
 
 
 def by_size(graph: Graph, units, groups: list[Cone], sizes: dict[str, int]) -> list[int]:

@@ -9,14 +9,14 @@ from rhino_jax.core.plan import Plan, PlanCost, PlannedCollective
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Graph
-from .cluster import MeshTopology
-from .collectives import reshard_path
-from . import overlap
-from .combining import combined_ops, combined_time
+from .cost import overlap
+from .cost.cluster import MeshTopology
+from .cost.collectives import reshard_path
+from .cost.combining import combined_ops, combined_time
+from .cost.memory import plan_memory
 from .pricing import Prices
-from .memory import plan_memory
-from .strategies import Strategy
-from .units import Unit, read_branch, tied_outputs
+from .space.strategies import Strategy
+from .space.units import Unit, read_branch, tied_outputs
 
 
 def _visible(reached: dict, v: int, own: ShardingSpec, branch: tuple[int, ...]) -> dict:

@@ -22,19 +22,21 @@ from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError, Sol
 from rhino_jax.core.plan import Plan
 
 from ..hlo_passes.graph import Graph
-from . import coarse_axes, ilp, interrupt, levels, progress, windows
-from .cluster import Cluster, MeshTopology
-from .pricing import Prices
-from .cones import build_cones, signature
-from .critical import backbone
-from .repeats import group_segments, tie_repeats
+from . import interrupt, progress
 from .assembly import add_hubs, ilp_problem
+from .coarsening import coarse_axes
+from .coarsening.cones import build_cones, signature
+from .coarsening.critical import backbone
+from .coarsening.repeats import group_segments, tie_repeats
+from .cost.cluster import Cluster, MeshTopology
 from .memory_limit import by_size, fit_memory, held_bytes, least_arguments, raise_memory_error
 from .plan_making import make_plan
+from .pricing import Prices
 from .repin import KEPT_VARS, Repin
+from .solvers import ilp, levels, windows
+from .space.constraints import Named, apply_constraints
+from .space.units import Unit, apply_pins, build_units, replicated_choice
 from .ties import SAME_STEP, seen, with_preferences
-from .units import Unit, apply_pins, build_units, replicated_choice
-from .constraints import Named, apply_constraints
 
 
 OVERLAP_ROUNDS = 3  # searches at most, with Cluster.overlap, to price what compute can hide

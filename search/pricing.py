@@ -16,11 +16,11 @@ import numpy as np
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Graph
-from .cluster import MeshTopology
-from .collectives import Collective, reshard
-from .combining import Families, combined_alone, combining_sides, families
-from .ilp import classes
-from .strategies import Strategy
+from .cost.cluster import MeshTopology
+from .cost.collectives import Collective, reshard
+from .cost.combining import Families, combined_alone, combining_sides, families
+from .solvers.ilp import classes
+from .space.strategies import Strategy
 
 
 class Prices:

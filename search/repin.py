@@ -24,9 +24,9 @@ from rhino_jax.core.plan import Plan
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Pin
-from . import ilp, levels, windows
-from .cones import Cone
-from .units import Unit, matches_pin
+from .coarsening.cones import Cone
+from .solvers import ilp, levels, windows
+from .space.units import Unit, matches_pin
 
 
 # The largest ILP (variables, `windows.size`) a plan keeps: about 20 bytes a variable with its

@@ -27,9 +27,9 @@ import numpy as np
 from rhino_jax.core.specs import ShardingSpec
 
 from ..hlo_passes.graph import Graph
-from .ilp import Problem
-from .strategies import Strategy
-from .units import Unit
+from .solvers.ilp import Problem
+from .space.strategies import Strategy
+from .space.units import Unit
 
 TIE_S = 1e-11  # seconds per rank of a tied strategy
 SAME_STEP = 1e-6  # two plans whose predicted steps differ by less than this share of the step tie

@@ -23,7 +23,7 @@ def solves_out_of_time(monkeypatch):
     """The search's time limit has passed when its first solve starts, its model built: each
     solve stops at once with the best it has, and no memory-limit trial starts. (A limit that
     passes during the build is a `SolverError`, `levels.Deadline.check`.)"""
-    from rhino_jax.search import levels
+    from rhino_jax.search.solvers import levels
     monkeypatch.setattr(levels.Deadline, "left", lambda self: 0.0)
 
 

@@ -28,7 +28,7 @@ def on_host(tree):
 
 def topology(**sizes):
     """A mesh as the cost model sees it, every axis on the same link (M8's NVLink figures)."""
-    from rhino_jax.search.cluster import M8_V100, MeshTopology
+    from rhino_jax.search.cost.cluster import M8_V100, MeshTopology
     n = len(sizes)
     return MeshTopology(tuple(sizes), tuple(sizes.values()), (M8_V100.intra_host_bandwidth,) * n,
                         (M8_V100.intra_host_latency,) * n, M8_V100.collective_launch_s)

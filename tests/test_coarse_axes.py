@@ -1,5 +1,5 @@
 """O2 on meshes of three or more axes: first the mesh with two axes merged, then the real mesh
-near that plan; on any mesh the windows' start (`search/coarse_axes.py`)."""
+near that plan; on any mesh the windows' start (`search/coarsening/coarse_axes.py`)."""
 import dataclasses
 
 import jax
@@ -11,9 +11,9 @@ import rhino_jax as rj
 from helpers import assert_same_adam_step, assert_same_numbers, topology
 from rhino_jax.hlo_passes.graph import Pin
 from rhino_jax.models import make_mlp_train_step, mlp_example
-from rhino_jax.search import coarse_axes
+from rhino_jax.search.coarsening import coarse_axes
 from rhino_jax.core.specs import ShardingSpec
-from rhino_jax.search.strategies import Strategy
+from rhino_jax.search.space.strategies import Strategy
 
 
 def test_the_merged_pair_is_the_outermost_pair_on_one_link():

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
 from rhino_jax.runtime.compiled.collectives import collective_stats
-from rhino_jax.search.collectives import _layouts, reshard, reshard_path
+from rhino_jax.search.cost.collectives import _layouts, reshard, reshard_path
 from rhino_jax.core.specs import ShardingSpec
 
 from helpers import assert_same_numbers, topology
@@ -308,7 +308,7 @@ def test_a_gather_along_a_minor_dim_prices_the_copy_xla_adds():
     gather along dim 0, which needs no copy. The model prices that copy; compiled pricing
     (collectives' own buffers aside) sees it as the bytes the copy moves."""
     from rhino_jax.runtime.compiled.compiled_cost import price_compiled
-    from rhino_jax.search.cluster import M8_V100
+    from rhino_jax.search.cost.cluster import M8_V100
 
     topo = topology(d=8)
     shape, full = (8, 64, 32), 8 * 64 * 32 * 4
@@ -342,5 +342,5 @@ def test_a_plan_gathering_along_a_minor_dim_pays_the_copy_in_its_cost():
     major, minor = step(P("d", None)), step(P(None, "d"))
     assert [(c.kind, c.bytes) for c in minor.collectives] == [(c.kind, c.bytes) for c in major.collectives] == [
         ("all-gather", 64 * 256 * 4)]
-    from rhino_jax.search.cluster import M8_V100
+    from rhino_jax.search.cost.cluster import M8_V100
     assert minor.cost.compute_s - major.cost.compute_s == pytest.approx(2 * 64 * 256 * 4 / M8_V100.memory_bandwidth)

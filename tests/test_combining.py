@@ -11,9 +11,10 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import mlp
 from rhino_jax.core.plan import PlannedCollective
-from rhino_jax.search import ilp, pricing
-from rhino_jax.search.cluster import MeshTopology, combiner_for, get_cluster
-from rhino_jax.search.combining import DERIVED, HEAD, TAIL, combine, combining_sides, families
+from rhino_jax.search import pricing
+from rhino_jax.search.solvers import ilp
+from rhino_jax.search.cost.cluster import MeshTopology, combiner_for, get_cluster
+from rhino_jax.search.cost.combining import DERIVED, HEAD, TAIL, combine, combining_sides, families
 
 from benchmarks.third_party_models import linen_gpt
 from helpers import assert_same_adam_step, assert_same_numbers, on_host

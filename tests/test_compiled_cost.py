@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from rhino_jax.runtime.compiled.compiled_cost import dot_dtype, price_compiled, program_device
 from rhino_jax.runtime.compiled.collectives import collective_stats
 from rhino_jax.runtime.compiled.kernels import program_kernels
-from rhino_jax.search.cluster import H100_8X, M8_V100
+from rhino_jax.search.cost.cluster import H100_8X, M8_V100
 
 M, K, N = 64, 32, 16
 

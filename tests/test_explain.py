@@ -20,7 +20,7 @@ from rhino_jax.plan_view import holdings
 from rhino_jax.hlo_passes.graph import Pin
 from rhino_jax.models import gpt
 from rhino_jax.runtime.schedules import make as make_schedule
-from rhino_jax.search.cluster import MeshTopology, get_cluster
+from rhino_jax.search.cost.cluster import MeshTopology, get_cluster
 from rhino_jax.search.planner import search
 from rhino_jax.core.specs import ShardingSpec
 

@@ -17,7 +17,7 @@ import rhino_jax as rj
 from benchmarks.hand_plans import compile_hand
 from benchmarks.third_party_models import CASES, Case
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled
-from rhino_jax.search.gemm_workspace import gemm_workspaces
+from rhino_jax.search.cost.gemm_workspace import gemm_workspaces
 from rhino_jax.models.gpt import GPTConfig, gpt_example, make_gpt_train_step
 from test_gpu_topology import _plugin_skip
 

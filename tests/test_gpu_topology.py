@@ -17,7 +17,7 @@ import rhino_jax as rj
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled, xla_cost_analysis
 from rhino_jax.models.mlp import make_mlp_train_step, mlp_example
 from rhino_jax.core.plan_target import PlanTargetError
-from rhino_jax.search.cluster import H100_8X, MeshTopology, get_cluster, host_ids
+from rhino_jax.search.cost.cluster import H100_8X, MeshTopology, get_cluster, host_ids
 
 
 def _plugin_skip() -> str | None:

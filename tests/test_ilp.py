@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rhino_jax.errors import SolverError, SolverTimeLimitWarning
-from rhino_jax.search import ilp
+from rhino_jax.search.solvers import ilp
 from rhino_jax.search.memory_limit import fit_memory
 from rhino_jax.core.specs import ShardingSpec
 

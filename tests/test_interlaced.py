@@ -13,7 +13,7 @@ import pytest
 
 import rhino_jax as rj
 from rhino_jax.errors import StagingError
-from rhino_jax.search import stager
+from rhino_jax.search.staging import stager
 
 from benchmarks.third_party_models import tied_lm
 from helpers import assert_same_adam_step

@@ -15,7 +15,8 @@ import rhino_jax as rj
 from rhino_jax import api, coshard_search, mesh_search
 from rhino_jax.errors import SolverInterruptedWarning
 from rhino_jax.models import make_mlp_train_step, mlp_example
-from rhino_jax.search import ilp, levels, planner, solver_process, windows
+from rhino_jax.search import planner
+from rhino_jax.search.solvers import ilp, levels, solver_process, windows
 
 from helpers import assert_same_numbers
 

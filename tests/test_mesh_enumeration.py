@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
 from rhino_jax.models import make_mlp_train_step, mlp_example
-from rhino_jax.search.cluster import MeshTopology, host_ids
-from rhino_jax.search.meshes import candidate_meshes, enumerate_mesh_shapes, factorizations
+from rhino_jax.search.cost.cluster import MeshTopology, host_ids
+from rhino_jax.search.space.meshes import candidate_meshes, enumerate_mesh_shapes, factorizations
 
 from helpers import assert_same_numbers
 
@@ -68,7 +68,7 @@ def test_groups_crossing_hosts_share_the_host_network():
 
 
 def test_a_mesh_beyond_the_presets_hosts_is_refused():
-    from rhino_jax.search.cluster import PRESETS, get_cluster
+    from rhino_jax.search.cost.cluster import PRESETS, get_cluster
     assert get_cluster("m8-v100-2hosts").hosts == 2 and "8x-h100-4hosts" in PRESETS
     small = dataclasses.replace(_cluster(2), hosts=2)
     with pytest.raises(ValueError, match="lie on 4 hosts of 2, but cluster .* has 2"):

@@ -13,8 +13,8 @@ from rhino_jax.several_programs import split_step
 from rhino_jax.pipelined.staging import _loss_sum
 from rhino_jax.runtime import schedules, task_graph
 from rhino_jax.runtime.schedules import Task
-from rhino_jax.search import multi_forward
-from rhino_jax.search.stager import forward_ops
+from rhino_jax.search.staging import multi_forward
+from rhino_jax.search.staging.stager import forward_ops
 
 from benchmarks.third_party_models import recycling_lm, tied_lm
 from helpers import assert_same_adam_step

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 import rhino_jax as rj
-from rhino_jax.search.cluster import get_cluster
-from rhino_jax.search.combining import HEAD, TAIL
-from rhino_jax.search.overlap import AHEAD, BEHIND, CHAIN, Event, how_it_runs, issued, replay
+from rhino_jax.search.cost.cluster import get_cluster
+from rhino_jax.search.cost.combining import HEAD, TAIL
+from rhino_jax.search.cost.overlap import AHEAD, BEHIND, CHAIN, Event, how_it_runs, issued, replay
 
 
 def _k(seconds):

@@ -16,7 +16,7 @@ from rhino_jax.pipelined.programs import _compute_homes
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 from rhino_jax.options import Options
 from rhino_jax.core.plan import Plan, PlanCost
-from rhino_jax.search.cluster import get_cluster
+from rhino_jax.search.cost.cluster import get_cluster
 
 from benchmarks.third_party_models import linen_clip_adamw
 from helpers import assert_same_adam_step, assert_same_numbers
@@ -347,7 +347,7 @@ def _search_limits(monkeypatch) -> list[tuple[float, float]]:
     """(start, time limit) of every search of the step that runs next: each program's, each
     candidate's and the stager's."""
     from rhino_jax import mesh_search
-    from rhino_jax.search import stager
+    from rhino_jax.search.staging import stager
 
     found: list[tuple[float, float]] = []
 
@@ -391,7 +391,7 @@ def test_the_searches_of_one_step_share_its_time_limit(monkeypatch, how):
 
 def test_a_step_whose_searches_run_out_of_time_says_which_was_next(monkeypatch):
     """The stager leaves no time for the programs: the error names the limit and the program."""
-    from rhino_jax.search import stager
+    from rhino_jax.search.staging import stager
     real = stager.stage
 
     def slow(*args, **kwargs):

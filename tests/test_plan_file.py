@@ -14,7 +14,7 @@ from rhino_jax.hlo_passes.lowering import lower_on_mesh, step_target
 from rhino_jax.models import make_mlp_train_step, mlp_example
 from rhino_jax.core.plan import PLAN_FORMAT, Plan
 from rhino_jax.core.plan_target import PlanTargetError
-from rhino_jax.search import stager
+from rhino_jax.search.staging import stager
 
 from helpers import assert_same_numbers
 

@@ -10,7 +10,8 @@ import pytest
 import rhino_jax as rj
 from rhino_jax.errors import SolverInterruptedWarning
 from rhino_jax.models import make_mlp_train_step, mlp_example
-from rhino_jax.search import ilp, progress
+from rhino_jax.search import progress
+from rhino_jax.search.solvers import ilp
 
 from helpers import assert_same_numbers
 from test_interrupt import ctrl_c  # noqa: F401 (the fixture)

@@ -1,7 +1,7 @@
 """Planning at scale on described GPUs (`benchmarks/scale.py`'s small case): Llama-2-7B shapes
 with 4 layers, f32 AdamW state, bf16 compute, per-layer remat, on 256 described H100s as a
 three-axis mesh (4, 8, 8), under 80 GiB per device. The whole space's ILP held 3.1M variables;
-O2 searches it coarse to fine (`search/coarse_axes.py`)."""
+O2 searches it coarse to fine (`search/coarsening/coarse_axes.py`)."""
 import pytest
 
 from benchmarks.scale import CASES, run_case

@@ -10,8 +10,8 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from benchmarks.models import vgg
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
-from rhino_jax.search import ilp
-from rhino_jax.search.critical import backbone
+from rhino_jax.search.solvers import ilp
+from rhino_jax.search.coarsening.critical import backbone
 
 from helpers import assert_same_numbers, on_host
 

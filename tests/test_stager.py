@@ -11,8 +11,8 @@ from rhino_jax.errors import StagingError
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import gpt
-from rhino_jax.search import stager
-from rhino_jax.search.stager import StageGraph
+from rhino_jax.search.staging import stager
+from rhino_jax.search.staging.stager import StageGraph
 
 
 def _brute_force(g: StageGraph, stages: int, epsilon: float) -> float | None:

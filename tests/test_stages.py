@@ -13,7 +13,7 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 from rhino_jax.runtime.executable import compile_program
-from rhino_jax.search import stager
+from rhino_jax.search.staging import stager
 
 MODELS = {"mlp": lambda: (make_mlp_train_step(), mlp_example((16, 32, 32, 32, 16), 8)),
           "gpt": lambda: (gpt.make_gpt_train_step(dataclasses.replace(gpt.GPT_TINY, n_layers=4)),

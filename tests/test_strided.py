@@ -6,9 +6,9 @@ from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
 from rhino_jax.models.adam import adam_init, adam_update
-from rhino_jax.search.collectives import reshard
+from rhino_jax.search.cost.collectives import reshard
 from rhino_jax.core.specs import ShardingSpec
-from rhino_jax.search.strides import map_reshape
+from rhino_jax.search.space.strides import map_reshape
 
 from helpers import assert_same_numbers, topology
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import rhino_jax as rj
-from rhino_jax.search import ilp
+from rhino_jax.search.solvers import ilp
 from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.search.ties import TIE_S, with_preferences
 

@@ -18,7 +18,7 @@ from rhino_jax.runtime.compiled.compiled_cost import collective_seconds, price_c
 from rhino_jax.runtime.compiled.collectives import collective_stats
 from rhino_jax.runtime.compiled.kernels import program_kernels
 from rhino_jax.runtime.compiled.timeline import scope, timeline
-from rhino_jax.search.cluster import H100_8X
+from rhino_jax.search.cost.cluster import H100_8X
 from test_gpu_topology import _plugin_skip
 
 CLUSTER = H100_8X

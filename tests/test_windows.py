@@ -10,7 +10,7 @@ import pytest
 
 import rhino_jax as rj
 from rhino_jax.models import gpt
-from rhino_jax.search import ilp, levels, windows
+from rhino_jax.search.solvers import ilp, levels, windows
 
 from helpers import assert_same_numbers, on_host
 

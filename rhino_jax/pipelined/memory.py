@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from rhino_jax.search.memory import local_bytes
+from rhino_jax.search.cost.memory import local_bytes
 
 from ..several_programs import summed_bytes
 

@@ -9,7 +9,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.runtime import resharding
-from rhino_jax.search.cluster import host_ids
+from rhino_jax.search.cost.cluster import host_ids
 
 from ..several_programs import named
 from .programs import Planned

@@ -15,7 +15,7 @@ from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
 from rhino_jax.runtime import task_graph
-from rhino_jax.search.memory import local_bytes
+from rhino_jax.search.cost.memory import local_bytes
 
 # A program of the step, its graph and its plan.
 Planned = tuple[stage_programs.Program, Graph, Plan]

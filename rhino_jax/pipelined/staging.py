@@ -10,9 +10,10 @@ from rhino_jax.core.plan_target import PlanTargetError
 from rhino_jax.hlo_passes import stages as stage_programs
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.runtime import schedules
-from rhino_jax.search import multi_forward, progress, stager
-from rhino_jax.search.constraints import SHARED, OpAssign, fixed_stages, shared_backward
-from rhino_jax.search.levels import Budget
+from rhino_jax.search import progress
+from rhino_jax.search.staging import multi_forward, stager
+from rhino_jax.search.space.constraints import SHARED, OpAssign, fixed_stages, shared_backward
+from rhino_jax.search.solvers.levels import Budget
 
 from ..constraints import OpOrder
 from ..errors import ConstraintError, MeshError, StagingError

@@ -33,8 +33,8 @@ from typing import Any
 
 import jax
 
-from rhino_jax.search.cluster import Cluster, MeshTopology, combiner_for, get_cluster, is_described
-from rhino_jax.search.collectives import Collective
+from rhino_jax.search.cost.cluster import Cluster, MeshTopology, combiner_for, get_cluster, is_described
+from rhino_jax.search.cost.collectives import Collective
 
 from rhino_jax.hlo_passes.jax_internals import hlo_cost_analysis
 

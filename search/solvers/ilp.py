@@ -23,7 +23,8 @@ from ortools.linear_solver.python import model_builder_helper as helper
 
 from rhino_jax.errors import SolverError
 
-from . import interrupt, solver_process
+from .. import interrupt
+from . import solver_process
 
 SCALE = 1e6  # seconds → microseconds: keeps coefficients in a range MIP solvers like
 MIP_GAP = 1e-4  # relative gap at which a choice counts as optimal (HiGHS's and SCIP's default)

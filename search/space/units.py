@@ -11,10 +11,10 @@ from rhino_jax.errors import ShardingPinError
 from rhino_jax.core.ops import COMPUTE_HEAVY
 from rhino_jax.core.specs import ShardingSpec
 
-from ..hlo_passes.graph import Graph, Pin, slots
+from ...hlo_passes.graph import Graph, Pin, slots
+from ..coarsening.cones import Cone
+from ..cost.cluster import Cluster, MeshTopology
 from . import carried
-from .cluster import Cluster, MeshTopology
-from .cones import Cone
 from .strategies import Strategy, memory_traffic, node_strategies, tensor_specs
 from .strides import candidates as stride_candidates
 

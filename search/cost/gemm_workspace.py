@@ -20,7 +20,7 @@ import jax
 
 from rhino_jax.core.specs import ShardingSpec
 
-from ..hlo_passes.graph import Graph
+from ...hlo_passes.graph import Graph
 from .cluster import MeshTopology
 from .memory import plan_memory
 

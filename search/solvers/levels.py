@@ -20,7 +20,8 @@ import numpy as np
 
 from rhino_jax.errors import SolverError
 
-from . import ilp, interrupt, windows
+from .. import interrupt
+from . import ilp, windows
 
 UNTIED_GROWTH = 2.0  # O2 solves the untied ILP after the tied one when it is at most this much larger
 

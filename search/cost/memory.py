@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from rhino_jax.core.ops import FUSED_READERS, FUSIBLE
 from rhino_jax.core.specs import ShardingSpec
 
-from ..hlo_passes.graph import Graph
+from ...hlo_passes.graph import Graph
 from .cluster import MeshTopology
 from .collectives import reshard
 

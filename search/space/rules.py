@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from rhino_jax.core.ops import ELEMENTWISE
 
-from ..hlo_passes.graph import Graph, Node
+from ...hlo_passes.graph import Graph, Node
 
 Dims = tuple[int | None, ...]  # loop index per tensor dimension
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..hlo_passes.graph import Graph
+from ...hlo_passes.graph import Graph
 from .cones import Cone
 from .critical import Backbone
 

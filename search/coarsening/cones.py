@@ -24,7 +24,7 @@ import numpy as np
 
 from rhino_jax.core.specs import ShardingSpec
 
-from .strategies import Strategy
+from ..space.strategies import Strategy
 
 
 class ConeUnit(Protocol):

@@ -16,9 +16,9 @@ import numpy as np
 from rhino_jax.core.ops import FUSED_READERS, FUSIBLE
 from rhino_jax.core.specs import ShardingSpec
 
-from ..hlo_passes.graph import Graph, Node, Value
-from .cluster import Cluster, MeshTopology
-from .collectives import Collective
+from ...hlo_passes.graph import Graph, Node, Value
+from ..cost.cluster import Cluster, MeshTopology
+from ..cost.collectives import Collective
 from .rules import LoopSpace, loop_space
 from .strides import STRIDED_OPS, Fact, map_reshape
 

@@ -21,8 +21,8 @@ import numpy as np
 from rhino_jax.core.ops import ELEMENTWISE
 from rhino_jax.core.specs import ShardingSpec
 
-from ..hlo_passes.graph import Graph, Node
-from .cluster import MeshTopology
+from ...hlo_passes.graph import Graph, Node
+from ..cost.cluster import MeshTopology
 from .rules import loop_space
 
 # Ops whose strided operands the rewrite can split (see hlo_passes/split_dims).

@@ -25,7 +25,7 @@ import numpy as np
 
 from rhino_jax.core.ops import COMPUTE_HEAVY
 
-from ..hlo_passes.graph import Graph
+from ...hlo_passes.graph import Graph
 from .cluster import Combiner, MeshTopology, combiner_for
 from .collectives import Collective
 

@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-from . import ilp, interrupt, progress
+from .. import interrupt, progress
+from . import ilp
 
 
 WHOLE_VARS = 150_000  # a (tied) problem with at most this many variables is solved as one ILP

@@ -26,10 +26,10 @@ import scipy.sparse
 
 from rhino_jax.errors import SolverError, StagingError
 
-from ..hlo_passes.graph import Graph
-from . import ilp, solver_process
-from .constraints import SHARED
-from .critical import backbone
+from ...hlo_passes.graph import Graph
+from ..coarsening.critical import backbone
+from ..solvers import ilp, solver_process
+from ..space.constraints import SHARED
 
 _AFTER_SHARED = -2  # `forward_stage_graph`'s label of an unnamed op after ops of every device
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from rhino_jax.core.specs import ShardingSpec
 
-from ..hlo_passes.graph import Graph, Node
-from .cluster import MeshTopology
+from ...hlo_passes.graph import Graph, Node
+from ..cost.cluster import MeshTopology
 from .strategies import Strategy, tensor_specs
 
 

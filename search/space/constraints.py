@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from rhino_jax.errors import ConstraintError
 
-from ..hlo_passes.graph import Graph, path_tokens
-from .cluster import MeshTopology
+from ...hlo_passes.graph import Graph, path_tokens
+from ..cost.cluster import MeshTopology
 from .strategies import Strategy
 
 

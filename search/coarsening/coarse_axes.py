@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from rhino_jax.core.specs import ShardingSpec
 
-from ..hlo_passes.graph import Pin
-from .cluster import MeshTopology
-from .strategies import Strategy
+from ...hlo_passes.graph import Pin
+from ..cost.cluster import MeshTopology
+from ..space.strategies import Strategy
 
 RADIUS = 1  # mesh axes a fine strategy may place elsewhere than the coarse plan did
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from rhino_jax.core.ops import COMPUTE_HEAVY
 
-from ..hlo_passes.graph import Graph
+from ...hlo_passes.graph import Graph
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from rhino_jax.errors import StagingError
 
-from ..hlo_passes.graph import Graph
-from ..hlo_passes.stages import fold, layer_of
+from ...hlo_passes.graph import Graph
+from ...hlo_passes.stages import fold, layer_of
 
 
 @dataclass(frozen=True)

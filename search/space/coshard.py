@@ -29,9 +29,9 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from rhino_jax.core.ops import ELEMENTWISE
 from rhino_jax.core.specs import ShardingSpec
 
-from ..hlo_passes import module as mod
-from ..hlo_passes.graph import Graph, Node
-from .combining import HEAD, combining_sides
+from ...hlo_passes import module as mod
+from ...hlo_passes.graph import Graph, Node
+from ..cost.combining import HEAD, combining_sides
 from .rules import loop_space
 from .strides import map_reshape
 
