@@ -1,5 +1,5 @@
 """Co-shard's choices, searched (`rj.coshard`): how many chunks, and on which dim each group of
-named ops is cut (`search.coshard` cuts and rewrites).
+named ops is cut (`search.space.coshard` cuts, `hlo_passes.chunking` rewrites).
 
 The plan without chunks is searched first: each group is cut on the dim of its largest value
 that plan splits least over the mesh (chunks of a dim the devices already split would leave
@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from rhino_jax.core.plan import Plan
 from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError
 from rhino_jax.search.space import coshard as cut
+from rhino_jax.hlo_passes.chunking import Chunking, chunk
 from rhino_jax.hlo_passes.graph import Graph
 from rhino_jax.hlo_passes.importer import import_step
 from rhino_jax.hlo_passes.lowering import LoweredStep
@@ -167,7 +168,7 @@ def _candidates(coshards: list[CoShard]) -> list[int]:
     return [1] + [2 ** k for k in range(1, MAX_AUTO.bit_length())]
 
 
-def _cuts(groups, graph: Graph, free: Plan, topo: MeshTopology, chunks: int) -> list[tuple[Choice, cut.Chunking]]:
+def _cuts(groups, graph: Graph, free: Plan, topo: MeshTopology, chunks: int) -> list[tuple[Choice, Chunking]]:
     """Each group's cut into `chunks`: on the dim of its largest value the plan without chunks
     splits least (its largest piece per device), its chunks recomputing what they read from the
     earlier groups where they can. Groups no dim of which can be cut so stay whole; a constraint
@@ -188,7 +189,7 @@ def _cuts(groups, graph: Graph, free: Plan, topo: MeshTopology, chunks: int) -> 
     return out
 
 
-def _options(graph: Graph, groups: list[tuple[int, ...]], k: int, chunks: int, recompute: bool) -> list[cut.Chunking]:
+def _options(graph: Graph, groups: list[tuple[int, ...]], k: int, chunks: int, recompute: bool) -> list[Chunking]:
     """Group k's cuts into `chunks`, its chunks recomputing what they read from the earlier groups
     (co-shard with recomputation) or reading it whole."""
     copies = cut.recomputed(graph, groups, k) if recompute else ()
@@ -221,7 +222,7 @@ def _uncuttable(c: CoShard, groups: list[tuple[int, ...]], graph: Graph, chunks:
             "Choose fewer chunks, or name ops that share a batch-like dim (heads, batch)")
 
 
-def _local(graph: Graph, free: Plan, topo: MeshTopology, chunking: cut.Chunking) -> int:
+def _local(graph: Graph, free: Plan, topo: MeshTopology, chunking: Chunking) -> int:
     """How large one device's piece of the cut dim of the group's largest value is, in the plan
     without chunks."""
     shape = graph.values[chunking.seed].shape
@@ -229,7 +230,7 @@ def _local(graph: Graph, free: Plan, topo: MeshTopology, chunking: cut.Chunking)
     return (shape if spec is None else spec.local_shape(shape, topo.sizes))[chunking.dims[chunking.seed]]
 
 
-def _rewritten(step: LoweredStep, graph: Graph, cuts: list[cut.Chunking]) -> tuple[LoweredStep, Graph]:
-    module = cut.chunk(step.module, graph, cuts)
+def _rewritten(step: LoweredStep, graph: Graph, cuts: list[Chunking]) -> tuple[LoweredStep, Graph]:
+    module = chunk(step.module, graph, cuts)
     step = dataclasses.replace(step, module=module)
     return step, import_step(step)

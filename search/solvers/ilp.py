@@ -9,6 +9,10 @@ same spec at an edge share one class, which keeps the number of y variables smal
 Collectives that XLA combines into one op (`search.combining`) share that op's launch and
 latency: a family variable f ≥ every x and y whose strategy or edge entry uses the family pays it
 once. With x integral, f is integral too, so the relaxation stays as tight as before.
+
+One module of some 450 lines, by design: the problem, its greedy start and local polish, and
+the MIP solved from them pass incumbents and bounds to one another over one representation
+(edges by class, family users); apart, each half would import the other.
 """
 from __future__ import annotations
 
