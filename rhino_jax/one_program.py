@@ -28,6 +28,7 @@ from rhino_jax.search.cost.cluster import BACKENDS, Cluster
 from .errors import LayoutError
 from .gpu_topology import refuse_described
 from .host_callbacks import refuse_deadlocking
+from .stages_facade import CompiledTrees
 
 
 def _refuse_unlaid(plan: Plan, step: LoweredStep) -> None:
@@ -54,13 +55,13 @@ def _as_spec(spec: PartitionSpec, rank: int) -> ShardingSpec:
     return ShardingSpec(dims + ((),) * (rank - len(dims)))
 
 
-class Compiled:
+class Compiled(CompiledTrees):
     """The step compiled for the mesh; call it like `jax.stages.Compiled`: with the dynamic
     arguments only (static ones were fixed when lowering)."""
 
     def __init__(self, lowered: "Lowered", executable: jax.stages.Compiled):
         self._lowered = lowered
-        self._executable = executable
+        self._executable = self._trees_from = executable
         self.plan = lowered.plan
         self._in = tuple(jax.tree.leaves(executable.input_shardings))
         self._checked = False  # host_callbacks.refuse_deadlocking, once, at the first call
@@ -74,18 +75,6 @@ class Compiled:
     def output_shardings(self):
         """The compiled program's result shardings, in the structure of the step's result."""
         return self._executable.output_shardings
-
-    @property
-    def in_tree(self):
-        return self._executable.in_tree
-
-    @property
-    def out_tree(self):
-        return self._executable.out_tree
-
-    @property
-    def out_info(self):
-        return self._executable.out_info
 
     @property
     def args_info(self):

@@ -30,6 +30,7 @@ from rhino_jax.search.space.constraints import check_matched
 
 from .arguments import Call, donated_leaves
 from .errors import MeshError
+from .stages_facade import CompiledTrees
 
 
 def micro_batch_args(args, roles: Sequence[str], k: int, paths: Sequence[str]) -> list[list]:
@@ -210,7 +211,7 @@ class SeveralProgramsLowered:
                             self._step.whole.lowered.out_info, self.plan.output_shardings)
 
 
-class SeveralPrograms:
+class SeveralPrograms(CompiledTrees):
     """The `jax.stages.Compiled` surface of a step compiled to several programs: the step's
     argument and result shardings; XLA's text and analyses per program (`programs`)."""
 
@@ -241,16 +242,8 @@ class SeveralPrograms:
         return self.plan.output_shardings
 
     @property
-    def in_tree(self):
-        return self._lowered.in_tree
-
-    @property
-    def out_tree(self):
-        return self._lowered.out_tree
-
-    @property
-    def out_info(self):
-        return self._lowered.out_info
+    def _trees_from(self) -> SeveralProgramsLowered:
+        return self._lowered
 
     def _dispatch(self, args: tuple, kwargs: dict, leaves: list):
         """Call the step on a call's dynamic arguments (`Parallelized.__call__`)."""
