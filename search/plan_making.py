@@ -108,7 +108,6 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
     layout_after: dict[tuple[int, ShardingSpec], int] = {}
 
     events: list[overlap.Event] = []  # program order, for the overlapped step (`overlap.replay`)
-    sides: list[str | None] = []  # each planned collective's side of the compute chain
 
     def add(c, u: Unit, dtype: str, together: bool, needs: int, trip: int = 0, trips: int = 1, branch=(),
             side: str | None = None) -> int:
@@ -116,7 +115,6 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
                                          together, needs, trip, trips, branch, topo.link(c.axes)[0], dtype))
         events.append(overlap.Event(index=len(planned) - 1, how=overlap.how_it_runs(together, side), trips=trips,
                                     trip=trip))
-        sides.append(side)
         return 1 << (len(planned) - 1)
 
     # Program order; arguments tied to an output read it at the end of the step.
@@ -171,9 +169,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
         for r in u.results:
             after[r] = needs
     # behind compute as XLA's scheduler runs them (a collective of a branch not taken counted too)
-    ops = combined_ops(planned, topo, sides)
-    compute += sum(copies for _, _, copies in ops)
-    step = overlap.replay(*overlap.issued(events, ops)) if cluster.overlap else float("inf")
+    step = overlap.replay(*overlap.issued(events, combined_ops(planned, topo))) if cluster.overlap else float("inf")
     planned = _taken_branches(planned, graph)
     comm, off_chain = combined_time(planned, topo)
     hidden = min(comm, max(0.0, compute + comm - step))

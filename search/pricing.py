@@ -18,7 +18,7 @@ from rhino_jax.core.specs import ShardingSpec
 from ..hlo_passes.graph import Graph
 from .cost.cluster import MeshTopology
 from .cost.collectives import Collective, reshard
-from .cost.combining import Families, combined_alone, combining_sides, contiguous_s, families
+from .cost.combining import Families, combined_alone, combining_sides, families
 from .solvers.ilp import classes
 from .space.strategies import Strategy
 
@@ -63,7 +63,6 @@ class Prices:
         for c in collectives:
             combined = self.combined(c, side)
             time += c.time(self.topo, combined) * self.topo.exposed(combined) + c.copy_time(self.topo)
-            time += contiguous_s(c, self.topo, side) if combined else 0.0
         return time, self.families.of(collectives, self.topo.combiner, side, trips)
 
     def own(self, m: int, s: Strategy) -> float:

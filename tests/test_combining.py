@@ -14,7 +14,7 @@ from rhino_jax.core.plan import PlannedCollective
 from rhino_jax.search import pricing
 from rhino_jax.search.solvers import ilp
 from rhino_jax.search.cost.cluster import MeshTopology, combiner_for, get_cluster
-from rhino_jax.search.cost.combining import DERIVED, HEAD, TAIL, combine, combined_ops, combining_sides, families
+from rhino_jax.search.cost.combining import DERIVED, HEAD, TAIL, combine, combining_sides, families
 
 from benchmarks.third_party_models import linen_gpt
 from helpers import assert_same_adam_step, assert_same_numbers, on_host
@@ -37,21 +37,6 @@ def test_only_collectives_of_one_conditional_branch_combine():
     branch = [(), (1,), (1,), (2,)]  # outside, twice in branch 1, in branch 2: each its own computation
     planned = [dataclasses.replace(_planned("all-reduce", 64), branch=b) for b in branch]
     assert combine(planned, CPU) == [[0], [1, 2], [3]]
-
-
-def test_a_gpu_all_reduce_combined_copies_its_members_in_and_slices_them_out():
-    """XLA GPU runs a combined all-reduce over one contiguous buffer: each member's bytes read
-    and written twice (copied in, sliced out) and a kernel to slice it, one kernel to copy them
-    all in; an op alone, a reduce-scatter and the CPU's all-reduces copy nothing."""
-    topo = dataclasses.replace(MeshTopology(("d",), (8,), (100e9,), (1e-6,), 5e-6), memory_bandwidth=1e12,
-                               kernel_launch=2e-6)
-    planned = [_planned("all-reduce", 1 << 20), _planned("all-reduce", 1 << 21),
-               _planned("all-reduce", 4, depends_on=0b11), _planned("reduce-scatter", 1 << 20),
-               _planned("reduce-scatter", 1 << 20)]
-    member = lambda nbytes: 4 * nbytes / 1e12 + 2e-6  # noqa: E731
-    copies = [c for _, _, c in combined_ops(planned, topo)]
-    assert copies == pytest.approx([member(1 << 20) + member(1 << 21) + 2e-6, 0.0, 0.0])
-    assert not any(c for _, _, c in combined_ops(planned, dataclasses.replace(topo, combiner=CPU)))
 
 
 def test_the_byte_threshold_splits_a_family():

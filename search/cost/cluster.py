@@ -45,12 +45,6 @@ class Combiner:
     # XLA GPU's all-reduce reassociation: a sum of all-reduces runs as one all-reduce of the sum
     # (a global norm's per-gradient partial sums are one op); the CPU pipeline keeps them apart.
     reassociates: bool = True
-    # Kinds whose combined ops run over one contiguous buffer: XLA GPU's all-reduce-contiguous
-    # pass concatenates a combined all-reduce's operands into one buffer (a kernel) and slices
-    # each result out of it (a kernel each, where no reader fuses the slice). Measured: a Flax
-    # GPT's data-parallel step on 8 H100s runs 71 such slices and one concatenation, 0.17 ms of
-    # its 0.92 ms of kernels; the reduce-scatters of its FSDP step are one tuple op, no copies.
-    contiguous: tuple[str, ...] = ()
 
     def compiled_kind(self, kind: str) -> str:
         return "all-reduce" if kind == "reduce-scatter" and self.reduce_scatter_as_all_reduce else kind
@@ -90,8 +84,7 @@ def combiner_for(backend: str) -> Combiner:
     """The combiner of an XLA backend, with XLA's default thresholds and the user's XLA_FLAGS."""
     if backend == "gpu":
         limits = {k: _flag_value(flag) for k, flag in _GPU_FLAGS.items()}
-        return Combiner("gpu", tuple((k, _GPU_COMBINE_BYTES if v is None else v) for k, v in limits.items()),
-                        contiguous=("all-reduce",))
+        return Combiner("gpu", tuple((k, _GPU_COMBINE_BYTES if v is None else v) for k, v in limits.items()))
     if backend == "cpu":
         return Combiner("cpu", (("all-reduce", 1 << 62),), reduce_scatter_as_all_reduce=True, reassociates=False)
     raise ValueError(f"unknown XLA backend {backend!r}; choose one of {BACKENDS}")
@@ -267,7 +260,6 @@ class MeshTopology:
     hosts_spanned: tuple[int, ...] = ()
     host_devices: int = 0
     memory_bandwidth: float = 1e12  # the cluster's: what a copy XLA adds around a collective costs
-    kernel_launch: float = 0.0  # the cluster's kernel_launch_s: what a kernel XLA adds around one costs
 
     def exposed(self, off_chain: bool) -> float:
         """The share of a collective's time the step waits for: off the chain, what overlap leaves."""
@@ -315,5 +307,4 @@ class MeshTopology:
             lats.append(cluster.intra_host_latency if same_host else cluster.inter_host_latency)
         return MeshTopology(tuple(mesh.axis_names), tuple(devices.shape), tuple(bws), tuple(lats),
                             cluster.collective_launch_s, combiner_for(cluster.backend), cluster.overlap,
-                            tuple(spanned), int(devices.size // hosts), cluster.memory_bandwidth,
-                            cluster.kernel_launch_s)
+                            tuple(spanned), int(devices.size // hosts), cluster.memory_bandwidth)

@@ -138,8 +138,7 @@ def families(topo: MeshTopology, trips: Sequence[int] = (1,)) -> Families:
                 for side, n in itertools.product((HEAD, TAIL, DERIVED), sorted(set(trips))):
                     if not combined_alone(kind, side, topo.combiner):
                         index[kind, frozenset(axes), side, n] = len(fixed)
-                        concatenation = topo.kernel_launch if contiguous_s(Collective(kind, axes, 0), topo, side) else 0.0
-                        fixed.append(n * (Collective(kind, axes, 0).time(topo) * topo.exposed(True) + concatenation))
+                        fixed.append(n * Collective(kind, axes, 0).time(topo) * topo.exposed(True))
     return Families(index, tuple(fixed))
 
 
@@ -189,37 +188,17 @@ def combined_kinds(planned: Sequence[Planned], backend: str) -> dict[str, tuple[
     return out
 
 
-def contiguous_s(c: Collective | Planned, topo: MeshTopology, side: str | None) -> float:
-    """The compute a member of a combined op costs where the backend runs that op over one
-    contiguous buffer (`Combiner.contiguous`): its bytes copied in and sliced out, each read and
-    written once, and its slice's kernel. (The copy in is one kernel per op, paid by the op.) A
-    DERIVED all-reduce where the backend reassociates a sum of all-reduces copies nothing: the
-    sum is reduced once (`combined_alone`)."""
-    kind = topo.combiner.compiled_kind(c.kind)
-    if kind not in topo.combiner.contiguous or side == DERIVED and kind == "all-reduce" and topo.combiner.reassociates:
-        return 0.0
-    return 4 * c.bytes / topo.memory_bandwidth + topo.kernel_launch
-
-
-def combined_ops(planned: Sequence[Planned], topo: MeshTopology, sides: Sequence[str | None] = ()
-                 ) -> list[tuple[list[int], float, float]]:
-    """The combined ops (`combine`), each with its time as one collective of its members' bytes
-    and the compute it adds (`contiguous_s`, each member at its side of the compute chain,
-    `sides`; a combined op's copies and kernels, none alone)."""
-    out = []
-    for group in combine(planned, topo.combiner):
-        op = _merged(planned, group, topo.combiner)
-        copies = sum(contiguous_s(planned[i], topo, sides[i] if sides else None) for i in group) \
-            if len(group) > 1 else 0.0
-        out.append((group, op.time(topo), copies + (topo.kernel_launch if copies else 0.0)))
-    return out
+def combined_ops(planned: Sequence[Planned], topo: MeshTopology) -> list[tuple[list[int], float]]:
+    """The combined ops (`combine`), each with its time as one collective of its members' bytes."""
+    return [(group, _merged(planned, group, topo.combiner).time(topo))
+            for group in combine(planned, topo.combiner)]
 
 
 def combined_time(planned: Sequence[Planned], topo: MeshTopology) -> tuple[float, float]:
     """Communication time of the planned collectives once XLA has combined them, and the part of
     it off the compute chain (ops of collectives XLA may combine), which may overlap compute."""
     ops = combined_ops(planned, topo)
-    return sum(t for _, t, _ in ops), sum(t for g, t, _ in ops if planned[g[0]].combinable)
+    return sum(t for _, t in ops), sum(t for g, t in ops if planned[g[0]].combinable)
 
 
 def shares(planned: Sequence[Planned], topo: MeshTopology) -> list[float]:
@@ -228,7 +207,7 @@ def shares(planned: Sequence[Planned], topo: MeshTopology) -> list[float]:
     what its collectives cost the step, where their times alone add up to far more (each pays
     a launch that the combined op pays once)."""
     out = [0.0] * len(planned)
-    for group, time, _ in combined_ops(planned, topo):
+    for group, time in combined_ops(planned, topo):
         total = sum(planned[i].bytes for i in group)
         for i in group:
             out[i] = time * planned[i].bytes / total if total else time / len(group)

@@ -57,27 +57,20 @@ def how_it_runs(combinable: bool, side: str | None) -> str:
     return AHEAD if side == HEAD else BEHIND
 
 
-def issued(events: Sequence[Event], ops: Sequence[tuple[Sequence[int], float, float]]
+def issued(events: Sequence[Event], ops: Sequence[tuple[Sequence[int], float]]
            ) -> tuple[list[Event], list[float]]:
     """The events, and each collective's seconds, as XLA issues the combined `ops` (members'
-    indices, the op's time, the compute it adds: `combining.contiguous_s`): an op runs at its
-    last member's event, or at its first where that runs `AHEAD`, with the whole op's time and
-    its compute just before it; its other members' events go."""
+    indices, the op's time): an op runs at its last member's event, or at its first where that
+    runs `AHEAD`, with the whole op's time; its other members' events go."""
     position = {e.index: k for k, e in enumerate(events) if e.index >= 0}
     seconds = [0.0] * (max(position, default=-1) + 1)
-    issuers: dict[int, float] = {}
-    for group, time, compute in ops:
+    issuers = set()
+    for group, time in ops:
         at = [position[i] for i in group]
         k = min(at) if events[min(at)].how == AHEAD else max(at)
-        issuers[k] = compute
+        issuers.add(k)
         seconds[events[k].index] = time
-    out: list[Event] = []
-    for k, e in enumerate(events):
-        if issuers.get(k):
-            out.append(Event(issuers[k], trips=e.trips))
-        if e.index < 0 or k in issuers:
-            out.append(e)
-    return out, seconds
+    return [e for k, e in enumerate(events) if e.index < 0 or k in issuers], seconds
 
 
 def replay(events: Sequence[Event], durations: Sequence[float]) -> float:
