@@ -108,14 +108,14 @@ def _run_body(streams: _Streams, body: Sequence[Event], trips: int, durations: S
         else:
             by_trip.setdefault(e.trip, []).append((done, e))
     for trip in range(trips):
-        begun, issued, waited = streams.compute, 0.0, 0.0
+        begun, link_done, waited = streams.compute, 0.0, 0.0
         for at, e in by_trip.get(trip, ()):
             streams.compute = begun + at + waited
-            issued = streams.run(e, durations[e.index], begun if trips > 1 else 0.0)
+            link_done = streams.run(e, durations[e.index], begun if trips > 1 else 0.0)
             waited = streams.compute - begun - at
         streams.compute = begun + done + waited
         if trips > 1:  # a trip ends once its collectives are done
-            streams.compute = max(streams.compute, issued)
+            streams.compute = max(streams.compute, link_done)
 
 
 class _Streams:
