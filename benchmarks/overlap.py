@@ -148,3 +148,7 @@ def main(argv=None) -> None:
               lambda case: run_case(case, get_cluster("8x-h100")), {"jax": jax.__version__},
               f"# Plans priced overlapped\n\n`python -m benchmarks.overlap` (jax {jax.__version__}, 8 described "
               "H100s, the 8x-h100 preset)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,6 @@
 """The README works as written: its first two commands (the demo, and the tests as .ci/run runs
 them), its Flax + Optax example, the files and benchmark modules it points to."""
+import ast
 import os
 import re
 import subprocess
@@ -62,3 +63,13 @@ def test_the_files_and_benchmarks_the_readme_names_exist():
     assert links and [p for p in links if not (REPO / p).exists()] == []
     modules = set(re.findall(r"python -m (benchmarks\.\w+)", README))
     assert modules and [m for m in modules if not (REPO / (m.replace(".", "/") + ".py")).exists()] == []
+
+
+def test_every_benchmark_the_readme_names_runs_as_a_module():
+    """`python -m benchmarks.X` runs X's main: without the `__main__` guard it does nothing and
+    exits 0, a benchmark that seems to run and measures nothing."""
+    modules = set(re.findall(r"python -m (benchmarks\.\w+)", README))
+    unguarded = [m for m in sorted(modules) if not any(
+        isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)
+        for n in ast.parse((REPO / (m.replace(".", "/") + ".py")).read_text()).body)]
+    assert modules and unguarded == []
