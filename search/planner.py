@@ -51,8 +51,9 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
     prices collectives off the compute chain at the share overlap leaves exposed, which holds
     only where there is compute to hide them behind: the plan's step is replayed as XLA's
     scheduler runs it (`overlap.replay`), and when it hides less than the ILP assumed, the search
-    runs again with the share the plan hid (once it hides what it assumed, with none), and the
-    best plan at its replayed cost wins. `time_limit_s` covers it all (`levels.Deadline`).
+    runs again with the share the plan hid (once it hides what it assumed, or in the last of
+    `OVERLAP_ROUNDS`, with none: that plan is always among those replayed), and the best plan
+    at its replayed cost wins. `time_limit_s` covers it all (`levels.Deadline`).
     Ctrl-C: before the first plan, KeyboardInterrupt; after it, the best plan so far,
     `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
@@ -60,11 +61,12 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
         plan = _found(_search(graph, topo, cluster, deadline=deadline, **options))
         tried, overlap = [plan], topo.overlap
         try:
-            while overlap and len(tried) < OVERLAP_ROUNDS and not interrupt.pressed() and deadline.left() > 0:
+            while overlap and not interrupt.pressed() and deadline.left() > 0:
                 usable = min(topo.overlap, plan.cost.hidden_s / max(plan.search_stats["off_chain_comm_s"], 1e-30))
-                # it hid what it was priced to hide: last, the plan of a search that hides nothing,
-                # replayed too (where the replay finds little to hide behind, it can be the faster)
-                overlap = usable if usable < overlap * 0.99 else 0.0
+                # it hid what it was priced to hide, or the rounds are spent: last, the plan of a
+                # search that hides nothing, replayed too (where the replay finds little to hide
+                # behind, it can be the faster)
+                overlap = usable if usable < overlap * 0.99 and len(tried) < OVERLAP_ROUNDS - 1 else 0.0
                 progress.say("rhino_jax: overlap: the plan hides %.3g s of %.3g s of communication off the chain; "
                              "searching again with overlap %.3g", plan.cost.hidden_s,
                              plan.search_stats["off_chain_comm_s"], overlap)
