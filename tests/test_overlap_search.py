@@ -108,4 +108,3 @@ def test_a_collective_of_a_value_made_outside_the_loop_runs_once_before_it():
     the loop: the body is not cut in two around it."""
     body = [_body(10, 2), _c(0, CHAIN), _body(10, 2)]
     assert replay(body, [3]) == 23  # 3, then two trips of 5 + 5
-
