@@ -28,6 +28,7 @@ from rhino_jax.search.space.constraints import CoShard, OpAssign, check_matched,
 from rhino_jax.core.plan import Plan
 
 from .arguments import ArgSpec, Call, call_tree, donated_leaves
+from .compiled_choice import fastest_compiled
 from .constraints import OpOrder
 from .errors import ConstraintError, MeshError, TracedCallWarning
 from .explain import SearchInputs
@@ -174,14 +175,16 @@ class Parallelized:
         out_tree = step.lowered.out_tree
         named_on = self.user_mesh if mesh is self.mesh and self.user_mesh is not None else mesh
         named = lambda specs: [NamedSharding(named_on, s.to_partition_spec()) for s in specs]  # noqa: E731
-        plan = dataclasses.replace(plan, input_shardings=call_tree(tree, named(plan.arg_specs)),
-                                   output_shardings=jax.tree.unflatten(out_tree, named(plan.output_specs)),
-                                   target=step_target(step, mesh, donated_leaves(call)),
-                                   # explain searches again later, under the limit, not in this step's share
-                                   search_inputs=SearchInputs(graph, mesh, dataclasses.replace(options,
-                                                                                               search_until=None)))
-        return Lowered(plan, graph, mesh, step, key, device_memory(options, mesh.devices.flat),
-                       get_cluster(options.cluster, list(mesh.devices.flat)))
+        target = step_target(step, mesh, donated_leaves(call))
+        # explain searches again later, under the limit, not in this step's share
+        inputs = SearchInputs(graph, mesh, dataclasses.replace(options, search_until=None))
+        limit, cluster = device_memory(options, mesh.devices.flat), get_cluster(options.cluster, list(mesh.devices.flat))
+        return fastest_compiled([
+            Lowered(dataclasses.replace(p, input_shardings=call_tree(tree, named(p.arg_specs)),
+                                        output_shardings=jax.tree.unflatten(out_tree, named(p.output_specs)),
+                                        target=target, search_inputs=inputs, alternatives=()),
+                    graph, mesh, step, key, limit, cluster)
+            for p in (plan, *plan.alternatives)])
 
     def __call__(self, *args, **kwargs):
         dyn_args, dyn_kwargs, static = self.arguments.split(args, kwargs)

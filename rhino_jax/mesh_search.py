@@ -86,9 +86,10 @@ def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options
 
 def finished(plan: Plan, graph: Graph, topo: MeshTopology, mesh: Mesh | None) -> Plan:
     """A searched plan as `plan_on` returns it: each collective's share of the communication,
-    and on a mesh at hand the GEMM temporaries in its memory."""
+    and on a mesh at hand the GEMM temporaries in its memory; its alternatives alike."""
     plan = replace(plan, collectives=tuple(replace(c, combined_s=s)
-                                           for c, s in zip(plan.collectives, shares(plan.collectives, topo))))
+                                           for c, s in zip(plan.collectives, shares(plan.collectives, topo))),
+                   alternatives=tuple(finished(p, graph, topo, mesh) for p in plan.alternatives))
     return plan if mesh is None else with_gemm_workspaces(plan, graph, topo, mesh.devices.flat[0])
 
 

@@ -5,6 +5,7 @@ memory read back beside the plan's prediction)."""
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import jax
@@ -168,6 +169,9 @@ class Lowered:
     memory_limit_bytes: int
     cluster: Cluster | None = None
     _compiled: Compiled | None = None
+    # What compiling `_compiled` warned of, before `compile()` was called (it was compiled to be
+    # weighed against other plans, `compiled_choice`): said at the first `compile()`.
+    _said: tuple = ()
 
     def as_text(self, dialect: str | None = None) -> str:
         """The StableHLO the search read (inlined, before the plan's shardings); dialect="hlo":
@@ -218,6 +222,9 @@ class Lowered:
         fits, priced as its schedule runs, is kept (`rj.CompiledMemoryWarning` says what each
         held and cost)."""
         if compiler_options is None and self._compiled is not None:
+            said, self._said = self._said, ()
+            for w in said:
+                warnings.warn(w.message, w.category, stacklevel=2)
             return self._compiled
         _refuse_unlaid(self.plan, self._step)
         ins = jax.tree.leaves(self.plan.input_shardings)

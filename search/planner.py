@@ -53,7 +53,9 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
     scheduler runs it (`overlap.replay`), and when it hides less than the ILP assumed, the search
     runs again with the share the plan hid (once it hides what it assumed, or in the last of
     `OVERLAP_ROUNDS`, with none: that plan is always among those replayed), and the best plan
-    at its replayed cost wins. `time_limit_s` covers it all (`levels.Deadline`).
+    at its replayed cost wins; those of other layouts ride with it (`Plan.alternatives`), for a
+    caller that can compile them to choose by their programs, which the replay only estimates.
+    `time_limit_s` covers it all (`levels.Deadline`).
     Ctrl-C: before the first plan, KeyboardInterrupt; after it, the best plan so far,
     `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
@@ -79,7 +81,8 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
         best = _least(tried)
         if len(tried) > 1:
             _found(best, "kept")
-        return dataclasses.replace(best, interrupted=True) if interrupt.pressed() else best
+        return dataclasses.replace(best, alternatives=_other_layouts(best, tried),
+                                   interrupted=best.interrupted or interrupt.pressed())
 
 
 def _found(plan: Plan, what: str = "found") -> Plan:
@@ -94,6 +97,22 @@ def _least(plans: list[Plan]) -> Plan:
     the least (what a tie leaves to chance, the link's time, is best not spent)."""
     fastest = min(p.cost.total_s for p in plans)
     return min((p for p in plans if p.cost.total_s <= fastest * (1 + SAME_STEP)), key=lambda p: p.cost.comm_s)
+
+
+def _other_layouts(best: Plan, tried: list[Plan]) -> tuple[Plan, ...]:
+    """The plans of `tried` that lay some value out otherwise than `best` and than each other,
+    best predicted first, without their kept ILPs: what the replay could not tell apart from
+    `best` for sure, for the caller to compile and price (`Plan.alternatives`)."""
+    kept = [best]
+    for plan in sorted(tried, key=lambda p: p.cost.total_s):
+        if not any(_same_layouts(plan, k) for k in kept):
+            kept.append(plan)
+    return tuple(dataclasses.replace(p, repin=None) for p in kept[1:])
+
+
+def _same_layouts(a: Plan, b: Plan) -> bool:
+    return (a.arg_specs, a.output_specs, a.value_specs, a.read_specs) == \
+        (b.arg_specs, b.output_specs, b.value_specs, b.read_specs)
 
 
 def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: levels.Deadline, opt_level: str = "O2",

@@ -170,6 +170,11 @@ class Plan:
     # be solved again with one argument pinned (how `explain` prices an alternative layout in
     # seconds). Not saved, not compared, not carried to another process.
     repin: object = field(default=None, compare=False, repr=False)
+    # Set by the search: the other plans it weighed (its overlap rounds' plans of other layouts),
+    # best predicted first. `parallelize` compiles them beside this one for GPUs and keeps the one
+    # whose program runs fastest as XLA schedules it (`rhino_jax.compiled_choice`). Not saved,
+    # not compared.
+    alternatives: object = field(default=(), compare=False, repr=False)
 
     @property
     def task_graph(self):

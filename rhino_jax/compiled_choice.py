@@ -1,0 +1,88 @@
+"""Of the plans a search weighed, the one whose compiled program runs fastest on the GPUs.
+
+The search prices a plan by replaying its collectives beside its compute as XLA's latency-hiding
+scheduler would (`search.cost.overlap`). What the scheduler makes of the program, which
+collectives it leaves synchronous, what each kernel costs to launch and which memory remedy the
+program needs, only the compiled program says. So where the search weighed plans of other
+layouts (its overlap rounds, `Plan.alternatives`) and the program is for GPUs (real or
+described), each is compiled as `compile()` compiles it (remedies included: a plan that fits
+only tied to its order carries that cost) and priced as its schedule runs
+(`compiled_cost.price_compiled`). The fastest that fits the devices' memory is kept; a plan ahead
+in the search's order wins a tie. A plan whose predicted step is already above the fastest
+compiled step so far is not compiled: the replay leaves out what compiled programs add (kernel
+launches above all), so it predicts below their price, and such a plan would need the replay to
+have overestimated it alone. CPU programs run their collectives synchronously: there the
+search's replay is what runs, and nothing is compiled before `compile()`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled
+from rhino_jax.search import progress
+from rhino_jax.search.cost.gemm_workspace import GPU_PLATFORMS
+from rhino_jax.search.ties import SAME_STEP
+
+from .one_program import Lowered
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """One candidate compiled: its step as its schedule runs, what XLA's memory analysis says it
+    holds, and the warnings its compile gave (said again at `compile()` if it is kept)."""
+
+    lowered: Lowered
+    seconds: float
+    nbytes: int
+    said: tuple[warnings.WarningMessage, ...]
+
+    def fits(self) -> bool:
+        return self.nbytes <= self.lowered.memory_limit_bytes
+
+
+def fastest_compiled(candidates: list[Lowered]) -> Lowered:
+    """The first of `candidates` (the search's plan, then its alternatives, best predicted first)
+    for CPUs or when it is alone; for GPUs, the one whose compiled program runs fastest among
+    those that fit (none fitting: the first), compiled already, its plan's `search_stats`
+    listing each candidate (`compiled_candidates`: predicted and compiled step, memory, fits;
+    None for one not compiled) and the one kept (`compiled_kept`, its index)."""
+    first = candidates[0]
+    if len(candidates) == 1 or first.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
+        return first
+    tried: list[_Compiled | None] = []
+    for i, lowered in enumerate(candidates):
+        bar = min((t.seconds for t in _fitting(tried)), default=float("inf"))
+        tried.append(_compile(lowered, i, len(candidates)) if lowered.plan.cost.total_s < bar else None)
+    fitting = _fitting(tried)
+    fastest = min(t.seconds for t in fitting)
+    kept = next(t for t in fitting if t.seconds <= fastest * (1 + SAME_STEP))
+    index = tried.index(kept)
+    progress.say("rhino_jax: kept the plan %d of %d: %.4g ms as its schedule runs", index + 1, len(tried),
+                 kept.seconds * 1e3)
+    chosen = kept.lowered
+    chosen.plan = dataclasses.replace(chosen.plan, search_stats=dict(
+        chosen.plan.search_stats, compiled_kept=index, compiled_candidates=[
+            [c.plan.cost.total_s] + ([None] * 3 if t is None else [t.seconds, t.nbytes, t.fits()])
+            for c, t in zip(candidates, tried)]))
+    chosen._compiled.plan = chosen.plan
+    chosen._said = kept.said
+    return chosen
+
+
+def _fitting(tried: list[_Compiled | None]) -> list[_Compiled]:
+    """The compiled candidates that fit the devices' memory; none fitting, the first."""
+    compiled = [t for t in tried if t is not None]
+    return [t for t in compiled if t.fits()] or compiled[:1]
+
+
+def _compile(lowered: Lowered, i: int, n: int) -> _Compiled:
+    """`lowered` compiled (and kept compiled) with its warnings held back, and priced."""
+    progress.say("rhino_jax: compiling the plan %d of %d the search weighed (predicted %.4g ms) to price it as XLA "
+                 "schedules it", i + 1, n, lowered.plan.cost.total_s * 1e3)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        compiled = lowered.compile()
+    seconds = price_compiled(compiled._executable, lowered.cluster).overlapped_s
+    return _Compiled(lowered, seconds, compiled.memory.total, tuple(said))

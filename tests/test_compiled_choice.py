@@ -1,0 +1,76 @@
+"""Of the plans a search weighed, the one whose compiled program runs fastest is kept
+(`rhino_jax.compiled_choice`): for described H100s each candidate is compiled as `compile()`
+compiles it and priced as its schedule runs; on CPUs nothing is compiled at `lower()`."""
+import pytest
+
+import rhino_jax as rj
+from benchmarks.scale import Shape, llama_step
+from rhino_jax.compiled_choice import fastest_compiled
+from rhino_jax.mesh_search import plan_on
+from rhino_jax.runtime.compiled.compiled_cost import price_compiled
+from rhino_jax.search.cost.cluster import MeshTopology, get_cluster
+from test_gpu_topology import _plugin_skip
+
+SHAPE = Shape(128, 4, 1, 1, 320, vocab=1024)
+
+
+def _lowered(mesh, **options):
+    step, shapes = llama_step(SHAPE, seq=128)
+    return rj.parallelize(step, mesh=mesh, donate_argnums=(0, 1), progress=False, **options).lower(*shapes(16))
+
+
+@pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
+def test_the_faster_compiled_of_two_plans_is_kept_whatever_their_order(tmp_path):
+    """Two plans of one step on described H100s (searched without a limit and under 10 MiB):
+    given slower first, the faster program is kept, as compiled, with both listed in its report
+    and its saved file."""
+    mesh = rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))
+    step, shapes = llama_step(SHAPE, seq=128)
+    plans = [_lowered(mesh).plan, _lowered(mesh, memory_limit_bytes=10 << 20).plan]
+    assert plans[0].arg_specs != plans[1].arg_specs, "two layouts to choose from"
+
+    def given(plan):  # a given plan is compiled as it is, with no other to weigh
+        return rj.parallelize(step, mesh=mesh, plan=plan, donate_argnums=(0, 1), progress=False).lower(*shapes(16))
+
+    seconds = [price_compiled(given(p).compile()._executable, "8x-h100").overlapped_s for p in plans]
+    slower, faster = sorted(range(2), key=lambda i: -seconds[i])
+    assert seconds[slower] > seconds[faster]
+    candidates = [given(plans[slower]), given(plans[faster])]
+    kept = fastest_compiled(candidates)
+    assert kept is candidates[1] and kept.plan.arg_specs == plans[faster].arg_specs
+    stats = kept.plan.search_stats
+    assert stats["compiled_kept"] == 1
+    assert [c[1] for c in stats["compiled_candidates"]] == pytest.approx([seconds[slower], seconds[faster]])
+    assert kept.compile() is kept._compiled and kept.compile().plan is kept.plan, "kept compiled, not compiled again"
+    assert "compiled        " in kept.plan.report() and f"*{seconds[faster] * 1e3:.4g} ms" in kept.plan.report()
+    kept.plan.save(tmp_path / "plan.json")
+    assert rj.Plan.load(tmp_path / "plan.json").search_stats["compiled_candidates"] == stats["compiled_candidates"]
+
+
+@pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
+def test_a_program_over_the_limit_is_not_kept():
+    """Of two programs compiled, the one over the devices' memory is not kept, though listed
+    first (the limit is set after they were compiled, so that no remedy brings the larger under)."""
+    mesh = rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))
+    step, shapes = llama_step(SHAPE, seq=128)
+    large, small = _lowered(mesh).plan, _lowered(mesh, memory_limit_bytes=10 << 20).plan
+    candidates = [rj.parallelize(step, mesh=mesh, plan=p, donate_argnums=(0, 1), progress=False).lower(*shapes(16))
+                  for p in (large, small)]
+    sizes = [c.compile().memory.total for c in candidates]
+    assert sizes[1] < sizes[0]
+    for c in candidates:
+        c.memory_limit_bytes = (sizes[0] + sizes[1]) // 2
+    kept = fastest_compiled(candidates)
+    assert kept is candidates[1]
+    assert [c[3] for c in kept.plan.search_stats["compiled_candidates"]] == [False, True]
+
+
+def test_on_cpus_nothing_is_compiled_at_lower_though_the_search_weighed_other_plans():
+    """CPU programs run their collectives synchronously: the search's replay is what runs."""
+    mesh = rj.device_mesh((8,), ("data",))
+    lowered = _lowered(mesh, cluster="8x-h100")
+    inputs = lowered.plan.search_inputs
+    cluster = get_cluster("8x-h100")
+    assert plan_on(inputs.graph, MeshTopology.from_mesh(mesh, cluster), cluster, inputs.options).alternatives, \
+        "the search weighed other layouts"
+    assert lowered._compiled is None and "compiled_candidates" not in lowered.plan.search_stats
