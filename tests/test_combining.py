@@ -179,7 +179,7 @@ def flax_lm():
 def test_data_parallel_is_chosen_and_compiles_one_gradient_all_reduce(preset, flax_lm):
     """A Flax GPT-like LM (4 layers, 71 parameters, adamw): data parallelism needs one combined
     all-reduce of the gradients, which the search now prices as such; priced per gradient, 71
-    launches, it ran from data parallelism (`benchmarks/THIRD_PARTY.md`: 1.5-2.5x slower)."""
+    launches, it ran from data parallelism (`benchmarks/results/THIRD_PARTY.md`: 1.5-2.5x slower)."""
     case, expected = flax_lm
     lowered = rj.parallelize(case.step, mesh=rj.device_mesh((8,), ("data",)), cluster=_cpu(preset)).lower(*case.args)
     plan = lowered.plan
