@@ -67,7 +67,7 @@ LARGEST_OPS = 20  # rows of the per-op table in calibration.md
 
 
 def _zoo() -> dict:
-    """benchmarks.models.MODELS, imported without running the body of `rhino_jax/__init__.py`.
+    """benchmarks.fixtures.models.MODELS, imported without running the body of `rhino_jax/__init__.py`.
 
     The zoo imports rhino_jax.models (plain JAX), and importing it runs its package's body, which
     imports the planner (rhino_jax.search, rhino_jax.hlo_passes, ortools). On the GPU machine
@@ -89,7 +89,7 @@ def _zoo() -> dict:
 
         package.__getattr__ = run_body
         sys.modules["rhino_jax"] = package
-    from benchmarks.models import MODELS
+    from benchmarks.fixtures.models import MODELS
     return MODELS
 
 

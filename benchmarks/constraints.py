@@ -60,7 +60,7 @@ from benchmarks import RESULTS  # noqa: E402
 from .compilers import devices  # noqa: E402
 from rhino_jax.errors import StagingError  # noqa: E402
 
-from .third_party_models import linen_gpt, masked_remat_lm, recycling_lm, remat_lm, tied_lm  # noqa: E402
+from .fixtures.third_party_models import linen_gpt, masked_remat_lm, recycling_lm, remat_lm, tied_lm  # noqa: E402
 
 CLUSTER, MESH, NAMES = "8x-h100", (2, 4), ("data", "model")
 MEGATRON = [rj.op_trans(f"*block?/attn/{w}/kernel", dims=-2, parts=4) for w in ("query", "key", "value")] + [

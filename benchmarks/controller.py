@@ -70,7 +70,7 @@ def run(case: dict) -> dict:
     import jax
 
     import rhino_jax as rj
-    from benchmarks.models import gpt, unet
+    from benchmarks.fixtures.models import gpt, unet
     from rhino_jax.search.cost.cluster import get_cluster
 
     module, preset = (gpt, gpt.PRESETS["GPT-6.7B"]) if case["model"] == "GPT-6.7B" else (unet, unet.PRESETS["UNet"])
@@ -102,7 +102,7 @@ def fidelity(hosts: int) -> list[dict]:
     (`compiled_step_s`: cost analysis and the collectives XLA emits, in the plan's schedule) beside
     its prediction: does the controller's ranking hold on what XLA builds?"""
     import rhino_jax as rj
-    from benchmarks.models import gpt
+    from benchmarks.fixtures.models import gpt
     from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 
     config = dataclasses.replace(gpt.PRESETS["GPT-Medium"], n_layers=FIDELITY_LAYERS, batch=8 * hosts)

@@ -15,7 +15,7 @@ python -m benchmarks.gpu --merge A/gpu.json B/gpu.json ... --out DIR [--note TEX
 Parts, each within what is left of the budget, each recording its error and going on:
 1. the device as XLA sees it: the `GpuTargetConfigProto` the GPU compiler dumps for a real
    compile, beside the description `rj.gpu_topology` compiles for (`rhino_jax.gpu_topology`);
-2. one-device train steps (`benchmarks.third_party_models.CASES`) compiled for the real GPU and
+2. one-device train steps (`benchmarks.fixtures.third_party_models.CASES`) compiled for the real GPU and
    for the described one (our description, and the device's own dump): memory, FLOPs, bytes,
    kernels (fusions and library calls) and the priced step, side by side;
 3. kernel launches: chains of n tiny dependent kernels (an optimization barrier between each
@@ -61,7 +61,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import rhino_jax as rj  # noqa: E402
 from benchmarks import RESULTS  # noqa: E402
 from benchmarks.calibrate import timed  # noqa: E402
-from benchmarks.third_party_models import CASES  # noqa: E402
+from benchmarks.fixtures.third_party_models import CASES  # noqa: E402
 from rhino_jax.gpu_topology import GPUS  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled, xla_cost_analysis  # noqa: E402
 

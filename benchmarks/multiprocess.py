@@ -34,7 +34,7 @@ PRESETS = ("m8-v100-2hosts", "8x-h100-2hosts", "m8-v100-4hosts", "8x-h100-4hosts
 def plan_sizes(hosts: int) -> list[dict]:
     """Part 1, in a process with 8 * hosts devices."""
     import rhino_jax as rj
-    from benchmarks.models import gpt
+    from benchmarks.fixtures.models import gpt
 
     config = dataclasses.replace(gpt.PRESETS["GPT-Medium"], batch=32 * hosts)
     step, args = gpt.make_train_step(config), gpt.example(config, abstract=True)

@@ -1,5 +1,5 @@
 """The zoo's benchmark: every model of the zoo x mesh x method, planned by rhino_jax and by the
-expert baselines of `benchmarks/baselines.py`, all through the same API and cost model, compiled by
+expert baselines of `benchmarks/fixtures/baselines.py`, all through the same API and cost model, compiled by
 XLA's CPU compiler and by its GPU compiler.
 
 python -m benchmarks.run [--models gpt moe ...] [--quick] [--out DIR] [--o3-limit S]
@@ -77,11 +77,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
-from benchmarks import RESULTS  # noqa: E402
-from benchmarks import baselines as B  # noqa: E402
-from benchmarks import compilers  # noqa: E402
+from benchmarks import RESULTS, compilers  # noqa: E402
 from benchmarks.compilers import COMPILERS  # noqa: E402
-from benchmarks.models import MODELS, sharding_memory_limit  # noqa: E402
+from benchmarks.fixtures import baselines as B  # noqa: E402
+from benchmarks.fixtures.models import MODELS, sharding_memory_limit  # noqa: E402
 from benchmarks.run_plot import plot  # noqa: E402
 from benchmarks.run_report import RHINO, _compiler, _is_rhino, render  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled  # noqa: E402

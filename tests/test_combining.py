@@ -16,7 +16,7 @@ from rhino_jax.search.solvers import ilp
 from rhino_jax.search.cost.cluster import MeshTopology, combiner_for, get_cluster
 from rhino_jax.search.cost.combining import DERIVED, HEAD, TAIL, combine, combining_sides, families
 
-from benchmarks.third_party_models import linen_gpt
+from benchmarks.fixtures.third_party_models import linen_gpt
 from helpers import assert_same_adam_step, assert_same_numbers, on_host
 
 GPU, CPU = combiner_for("gpu"), combiner_for("cpu")

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 import rhino_jax as rj
-from benchmarks.hand_plans import compile_hand
-from benchmarks.third_party_models import CASES, Case
+from benchmarks.fixtures.hand_plans import compile_hand
+from benchmarks.fixtures.third_party_models import CASES, Case
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.search.cost.gemm_workspace import gemm_workspaces
 from rhino_jax.models.gpt import GPTConfig, gpt_example, make_gpt_train_step
