@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-HERE = pathlib.Path(__file__).parent
+from benchmarks import RESULTS
 
 # model -> {label: (zoo preset, overrides)}. Medium presets keep the paper's widths and cut depth,
 # batch or classes so that parameters, Adam state and activations fit one 80 GB GPU; each is
@@ -67,7 +67,7 @@ LARGEST_OPS = 20  # rows of the per-op table in calibration.md
 
 
 def _zoo() -> dict:
-    """benchmarks.models.MODELS, imported without running the body of `rhino_jax/__init__.py`.
+    """benchmarks.fixtures.models.MODELS, imported without running the body of `rhino_jax/__init__.py`.
 
     The zoo imports rhino_jax.models (plain JAX), and importing it runs its package's body, which
     imports the planner (rhino_jax.search, rhino_jax.hlo_passes, ortools). On the GPU machine
@@ -89,7 +89,7 @@ def _zoo() -> dict:
 
         package.__getattr__ = run_body
         sys.modules["rhino_jax"] = package
-    from benchmarks.models import MODELS
+    from benchmarks.fixtures.models import MODELS
     return MODELS
 
 
@@ -337,7 +337,7 @@ def _predicted_seconds(model: str, config, cluster, per_op_s: float = 0.0) -> tu
     return total + per_op_s * kernels, kernels
 
 
-def fit_and_report(measured_path: pathlib.Path, preset: str = "8x-h100", out_dir: pathlib.Path = HERE) -> str:
+def fit_and_report(measured_path: pathlib.Path, preset: str = "8x-h100", out_dir: pathlib.Path = RESULTS) -> str:
     """Fit `preset`'s constants to the measured ops and write the report; returns its markdown."""
     from rhino_jax.search.cost.cluster import get_cluster
     measured = json.loads(measured_path.read_text())
@@ -437,9 +437,9 @@ def main() -> None:
     m.add_argument("--models", nargs="+", default=list(MEDIUM), choices=list(MEDIUM))
     m.add_argument("--quick", action="store_true", help="tiny presets only (a smoke run)")
     f = sub.add_parser("fit")
-    f.add_argument("--measured", type=pathlib.Path, default=HERE / "calibration_measured.json")
+    f.add_argument("--measured", type=pathlib.Path, default=RESULTS / "calibration_measured.json")
     f.add_argument("--preset", default="8x-h100", help="the cluster preset whose constants are fitted")
-    f.add_argument("--out-dir", type=pathlib.Path, default=HERE)
+    f.add_argument("--out-dir", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     if args.cmd == "measure":
         measure(args.out, args.models, args.quick)

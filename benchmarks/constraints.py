@@ -1,7 +1,7 @@
 """The search spaces users constrain: each of nnScaler's primitives on a Flax GPT, the
 plan with and without the constraint, predicted and priced from what XLA's GPU compiler makes.
 
-    python -m benchmarks.constraints            # writes benchmarks/constraints.md and .json
+    python -m benchmarks.constraints            # writes benchmarks/results/constraints.md and .json
     python -m benchmarks.constraints --only interlaced   # those rows, the others kept from the .json
     python -m benchmarks.constraints --only multi_forward
 
@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import re
 import time
 
@@ -57,12 +56,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import rhino_jax as rj  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled  # noqa: E402
 
+from benchmarks import RESULTS  # noqa: E402
 from .compilers import devices  # noqa: E402
 from rhino_jax.errors import StagingError  # noqa: E402
 
-from .third_party_models import linen_gpt, masked_remat_lm, recycling_lm, remat_lm, tied_lm  # noqa: E402
+from .fixtures.third_party_models import linen_gpt, masked_remat_lm, recycling_lm, remat_lm, tied_lm  # noqa: E402
 
-HERE = pathlib.Path(__file__).parent
 CLUSTER, MESH, NAMES = "8x-h100", (2, 4), ("data", "model")
 MEGATRON = [rj.op_trans(f"*block?/attn/{w}/kernel", dims=-2, parts=4) for w in ("query", "key", "value")] + [
     rj.op_trans("*block?/attn/out/kernel", dims=-3, parts=4), rj.op_trans("*block?/fc1/kernel", dims=-1, parts=4),
@@ -220,15 +219,15 @@ def main() -> None:
                         help="measure these rows only; the others come from constraints.json")
     only = parser.parse_args().only
     rows = measure() if only is None else [
-        *(r for r in json.loads((HERE / "constraints.json").read_text()) if r["primitive"] != only),
+        *(r for r in json.loads((RESULTS / "constraints.json").read_text()) if r["primitive"] != only),
         *{"interlaced": _interlaced_rows, "multi_forward": _multi_forward_rows, "coshard": _coshard_rows}.get(
             only, lambda: [r for r in measure() if r["primitive"] == only])()]
     order = ("op_trans", "op_assign", "op_order", "interlaced", "multi_forward", "coshard")
     rows.sort(key=lambda r: order.index(r["primitive"]))
     text = table(rows)
     print(text)
-    (HERE / "constraints.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (HERE / "constraints.md").write_text(
+    (RESULTS / "constraints.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (RESULTS / "constraints.md").write_text(
         "# Constraints on the search space: with and without\n\n"
         "`python -m benchmarks.constraints` (its docstring says what each row is). Flax linen GPT (d 256, 4 "
         "blocks, seq 128, batch 16), 8 described H100s, mesh (2, 4), preset 8x-h100, O2. Predicted: the "

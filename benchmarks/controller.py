@@ -15,7 +15,7 @@ What Rhino §7.2 reports (Fig. 7, M8, 1 to 16 GPUs = 2 hosts, full parallelism, 
 "Rhino prefers simple data parallelism". The paper has no 4-host or H100 runs: those rows are
 ours alone.
 
-Run: python -m benchmarks.controller  (about 20 min on 2 cores) → benchmarks/controller.md
+Run: python -m benchmarks.controller  (about 20 min on 2 cores) → benchmarks/results/controller.md
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import RESULTS
+
 HERE = Path(__file__).resolve().parent
 PEAK = {"m8-v100": 15.7e12, "8x-h100": 495e12}  # FP32 / TF32 dense, per device (datasheets)
 PAPER = {("GPT-6.7B", "m8-v100-2hosts"): "GPT on 16 V100: 54.0-75.9% MFU (range over 1-16 GPUs)",
@@ -37,7 +39,7 @@ PAPER = {("GPT-6.7B", "m8-v100-2hosts"): "GPT on 16 V100: 54.0-75.9% MFU (range 
 NOTES = """Reading the table:
 - Every number is predicted by rhino_jax's cost model for the preset (nothing runs on a GPU
   here; how the SPMD model tracks XLA's compiled programs is measured on smaller models in
-  `benchmarks/THIRD_PARTY.md` and `benchmarks/RESULTS.md`); a pipeline's time is the
+  `benchmarks/results/THIRD_PARTY.md` and `benchmarks/results/RESULTS.md`); a pipeline's time is the
   1F1B makespan of the stages' predicted times plus the cross-mesh moves (`runtime/schedules.py`,
   `runtime/resharding.py`).
 - Memory per device counts parameters, optimizer state, the activations each stage holds for the
@@ -68,7 +70,7 @@ def run(case: dict) -> dict:
     import jax
 
     import rhino_jax as rj
-    from benchmarks.models import gpt, unet
+    from benchmarks.fixtures.models import gpt, unet
     from rhino_jax.search.cost.cluster import get_cluster
 
     module, preset = (gpt, gpt.PRESETS["GPT-6.7B"]) if case["model"] == "GPT-6.7B" else (unet, unet.PRESETS["UNet"])
@@ -100,7 +102,7 @@ def fidelity(hosts: int) -> list[dict]:
     (`compiled_step_s`: cost analysis and the collectives XLA emits, in the plan's schedule) beside
     its prediction: does the controller's ranking hold on what XLA builds?"""
     import rhino_jax as rj
-    from benchmarks.models import gpt
+    from benchmarks.fixtures.models import gpt
     from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 
     config = dataclasses.replace(gpt.PRESETS["GPT-Medium"], n_layers=FIDELITY_LAYERS, batch=8 * hosts)
@@ -171,8 +173,8 @@ def main() -> None:
     text = (table(results) + "\n\nThe same comparison priced from the programs XLA compiles (CPU compiler, "
             "cluster constants), for a model small enough to compile here:\n\n" + fidelity_table(checks))
     print(text)
-    (HERE / "controller.json").write_text(json.dumps(dict(cases=results, fidelity=checks), indent=1))
-    (HERE / "controller.md").write_text(
+    (RESULTS / "controller.json").write_text(json.dumps(dict(cases=results, fidelity=checks), indent=1))
+    (RESULTS / "controller.md").write_text(
         "# pipeline='auto' on the multi-host presets\n\n`python -m benchmarks.controller`; see the module's "
         "docstring for the method.\n\n" + text + "\n\n" + NOTES)
 

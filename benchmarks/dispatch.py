@@ -1,6 +1,6 @@
 """Dispatch cost of a parallelized step on a cache hit, against jax.jit's.
 
-python -m benchmarks.dispatch [--before DIR] [--calls N]   → prints a table, writes benchmarks/dispatch.md
+python -m benchmarks.dispatch [--before DIR] [--calls N]   → prints a table, writes benchmarks/results/dispatch.md
 
 Two steps (an MLP of 2 weight matrices: 4 argument leaves; and one of 160 weight matrices: 162
 leaves), each on a 1-device mesh (the call is nearly all dispatch) and on the 8-device mesh. Each
@@ -24,6 +24,8 @@ import pathlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+
+from benchmarks import RESULTS  # noqa: E402
 
 CASES = [("small", 2, 1), ("small", 2, 8), ("160 leaves", 160, 1), ("160 leaves", 160, 8)]
 
@@ -134,7 +136,7 @@ def main() -> None:
     doc = (f"# Dispatch on a cache hit\n\n`python -m benchmarks.dispatch{' --before DIR' if before else ''}` "
            f"({datetime.date.today()}, jax {jax.__version__}, CPU, {os.cpu_count()} cores, 8 emulated devices, "
            f"{opts.calls} calls per loop, best of 7 loops).\n\n{__doc__.split(chr(10), 3)[3].strip()}\n\n{text}\n")
-    (pathlib.Path(__file__).parent / "dispatch.md").write_text(doc)
+    (RESULTS / "dispatch.md").write_text(doc)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ python -m benchmarks.gpu [--out DIR] [--budget-s 420] [--calibrate-models gpt be
     on a machine with one GPU (H100 or H200): one run of at most --budget-s seconds;
     writes DIR/gpu.json, DIR/gpu.md and DIR/calibration_measured.json (DIR: benchmarks/).
     Afterwards, on any machine: python -m benchmarks.calibrate fit --measured
-    benchmarks/calibration_measured.json (the compute constants fitted to it).
+    benchmarks/results/calibration_measured.json (the compute constants fitted to it).
 python -m benchmarks.gpu --dry-run --out /tmp/gpu
     the same code on the CPU (the CPU standing for the real device), a short budget: the check
     that the one GPU run will go through.
@@ -15,7 +15,7 @@ python -m benchmarks.gpu --merge A/gpu.json B/gpu.json ... --out DIR [--note TEX
 Parts, each within what is left of the budget, each recording its error and going on:
 1. the device as XLA sees it: the `GpuTargetConfigProto` the GPU compiler dumps for a real
    compile, beside the description `rj.gpu_topology` compiles for (`rhino_jax.gpu_topology`);
-2. one-device train steps (`benchmarks.third_party_models.CASES`) compiled for the real GPU and
+2. one-device train steps (`benchmarks.fixtures.third_party_models.CASES`) compiled for the real GPU and
    for the described one (our description, and the device's own dump): memory, FLOPs, bytes,
    kernels (fusions and library calls) and the priced step, side by side;
 3. kernel launches: chains of n tiny dependent kernels (an optimization barrier between each
@@ -59,12 +59,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
+from benchmarks import RESULTS  # noqa: E402
 from benchmarks.calibrate import timed  # noqa: E402
-from benchmarks.third_party_models import CASES  # noqa: E402
+from benchmarks.fixtures.third_party_models import CASES  # noqa: E402
 from rhino_jax.gpu_topology import GPUS  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled, xla_cost_analysis  # noqa: E402
 
-HERE = pathlib.Path(__file__).parent
 PRESET = {"h100": "8x-h100", "h200": "8x-h200", "a100": "8x-a100"}
 PARTS = ["device", "compiles", "launch", "steps", "plan round trip", "described plans", "calibrate"]
 LAUNCH_CHAINS = (1, 16, 64, 256)  # kernels per chain (part 3)
@@ -419,7 +419,7 @@ def merged(results: list[dict], note: str | None) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, default=HERE)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--budget-s", type=float, default=420.0, help="the whole run's seconds")
     parser.add_argument("--models", nargs="+", default=None, help="third-party cases (default: all)")
     parser.add_argument("--calibrate-models", nargs="*", default=["gpt", "bert", "vgg19", "wresnet"])

@@ -1,6 +1,6 @@
 """A step closing over a large constant: rhino_jax's planning time and memory against jax's own.
 
-python -m benchmarks.large_constants [--before DIR]   → prints a table, writes benchmarks/large_constants.md
+python -m benchmarks.large_constants [--before DIR]   → prints a table, writes benchmarks/results/large_constants.md
 The step is `(C @ x).sum()` for a closed-over f32 constant C of shape (128, 1024, 1024) (512 MiB,
 not a splat, so jax embeds all of it in the StableHLO module as a dense attribute) on an (8,)
 mesh. Each variant runs in a fresh process, so its peak RSS (`resource.getrusage`) is its own:
@@ -22,6 +22,8 @@ import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+
+from benchmarks import RESULTS  # noqa: E402
 
 SHAPE = (128, 1024, 1024)
 VARIANTS = ("jax, 1 device", "jax, mesh (8,)", "rhino_jax, mesh (8,)")
@@ -101,7 +103,7 @@ def main() -> None:
             "import, the search and the program's fingerprint (sha256 of the module's text with large constants "
             "hashed from their bytes, about 1 s per 0.5 GiB). The compile time and its peak are XLA's, for the "
             "same program jax compiles on the mesh, and vary with the load of this machine's 2 cores.\n")
-    pathlib.Path(__file__).with_suffix(".md").write_text(text)
+    (RESULTS / "large_constants.md").write_text(text)
 
 
 if __name__ == "__main__":

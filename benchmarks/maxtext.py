@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from typing import Callable
 from unittest import mock
 
+from benchmarks import RESULTS
+
 from .overlap import priced, run_cases, table
 from .scale import GIB, compile_as_users_do, kept_note
 
-HERE = pathlib.Path(__file__).parent
 # MaxText's parallelism settings compared, as its users set them (the rest of the mesh axes 1).
 CONFIGS = {
     "MaxText fsdp 8": {"ici_fsdp_parallelism": 8},
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the cases asked for, keep the others' rows from maxtext.json, write both files."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=[c.name for c in CASES])
-    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     from importlib.metadata import version
 

@@ -30,9 +30,9 @@ import pathlib
 import sys
 import time
 
+from benchmarks import RESULTS
 from benchmarks.scale import kept_note
 
-HERE = pathlib.Path(__file__).parent
 GIB = 1 << 30
 MESH, AXES = (32, 8), ("data", "model")
 # (label, plan, scan, XLA compiler options)
@@ -123,7 +123,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", nargs="+", type=int, default=[4, 8, 16])
     parser.add_argument("--limit-s", type=float, default=100.0, help="rhino_jax's solver_time_limit_s")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--render-only", action="store_true", help="rewrite memory_depth.md from its json")
     parser.add_argument("--variants", nargs="+", help="rerun the plans whose label contains one of these at "
                         "--layers (the other rows kept from memory_depth.json)")

@@ -12,7 +12,7 @@ running a 4-layer GPT (d 256) Adam step on a (2, 4) mesh, and reports, from proc
 to the job joined, planning, the cross-process plan check (`multiprocess.agree`), compilation,
 the first step, launch to first step.
 
-Run: python -m benchmarks.multiprocess  (about 10 min on 2 cores) → benchmarks/multiprocess.md
+Run: python -m benchmarks.multiprocess  (about 10 min on 2 cores) → benchmarks/results/multiprocess.md
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import RESULTS
+
 HERE = Path(__file__).resolve().parent
 PRESETS = ("m8-v100-2hosts", "8x-h100-2hosts", "m8-v100-4hosts", "8x-h100-4hosts")
 
@@ -32,7 +34,7 @@ PRESETS = ("m8-v100-2hosts", "8x-h100-2hosts", "m8-v100-4hosts", "8x-h100-4hosts
 def plan_sizes(hosts: int) -> list[dict]:
     """Part 1, in a process with 8 * hosts devices."""
     import rhino_jax as rj
-    from benchmarks.models import gpt
+    from benchmarks.fixtures.models import gpt
 
     config = dataclasses.replace(gpt.PRESETS["GPT-Medium"], batch=32 * hosts)
     step, args = gpt.make_train_step(config), gpt.example(config, abstract=True)
@@ -130,9 +132,9 @@ def main() -> None:
               for j in jobs]
     text = "\n".join(lines)
     print(text)
-    (HERE / "multiprocess.json").write_text(json.dumps(dict(plans=sizes, jobs=jobs), indent=1))
-    (HERE / "multiprocess.md").write_text("# Many processes\n\n`python -m benchmarks.multiprocess`; see the "
-                                          "module's docstring for the method.\n\n" + text + "\n")
+    (RESULTS / "multiprocess.json").write_text(json.dumps(dict(plans=sizes, jobs=jobs), indent=1))
+    (RESULTS / "multiprocess.md").write_text("# Many processes\n\n`python -m benchmarks.multiprocess`; see the "
+                                             "module's docstring for the method.\n\n" + text + "\n")
 
 
 if __name__ == "__main__":

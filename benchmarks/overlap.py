@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from benchmarks import RESULTS
+
 from .scale import GIB, compile_as_users_do, compile_hand, kept_note, llama_step, model_shape
 
-HERE = pathlib.Path(__file__).parent
 HAND = ("data parallel", "FSDP")
 NOTES = "<!-- notes: kept when the table is written again -->"
 
@@ -139,7 +140,7 @@ def run_cases(out: pathlib.Path, stem: str, cases: list, run: Callable[[object],
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=[c.name for c in CASES])
-    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     import jax
 

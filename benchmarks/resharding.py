@@ -3,17 +3,15 @@ Model Parallelism" §3.2), on the paper's Table 2 cases under its host-level mod
 512) fp16 tensor, each mesh row one host, the two meshes on different hosts, 100 Gb/s between hosts
 (12.5 GB/s) and NVLink inside.
 
-python -m benchmarks.resharding → prints a table, writes benchmarks/resharding.md
+python -m benchmarks.resharding → prints a table, writes benchmarks/results/resharding.md
 """
 import datetime
-import pathlib
 import time
 
 import numpy as np
 
+from benchmarks import RESULTS
 from rhino_jax.runtime import resharding as R
-
-HERE = pathlib.Path(__file__).parent
 
 # The paper's Table 2: (send spec, receive spec, send mesh, receive mesh), a (1024, 1024, 512) fp16
 # tensor; each mesh row is a host, the two meshes on different hosts.
@@ -69,7 +67,7 @@ def main():
     lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
-    (HERE / "resharding.md").write_text(text)
+    (RESULTS / "resharding.md").write_text(text)
 
 
 if __name__ == "__main__":

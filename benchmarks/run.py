@@ -1,5 +1,5 @@
 """The zoo's benchmark: every model of the zoo x mesh x method, planned by rhino_jax and by the
-expert baselines of `benchmarks/baselines.py`, all through the same API and cost model, compiled by
+expert baselines of `benchmarks/fixtures/baselines.py`, all through the same API and cost model, compiled by
 XLA's CPU compiler and by its GPU compiler.
 
 python -m benchmarks.run [--models gpt moe ...] [--quick] [--out DIR] [--o3-limit S]
@@ -77,15 +77,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
-from benchmarks import baselines as B  # noqa: E402
-from benchmarks import compilers  # noqa: E402
+from benchmarks import RESULTS, compilers  # noqa: E402
 from benchmarks.compilers import COMPILERS  # noqa: E402
-from benchmarks.models import MODELS, sharding_memory_limit  # noqa: E402
+from benchmarks.fixtures import baselines as B  # noqa: E402
+from benchmarks.fixtures.models import MODELS, sharding_memory_limit  # noqa: E402
 from benchmarks.run_plot import plot  # noqa: E402
 from benchmarks.run_report import RHINO, _compiler, _is_rhino, render  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled  # noqa: E402
 from rhino_jax.search.cost.cluster import get_cluster  # noqa: E402
-HERE = pathlib.Path(__file__).parent
 
 
 M8, H100 = rj.M8_V100, rj.H100_8X
@@ -475,7 +474,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--quick", action="store_true", help="tiny presets only, 2-layer strong scaling")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--o3-limit", type=float, default=45.0,
                         help="O3's solver_time_limit_s (s), for its whole search; a wall-clock alarm stops it at twice this")
     parser.add_argument("--no-strong-scaling", action="store_true")

@@ -200,10 +200,10 @@ def render(rows, scaling, layer_rows, out: pathlib.Path, quick: bool, started: f
          "Everything is planned by `rj.parallelize` and compiled by XLA's SPMD partitioner. Times are the cost "
          "model's predictions (per step, no compute/communication overlap) under the `m8-v100` preset (Rhino's "
          "M8: 8 V100-32GB, NVLink) and, from a separate search, under `8x-h100`; the CPU never runs the "
-         "paper-size programs. The baselines (`benchmarks/baselines.py`) are expert plans pinned with "
+         "paper-size programs. The baselines (`benchmarks/fixtures/baselines.py`) are expert plans pinned with "
          "`rj.annotate` on parameters, optimizer state, batch and activations; the search fills in what the "
          "pins leave open, under the same cost model. The baselines are SPMD only, so the manual \"3-D\" plan "
-         "is 2-D: DP x TP (pipelines are compared in `benchmarks/controller.md`).", "",
+         "is 2-D: DP x TP (pipelines are compared in `benchmarks/results/controller.md`).", "",
          "Sizes: each model's heading says which paper configuration it is and what we changed. To keep the "
          "CPU rows under half an hour on 2 cores (about nine plans compiled per model and mesh), GPT, MoE, BERT and "
          "Wide-ResNet are planned and compiled at half their depth; VGG19 and U-Net at full size. The "

@@ -32,6 +32,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
+from benchmarks import RESULTS
+
 HERE = pathlib.Path(__file__).parent
 SEQ, PER_DEVICE = 2048, 8
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16 (NVIDIA's datasheet)
@@ -445,7 +447,7 @@ def main(argv=None) -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--limit-s", type=float, default=100.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
-    parser.add_argument("--out", type=pathlib.Path, default=HERE)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 [L, ...] parameters, one while loop forward and one backward), Adam(W), planned by rhino_jax and
 as data parallelism (pinned through the same API), beside the same model written unrolled.
 
-python -m benchmarks.scan_lm   → prints two tables, writes benchmarks/scan_lm.md
+python -m benchmarks.scan_lm   → prints two tables, writes benchmarks/results/scan_lm.md
 At a test size (`SMALL`), compiled: per mesh and form, predicted step (M8 preset) of rhino_jax's
 plan and of data parallelism, their ratio, the plan's predicted and compiled collective bytes (loop
 bodies counted per trip), search time, ops kept replicated, and max |Δ| of the compiled step
@@ -19,7 +19,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import datetime  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-import pathlib  # noqa: E402
 import time  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
@@ -29,6 +28,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
+from benchmarks import RESULTS  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled  # noqa: E402
 
 
@@ -179,7 +179,7 @@ def main():
             print(gaps[-1], flush=True)
     table, gap_table = "\n".join(lines), "\n".join(gaps)
     print(table)
-    out = pathlib.Path(__file__).with_name("scan_lm.md")
+    out = RESULTS / "scan_lm.md"
     out.write_text(f"# Scan over layers: Flax LM, nn.scan(nn.remat(Block)) vs unrolled\n\n"
                    f"`python -m benchmarks.scan_lm` ({datetime.date.today()}), jax {jax.__version__}: AdamW; "
                    f"predicted steps on the M8 preset.\n\n"

@@ -4,14 +4,12 @@ as its inputs have arrived (`Schedule.makespan`), forward 1 unit and backward 2 
 micro-batch on every stage, a transfer of t units after each cross-stage task. Also the
 micro-batches each schedule holds on its first stage (activation memory).
 
-python -m benchmarks.schedules → prints a table, writes benchmarks/schedules.md
+python -m benchmarks.schedules → prints a table, writes benchmarks/results/schedules.md
 """
 import datetime
-import pathlib
 
+from benchmarks import RESULTS
 from rhino_jax.runtime import schedules
-
-HERE = pathlib.Path(__file__).parent
 
 
 def main():
@@ -33,7 +31,7 @@ def main():
     lines += ["| " + " | ".join(f"{r[c]:g}" for c in cols) + " |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
-    (HERE / "schedules.md").write_text(text)
+    (RESULTS / "schedules.md").write_text(text)
 
 
 if __name__ == "__main__":

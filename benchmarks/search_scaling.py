@@ -3,10 +3,10 @@ devices, planned at O2 and O3. Records Table 5's statistics (instructions, criti
 their proportion, subgraphs), search time and predicted step time at each level.
 
 python -m benchmarks.search_scaling [--layers 6 12 24 36 48 72] [--o3-max-layers 36]
-    → prints a table, writes benchmarks/search_scaling.md and benchmarks/search_scaling.png
+    → prints a table, writes benchmarks/results/search_scaling.md and benchmarks/results/search_scaling.png
 python -m benchmarks.search_scaling --distinct [--layers 6 12 24 48] [--o3-max-layers 12]
     → the same for layers that never repeat (FFN width 1024 + 64 i in layer i) on a (2, 4) mesh,
-      where O2 cannot tie layers and solves by windows; writes benchmarks/search_scaling_distinct.md
+      where O2 cannot tie layers and solves by windows; writes benchmarks/results/search_scaling_distinct.md
 Planning needs shapes only (jax.ShapeDtypeStruct), so nothing is compiled or run. Time is wall
 time on this machine, lowering included (plan_s); O3 is skipped above --o3-max-layers.
 """
@@ -23,9 +23,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
+from benchmarks import RESULTS  # noqa: E402
 from rhino_jax.models import gpt  # noqa: E402
-
-HERE = pathlib.Path(__file__).parent
 
 
 def backbone_config(layers: int, distinct: bool) -> gpt.GPTConfig:
@@ -105,8 +104,8 @@ def main():
               f"![search time and predicted step]({name}.png)"]
     text = "\n".join(lines) + "\n"
     print(text)
-    (HERE / f"{name}.md").write_text(text)
-    plot(rows, HERE / f"{name}.png")
+    (RESULTS / f"{name}.md").write_text(text)
+    plot(rows, RESULTS / f"{name}.png")
 
 
 if __name__ == "__main__":

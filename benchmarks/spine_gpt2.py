@@ -1,7 +1,7 @@
 """Spine benchmark: GPT-2-small train step (Adam) on 8 devices, planned by rhino_jax and by
 two expert baselines pinned through the same API (data parallel, Megatron tensor parallel).
 
-python -m benchmarks.spine_gpt2 [--layers N]   → prints a table, writes benchmarks/spine_gpt2.md
+python -m benchmarks.spine_gpt2 [--layers N]   → prints a table, writes benchmarks/results/spine_gpt2.md
 Everything is planned from shapes (jax.ShapeDtypeStruct) and compiled, never run: on the CPU
 the numbers that matter are the predicted step time (M8 preset) and the compiled collectives.
 """
@@ -13,13 +13,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
-import pathlib  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
+from benchmarks import RESULTS  # noqa: E402
 from rhino_jax.models import gpt  # noqa: E402
 
 AXIS = "devices"
@@ -103,7 +103,7 @@ def main():
               "also pins the activations."]
     text = "\n".join(lines) + "\n"
     print(text)
-    (pathlib.Path(__file__).parent / "spine_gpt2.md").write_text(text)
+    (RESULTS / "spine_gpt2.md").write_text(text)
 
 
 if __name__ == "__main__":

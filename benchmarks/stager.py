@@ -3,7 +3,7 @@ pass of a GPT backbone (hidden 512, seq 512, batch 8, vocab 50304) at 24 and 48 
 by critical-node segments, divided into 2, 4 and 8 stages balanced within epsilon.
 
 python -m benchmarks.stager [--layers 24 48] [--stages 2 4 8] [--epsilon 0.1] [--time-limit 300]
-    → prints a table, writes benchmarks/stager.md
+    → prints a table, writes benchmarks/results/stager.md
 Planning needs shapes only, so nothing is compiled or run. Time is wall time on this machine.
 """
 import os
@@ -13,11 +13,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
+from benchmarks import RESULTS  # noqa: E402
 from rhino_jax.errors import SolverError, StagingError  # noqa: E402
 from rhino_jax.hlo_passes.importer import import_module  # noqa: E402
 from rhino_jax.hlo_passes.lowering import lower_on_mesh  # noqa: E402
@@ -26,7 +26,6 @@ from rhino_jax.search.staging import stager  # noqa: E402
 
 from .search_scaling import backbone_config  # noqa: E402
 
-HERE = pathlib.Path(__file__).parent
 
 
 def stage_graph(layers: int) -> stager.StageGraph:
@@ -73,7 +72,7 @@ def main():
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
-    (HERE / "stager.md").write_text(text)
+    (RESULTS / "stager.md").write_text(text)
 
 
 if __name__ == "__main__":

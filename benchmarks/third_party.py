@@ -1,4 +1,4 @@
-"""Third-party-style train steps (`third_party_models.py`), rhino_jax's plan
+"""Third-party-style train steps (`fixtures/third_party_models.py`), rhino_jax's plan
 against hand plans compiled by plain jax, every program priced from its compiled HLO the same way
 (`runtime.compiled.compiled_cost.price_compiled`), as XLA's CPU compiler and as its GPU compiler build it.
 
@@ -68,14 +68,13 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
-from benchmarks import compilers  # noqa: E402
+from benchmarks import RESULTS, compilers  # noqa: E402
 from benchmarks.compilers import COMPILERS, KIND_ABBR  # noqa: E402
-from benchmarks.hand_plans import HAND, compile_hand  # noqa: E402
-from benchmarks.third_party_models import CASES, QUICK, Case  # noqa: E402
+from benchmarks.fixtures.hand_plans import HAND, compile_hand  # noqa: E402
+from benchmarks.fixtures.third_party_models import CASES, QUICK, Case  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import CompiledCost, price_compiled  # noqa: E402
 from rhino_jax.search.cost.cluster import get_cluster  # noqa: E402
 
-HERE = pathlib.Path(__file__).parent
 RHINO = "rhino_jax O2"
 
 
@@ -412,7 +411,7 @@ def main(argv=None):
                         help="which XLA compiler's targets to run (default both)")
     meshes = sorted({t.label for t in TARGETS})
     parser.add_argument("--meshes", nargs="+", choices=meshes, default=meshes, help="these mesh shapes only")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--keep", action="store_true",
                         help="keep the configurations not rerun (model x mesh x compiler x preset) from OUT/third_party.json")
     args = parser.parse_args(argv)

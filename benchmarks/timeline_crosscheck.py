@@ -6,7 +6,7 @@ computation it scheduled (`<module>.schedule.txt`: `total_cycles`, the cycles wa
 collectives, at `cycles_per_microsecond` 1). The same compiled program is replayed by
 `compiled_cost.replay` at the 8x-h100 preset's prices; both figures are per run of a computation.
 
-python -m benchmarks.timeline_crosscheck → prints a table, writes benchmarks/timeline_crosscheck.md
+python -m benchmarks.timeline_crosscheck → prints a table, writes benchmarks/results/timeline_crosscheck.md
 """
 import os
 
@@ -25,13 +25,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
+from benchmarks import RESULTS  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import dot_dtype, replay  # noqa: E402
 from rhino_jax.runtime.compiled.collectives import collective_stats  # noqa: E402
 from rhino_jax.runtime.compiled.kernels import program_kernels  # noqa: E402
 from rhino_jax.models.mlp import make_mlp_train_step, mlp_example  # noqa: E402
 from rhino_jax.search.cost.cluster import H100_8X  # noqa: E402
 
-HERE = pathlib.Path(__file__).parent
 SOL = {"xla_gpu_enable_analytical_sol_latency_estimator": True, "xla_dump_latency_hiding_schedule": True}
 
 
@@ -118,9 +118,9 @@ def main():
     table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     table += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
     print("\n".join(table))
-    notes = (HERE / "timeline_crosscheck.md").read_text().split("<!-- table -->")
+    notes = (RESULTS / "timeline_crosscheck.md").read_text().split("<!-- table -->")
     stamp = f"jax {jax.__version__}, {datetime.date.today()}"
-    (HERE / "timeline_crosscheck.md").write_text(
+    (RESULTS / "timeline_crosscheck.md").write_text(
         notes[0] + "<!-- table -->\n\n" + stamp + "\n\n" + "\n".join(table) + "\n\n<!-- table -->" + notes[-1])
 
 

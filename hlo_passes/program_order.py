@@ -9,7 +9,7 @@ XLA's GPU schedulers reorder a training step in two ways that the priced peak do
   and the reshards after them move next to the optimizer update, and their inputs (activations
   gathered for them, 2 GiB each at 70B width) stay live across layers.
 A 70B-wide loop of 80 layers, planned at 55.7 GiB per device, so compiled to 573 GiB; tied,
-42.8 (`benchmarks/memory_depth.md`).
+42.8 (`benchmarks/results/memory_depth.md`).
 Barriers order both. XLA keeps them through scheduling (its GPU pipeline removes them after,
 with `OptimizationBarrierExpander` in the post-scheduling passes), and a barrier passes values
 through unchanged (the numbers change only where XLA fuses around it otherwise, by rounding):

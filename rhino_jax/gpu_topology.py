@@ -85,12 +85,12 @@ device_description_str: "{self.name}"
 
 # H100 SXM5 80 GB: 132 SMs of 128 FP32 cores, 1.98 GHz boost, HBM3 at 2619 MHz on 5120 bits
 # (3.35 TB/s), 50 MB L2, 228 KB shared memory per SM (227 KB for one block); 85,017,493,504
-# bytes as the CUDA runtime reports the card to XLA (benchmarks/gpu.md: the device's own
+# bytes as the CUDA runtime reports the card to XLA (benchmarks/results/gpu.md: the device's own
 # description, dumped by XLA on an H100, agrees with this one on every other field written here).
 H100_SXM = GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 85_017_493_504, 2 * 2_619_000_000 * 640,
                    50 << 20, 228 << 10, 227 << 10)
 # H200 SXM 141 GB: the H100's SMs and clocks, HBM3e at 3201 MHz (4.8 TB/s on the datasheet), a
-# 60 MB L2; memory size and bandwidth as XLA read them on an H200 (benchmarks/h200/gpu.md: the
+# 60 MB L2; memory size and bandwidth as XLA read them on an H200 (benchmarks/results/h200/gpu.md: the
 # device's own description, which agrees with this one on every other field written here).
 H200_SXM = GpuSpec("NVIDIA H200", (9, 0), 132, 128, 1.98, 150_109_880_320, 4_814_304_000_000, 60 << 20,
                    228 << 10, 227 << 10)

@@ -10,7 +10,7 @@ prices, so a plan fitted to the memory limit can compile past it. Its memory sch
 every split weight as early as it can, at the program's start, and its latency-hiding scheduler
 runs each layer's weight-gradient GEMMs late, beside the optimizer update, so their inputs stay
 live across layers (`hlo_passes.program_order`: a 70B-wide loop of 80 layers, planned at 55.7
-GiB per device, compiles to 573 GiB; `benchmarks/memory_depth.md`). `compile_module` checks
+GiB per device, compiles to 573 GiB; `benchmarks/results/memory_depth.md`). `compile_module` checks
 XLA's own memory analysis against the limit and compiles again with remedies until one fits.
 Each costs step time (the latency-hiding scheduler hides communication behind compute; a
 program tied to its order leaves it less to move), so each is priced from its compiled program

@@ -1,4 +1,4 @@
-"""The expert baselines of benchmarks/baselines.py on the zoo's tiny presets (4 devices): same numbers
+"""The expert baselines of benchmarks/fixtures/baselines.py on the zoo's tiny presets (4 devices): same numbers
 as one device, the compiled program shows the baseline's signature, and rhino_jax's own plan is
 predicted no slower than any of them under the same cost model."""
 import dataclasses
@@ -11,8 +11,8 @@ import pytest
 
 import rhino_jax as rj
 from rhino_jax.runtime.compiled.hlo_text import _computations
-from benchmarks import baselines as B
-from benchmarks.models import MODELS
+from benchmarks.fixtures import baselines as B
+from benchmarks.fixtures.models import MODELS
 
 from helpers import assert_same_numbers
 

@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from benchmarks import calibrate
-from benchmarks.models import MODELS
+from benchmarks.fixtures.models import MODELS
 from rhino_jax import H100_8X
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import rhino_jax as rj
-from benchmarks.third_party_models import linen_gpt
+from benchmarks.fixtures.third_party_models import linen_gpt
 
 from helpers import assert_same_adam_step, assert_same_numbers, on_host
 

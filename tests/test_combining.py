@@ -16,7 +16,7 @@ from rhino_jax.search.solvers import ilp
 from rhino_jax.search.cost.cluster import MeshTopology, combiner_for, get_cluster
 from rhino_jax.search.cost.combining import DERIVED, HEAD, TAIL, combine, combining_sides, families
 
-from benchmarks.third_party_models import linen_gpt
+from benchmarks.fixtures.third_party_models import linen_gpt
 from helpers import assert_same_adam_step, assert_same_numbers, on_host
 
 GPU, CPU = combiner_for("gpu"), combiner_for("cpu")
@@ -179,7 +179,7 @@ def flax_lm():
 def test_data_parallel_is_chosen_and_compiles_one_gradient_all_reduce(preset, flax_lm):
     """A Flax GPT-like LM (4 layers, 71 parameters, adamw): data parallelism needs one combined
     all-reduce of the gradients, which the search now prices as such; priced per gradient, 71
-    launches, it ran from data parallelism (`benchmarks/THIRD_PARTY.md`: 1.5-2.5x slower)."""
+    launches, it ran from data parallelism (`benchmarks/results/THIRD_PARTY.md`: 1.5-2.5x slower)."""
     case, expected = flax_lm
     lowered = rj.parallelize(case.step, mesh=rj.device_mesh((8,), ("data",)), cluster=_cpu(preset)).lower(*case.args)
     plan = lowered.plan

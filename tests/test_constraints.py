@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import rhino_jax as rj
 from rhino_jax.errors import ScheduleError, StagingError
 
-from benchmarks.third_party_models import linen_gpt
+from benchmarks.fixtures.third_party_models import linen_gpt
 from helpers import assert_same_adam_step, assert_same_numbers, code_blocks
 
 BATCH, SEQ, VOCAB, WIDTH, HEADS = 8, 16, 64, 32, 4

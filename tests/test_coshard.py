@@ -8,7 +8,7 @@ import rhino_jax as rj
 from rhino_jax import coshard_search
 from rhino_jax.errors import ConstraintError
 
-from benchmarks.third_party_models import masked_remat_lm, remat_lm
+from benchmarks.fixtures.third_party_models import masked_remat_lm, remat_lm
 from helpers import assert_same_adam_step
 from test_constraints import _readme_example
 from test_gpu_topology import _plugin_skip

@@ -24,7 +24,7 @@ from rhino_jax.search.cost.cluster import MeshTopology, get_cluster
 from rhino_jax.search.planner import search
 from rhino_jax.core.specs import ShardingSpec
 
-from benchmarks.third_party_models import linen_gpt, linen_scan_remat
+from benchmarks.fixtures.third_party_models import linen_gpt, linen_scan_remat
 from helpers import assert_same_adam_step
 
 KERNEL = "[0]['block0']['fc1']['kernel']"  # a path of plan.input_shardings; the report prints it with "arg" first

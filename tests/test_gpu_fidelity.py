@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 import rhino_jax as rj
-from benchmarks.hand_plans import compile_hand
-from benchmarks.third_party_models import CASES, Case
+from benchmarks.fixtures.hand_plans import compile_hand
+from benchmarks.fixtures.third_party_models import CASES, Case
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.search.cost.gemm_workspace import gemm_workspaces
 from rhino_jax.models.gpt import GPTConfig, gpt_example, make_gpt_train_step
@@ -310,7 +310,7 @@ def test_a_deep_steps_weight_gradients_are_counted_reduced_where_they_are_made(d
     (a reduce-scatter right after it), so each layer's gradient waits for the optimizer split,
     not whole. Counted whole until the optimizer read it, the 6-layer step of `deep_step` was predicted at
     95 MiB per device where XLA, in the program's order, makes 80; a 32-layer 70B-wide step at
-    79.5 GiB where XLA makes 37 (benchmarks/memory_depth.md)."""
+    79.5 GiB where XLA makes 37 (benchmarks/results/memory_depth.md)."""
     plan, compiled, _ = deep_step
     assert any(s.dims[0] == ("data",) for s, role in zip(plan.arg_specs, plan.arg_roles)
                if role == "parameter" and s.dims), "some weights are split: their gradients are reduce-scattered"

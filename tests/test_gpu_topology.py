@@ -212,7 +212,7 @@ def test_an_abstract_mesh_must_fill_the_clusters_hosts():
 
 
 def test_a_programs_cublas_gemms_are_counted():
-    """A real H200's compiler sent some GEMMs of a Llama step to cuBLAS (benchmarks/h200/gpu.md), whose
+    """A real H200's compiler sent some GEMMs of a Llama step to cuBLAS (benchmarks/results/h200/gpu.md), whose
     FLOPs XLA's generic analysis does not count; 2 x output x contracted elements are added."""
     def loss(a, b):
         return jnp.sum(jnp.tanh(jnp.einsum("bij,bjk->bik", a, b)))

@@ -15,7 +15,7 @@ import rhino_jax as rj
 from rhino_jax.errors import StagingError
 from rhino_jax.search.staging import stager
 
-from benchmarks.third_party_models import tied_lm
+from benchmarks.fixtures.third_party_models import tied_lm
 from helpers import assert_same_adam_step
 from test_constraints import _readme_example
 

@@ -8,8 +8,8 @@ import jax
 import pytest
 
 import rhino_jax as rj
-from benchmarks import baselines as B
-from benchmarks.models import gpt
+from benchmarks.fixtures import baselines as B
+from benchmarks.fixtures.models import gpt
 from rhino_jax.models import GPTConfig, gpt_example, make_gpt_train_step, make_mlp_train_step, mlp_example
 
 from helpers import assert_same_numbers, on_host

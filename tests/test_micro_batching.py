@@ -16,8 +16,8 @@ from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 
-from benchmarks import third_party_models
-from benchmarks.third_party_models import GPT, _tokens, linen_clip_adamw, linen_scan_remat
+from benchmarks.fixtures import third_party_models
+from benchmarks.fixtures.third_party_models import GPT, _tokens, linen_clip_adamw, linen_scan_remat
 from helpers import assert_same_adam_step, assert_same_numbers, on_host
 
 MESHES = [((8,), ("data",)), ((2, 4), ("data", "model"))]

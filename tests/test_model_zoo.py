@@ -1,5 +1,5 @@
-"""Model zoo of the Rhino evaluation (benchmarks/models): each model trains, rj.parallelize gives the
-same numbers as jax.jit on 8 devices, and the paper presets have the paper's parameter counts."""
+"""Model zoo of the Rhino evaluation (benchmarks/fixtures/models): each model trains, rj.parallelize
+gives the same numbers as jax.jit on 8 devices, and the paper presets have the paper's parameter counts."""
 import dataclasses
 import functools
 import math
@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
-from benchmarks.models import MODELS, gpt, moe, sharding_memory_limit
+from benchmarks.fixtures.models import MODELS, gpt, moe, sharding_memory_limit
 from rhino_jax.models.gpt import gpt_loss
 
 from helpers import assert_same_numbers

@@ -16,7 +16,7 @@ from rhino_jax.runtime.schedules import Task
 from rhino_jax.search.staging import multi_forward
 from rhino_jax.search.staging.stager import forward_ops
 
-from benchmarks.third_party_models import recycling_lm, tied_lm
+from benchmarks.fixtures.third_party_models import recycling_lm, tied_lm
 from helpers import assert_same_adam_step
 from test_constraints import _readme_example
 

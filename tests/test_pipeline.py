@@ -18,7 +18,7 @@ from rhino_jax.options import Options
 from rhino_jax.core.plan import Plan, PlanCost
 from rhino_jax.search.cost.cluster import get_cluster
 
-from benchmarks.third_party_models import linen_clip_adamw
+from benchmarks.fixtures.third_party_models import linen_clip_adamw
 from helpers import assert_same_adam_step, assert_same_numbers
 
 GPT4 = dataclasses.replace(gpt.GPT_TINY, n_layers=4)

@@ -8,7 +8,7 @@ import pytest
 import rhino_jax as rj
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
-from benchmarks.models import vgg
+from benchmarks.fixtures.models import vgg
 from rhino_jax.models import gpt, make_mlp_train_step, mlp_example
 from rhino_jax.search.solvers import ilp
 from rhino_jax.search.coarsening.critical import backbone

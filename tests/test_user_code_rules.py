@@ -211,7 +211,7 @@ def test_routing_ops_keep_their_rows_split(route):
 def test_a_mixtral_style_moe_step_has_no_fallback_ops():
     """A Flax top-2 MoE LM (router top_k, GShard dispatch by cumsum and one-hot einsums, AdamW):
     every op has a rule, and the step keeps one device's numbers."""
-    from benchmarks.third_party_models import linen_moe
+    from benchmarks.fixtures.third_party_models import linen_moe
     from helpers import assert_same_adam_step
 
     case = linen_moe()

@@ -172,7 +172,7 @@ M8_V100 = Cluster(
 # One DGX/HGX H100 host: NVLink4 (450 GB/s per direction per GPU, ~370 GB/s achieved in rings),
 # 8×400 Gb/s InfiniBand, one NIC per GPU (50 GB/s each, ~45 GB/s achieved: 360 GB/s per host) to
 # other hosts. TF32 for float32 matmuls. A kernel costs 1.85 µs beyond its roofline, as chains of
-# tiny kernels took on an H200 (the same chip; benchmarks/h200/gpu.md, part 3).
+# tiny kernels took on an H200 (the same chip; benchmarks/results/h200/gpu.md, part 3).
 H100_8X = Cluster(
     name="8x-h100", devices_per_host=8,
     intra_host_bandwidth=370e9, intra_host_latency=0.7e-6,
