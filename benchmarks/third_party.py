@@ -4,7 +4,7 @@ against hand plans compiled by plain jax, every program priced from its compiled
 
 python -m benchmarks.third_party [--quick] [--models NAME ...] [--compiler cpu|gpu|both]
                                  [--meshes 8 2x4 2x8] [--out DIR] [--keep]
-    → prints a table, writes DIR/THIRD_PARTY.md and DIR/third_party.json (DIR: benchmarks/)
+    → prints a table, writes DIR/THIRD_PARTY.md and DIR/third_party.json (DIR: benchmarks/results/)
 
 Per model x target x cluster preset, where a target is a mesh of one compiler's devices (`TARGETS`):
 - cpu: XLA's CPU compiler on the 8 emulated CPU devices, meshes (8,) and (2, 4), presets m8-v100
@@ -379,7 +379,11 @@ def write(rows: list[Row], checks: dict, out: pathlib.Path, argv: list[str], wal
     md += ["", "## Plans", "", "Collectives: AR all-reduce, AG all-gather, RS reduce-scatter, A2A all-to-all, "
            "CP collective-permute; count/MiB per device. 'rj predicted' is rhino_jax's own cost model; "
            "'rj / best hand' its priced step over the best hand plan's, overlapped (serially in brackets; same model, "
-           "mesh, compiler, preset).", ""]
+           "mesh, compiler, preset).", "",
+           "A plan that leaves a mesh axis unused (every layout and collective on the other axes, the devices along "
+           "it repeating the same work) prices as the plan on the smaller mesh: on 2 x 8 a plan that keeps to the "
+           "in-host axis has the step, memory and FLOPs per device of the (8,) plan. It is the faster plan where the "
+           "cross-host links cost more than halving the compute saves; the hand plans split over all 16 devices.", ""]
     md += table(rows, summary)
     md += ["", "## Best hand plan per configuration", "", "Overlapped (the verdict), then serially.", "",
            "| model | mesh | compiler | preset | best hand plan | its step ms | rhino_jax step ms | ratio | "
