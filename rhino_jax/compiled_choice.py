@@ -29,6 +29,17 @@ from .one_program import Lowered
 
 
 @dataclass(frozen=True)
+class CompiledCandidate:
+    """One plan `fastest_compiled` weighed, as the plan's report and its file list it."""
+
+    predicted_s: float  # the search's replay
+    compiled_s: float | None = None  # as its schedule runs; None: not compiled (predicted above a compiled step)
+    memory_bytes: int | None = None  # XLA's memory analysis of the program kept for it
+    fits: bool | None = None  # within the devices' memory
+    kept: bool = False
+
+
+@dataclass(frozen=True)
 class _Compiled:
     """One candidate compiled: its step as its schedule runs, what XLA's memory analysis says it
     holds, and the warnings its compile gave (said again at `compile()` if it is kept)."""
@@ -46,8 +57,7 @@ def fastest_compiled(candidates: list[Lowered]) -> Lowered:
     """The first of `candidates` (the search's plan, then its alternatives, best predicted first)
     for CPUs or when it is alone; for GPUs, the one whose compiled program runs fastest among
     those that fit (none fitting: the first), compiled already, its plan's `search_stats`
-    listing each candidate (`compiled_candidates`: predicted and compiled step, memory, fits;
-    None for one not compiled) and the one kept (`compiled_kept`, its index)."""
+    listing each candidate (`compiled_candidates`, `CompiledCandidate`s in the search's order)."""
     first = candidates[0]
     if len(candidates) == 1 or first.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
         return first
@@ -58,14 +68,13 @@ def fastest_compiled(candidates: list[Lowered]) -> Lowered:
     fitting = _fitting(tried)
     fastest = min(t.seconds for t in fitting)
     kept = next(t for t in fitting if t.seconds <= fastest * (1 + SAME_STEP))
-    index = tried.index(kept)
-    progress.say("rhino_jax: kept the plan %d of %d: %.4g ms as its schedule runs", index + 1, len(tried),
+    progress.say("rhino_jax: kept the plan %d of %d: %.4g ms as its schedule runs", tried.index(kept) + 1, len(tried),
                  kept.seconds * 1e3)
     chosen = kept.lowered
-    chosen.plan = dataclasses.replace(chosen.plan, search_stats=dict(
-        chosen.plan.search_stats, compiled_kept=index, compiled_candidates=[
-            [c.plan.cost.total_s] + ([None] * 3 if t is None else [t.seconds, t.nbytes, t.fits()])
-            for c, t in zip(candidates, tried)]))
+    chosen.plan = dataclasses.replace(chosen.plan, search_stats=dict(chosen.plan.search_stats, compiled_candidates=[
+        CompiledCandidate(c.plan.cost.total_s) if t is None else
+        CompiledCandidate(c.plan.cost.total_s, t.seconds, t.nbytes, t.fits(), t is kept)
+        for c, t in zip(candidates, tried)]))
     chosen._compiled.plan = chosen.plan
     chosen._said = kept.said
     return chosen

@@ -46,8 +46,7 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
         if s.get("compiled_candidates"):
             lines.append("compiled        the search's plans of other layouts, compiled for these GPUs and priced as "
                          "XLA schedules them (* kept): " + "; ".join(
-                             _compiled_candidate(c, i == s["compiled_kept"])
-                             for i, c in enumerate(s["compiled_candidates"])))
+                             map(_compiled_candidate, s["compiled_candidates"])))
         if s.get("pipeline"):
             lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}"
                          + (f" interlaced with {len(s['shared_places'])} places on every device (op_assign "
@@ -113,13 +112,13 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
     return "\n".join(lines)
 
 
-def _compiled_candidate(candidate: list, kept: bool) -> str:
-    """One plan `compiled_choice` weighed: its compiled step, its predicted one and its memory."""
-    predicted, compiled, nbytes, fits = candidate
-    if compiled is None:
-        return f"predicted {predicted * 1e3:.4g} ms, above a compiled step: not compiled"
-    return (f"{'*' * kept}{compiled * 1e3:.4g} ms (predicted {predicted * 1e3:.4g}), {nbytes / 2**20:.1f} MiB"
-            + ("" if fits else ", does not fit"))
+def _compiled_candidate(c) -> str:
+    """One plan `compiled_choice` weighed (a `CompiledCandidate`): its compiled step, its
+    predicted one and its memory."""
+    if c.compiled_s is None:
+        return f"predicted {c.predicted_s * 1e3:.4g} ms, above a compiled step: not compiled"
+    return (f"{'*' * c.kept}{c.compiled_s * 1e3:.4g} ms (predicted {c.predicted_s * 1e3:.4g}), "
+            f"{c.memory_bytes / 2**20:.1f} MiB" + ("" if c.fits else ", does not fit"))
 
 
 def mesh_candidates_report(plan: Plan) -> str:
