@@ -19,7 +19,7 @@ key array only (`jax.random.key_impl`), and a program's result is known by its d
 made.
 
 Each lookup that fails raises `UnsupportedJaxError` naming the jax range rhino_jax supports;
-tests/test_jax_versions.py exercises every one, so a jax that lays them out differently fails
+tests/hlo_passes/test_jax_versions.py exercises every one, so a jax that lays them out differently fails
 there first, with that message.
 """
 from __future__ import annotations

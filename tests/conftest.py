@@ -1,8 +1,14 @@
 """8 emulated CPU devices for every test; set before jax is imported anywhere. Fixtures several
-test files share. How many processes `pytest -n auto` (pytest-xdist) runs the suite in."""
+test files share. How many processes `pytest -n auto` (pytest-xdist) runs the suite in.
+
+The tests sit in folders by the stage they test (hlo_passes/, search/, runtime/, api/,
+end_to_end/); this folder goes on sys.path so that every one of them imports `helpers`."""
 import os
+import sys
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -25,6 +31,28 @@ def solves_out_of_time(monkeypatch):
     passes during the build is a `SolverError`, `levels.Deadline.check`.)"""
     from rhino_jax.search.solvers import levels
     monkeypatch.setattr(levels.Deadline, "left", lambda self: 0.0)
+
+
+@pytest.fixture
+def ctrl_c(monkeypatch):
+    """Press Ctrl-C while the first solve runs: its first wait on the solver process raises
+    KeyboardInterrupt, as SIGINT does there. `pressed` tells whether it was; `pid`, the solver
+    process's id then."""
+    from rhino_jax.search.solvers import solver_process
+
+    class Press:
+        pressed, pid = False, None
+
+        @staticmethod
+        def select(*args):
+            if not Press.pressed:
+                Press.pressed, Press.pid = True, solver_process.helper_pid()
+                raise KeyboardInterrupt
+            return real(*args)
+
+    real = solver_process.select.select
+    monkeypatch.setattr(solver_process, "select", Press)
+    return Press
 
 
 # A worker holds 8 emulated devices and XLA's compiles: 4.4 GiB at the peak of `.ci/run`'s largest.

@@ -1,5 +1,8 @@
-"""Shared checks: a parallel result must equal the single-device one."""
+"""Shared checks: a parallel result must equal the single-device one. Helpers test files in
+several folders share (tests/conftest.py puts this folder on sys.path)."""
+import importlib.metadata
 import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -65,3 +68,30 @@ def scanned_attention_step(batch: int, heads: int, seq: int, head_dim: int):
         return w - 0.1 * grad, value
 
     return step
+
+
+def _plugin_skip() -> str | None:
+    """Why these tests cannot run here, or None: no CUDA plugin, or one of another version."""
+    try:
+        plugin = importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        return "jax's CUDA plugin is not installed (pip install -e '.[test]' on Python >= 3.12)"
+    jaxlib = importlib.metadata.version("jaxlib")
+    if plugin != jaxlib:
+        return f"jax-cuda12-plugin {plugin} is not jaxlib's version {jaxlib}: pip install jax-cuda12-plugin=={jaxlib}"
+    return None
+
+
+def _readme_example(n: int, train_step, mesh) -> dict:
+    """The README's n-th example on constraints, run as written with `train_step` and `mesh`:
+    what it defines (its `step`, its functions)."""
+    import rhino_jax as rj
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.index("## Constraining the search space")
+    end = readme.index("\n## ", section + 1)
+    blocks = [code for language, code, at in code_blocks(readme) if section < at < end and language == "python"]
+    assert len(blocks) > n, "the README's section has fewer examples"
+    scope = dict(rj=rj, train_step=train_step, mesh=mesh)
+    exec(blocks[n], scope)
+    return scope

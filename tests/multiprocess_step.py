@@ -1,4 +1,4 @@
-"""A step of a distributed job, run by tests/test_multiprocess.py under `rhino_jax.launch`:
+"""A step of a distributed job, run by tests/end_to_end/test_multiprocess.py under `rhino_jax.launch`:
 `python -m rhino_jax.launch -n 2 --local-devices 4 tests/multiprocess_step.py run|die|pipeline [PLAN_FILE]`.
 With `pipeline`, process 0 saves the plan the job found to PLAN_FILE and every process runs the
 step from that file, searching nothing: how a job plans once and reuses the plan."""

@@ -17,7 +17,7 @@ from rhino_jax.search.staging import stager
 
 from benchmarks.fixtures.third_party_models import tied_lm
 from helpers import assert_same_adam_step
-from test_constraints import _readme_example
+from helpers import _readme_example
 
 LR = 1e-3  # tied_lm's AdamW
 LIMIT = 100 << 20  # the README's: the table, its gradient sum and AdamW's moments (128 MiB) held whole do not fit

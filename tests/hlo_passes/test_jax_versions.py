@@ -17,7 +17,7 @@ import rhino_jax as rj
 from rhino_jax.hlo_passes import jax_internals as internals
 from rhino_jax.hlo_passes.jax_internals import UnsupportedJaxError
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_setup_pins_the_supported_range_and_it_is_installed():

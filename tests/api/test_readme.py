@@ -9,7 +9,7 @@ from pathlib import Path
 
 from helpers import code_blocks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 
 

@@ -15,7 +15,7 @@ import pathlib
 
 import networkx as nx
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FOLDERS = {"rhino_jax": "rhino_jax", "hlo_passes": "rhino_jax.hlo_passes", "search": "rhino_jax.search",
            "runtime": "rhino_jax.runtime"}
 GROUND = {"rhino_jax.errors"}

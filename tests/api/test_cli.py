@@ -65,7 +65,7 @@ def test_plan_writes_the_plan_this_process_finds_and_accepts(workdir):
 def test_plan_for_described_gpus_writes_the_plan_their_cluster_takes(workdir):
     """--topology h100:2x8: planned here for 2 hosts of 8 H100s, no GPU at hand; the plan names the
     GPU platform and a process per host, as the cluster's own devices will."""
-    from test_gpu_topology import _plugin_skip
+    from helpers import _plugin_skip
     if _plugin_skip():
         pytest.skip(_plugin_skip())
     done = _run(["plan", "tiny_step:setup", "--topology", "h100:2x8", "--mesh", "2x8", "--out", "h100.json"], workdir)

@@ -18,7 +18,7 @@ from rhino_jax.search.staging.stager import forward_ops
 
 from benchmarks.fixtures.third_party_models import recycling_lm, tied_lm
 from helpers import assert_same_adam_step
-from test_constraints import _readme_example
+from helpers import _readme_example
 
 LR = 1e-3  # the case's AdamW
 P, M, R = 2, 4, 3  # stages, micro-batches, forward passes

@@ -4,7 +4,6 @@ Needs jax's CUDA plugin (the test extra installs it on Python >= 3.12, where jax
 run); the plugin compiles for the devices it is told about, no GPU or CUDA toolkit needed.
 """
 import dataclasses
-import importlib.metadata
 
 import jax
 import jax.numpy as jnp
@@ -19,17 +18,7 @@ from rhino_jax.models.mlp import make_mlp_train_step, mlp_example
 from rhino_jax.core.plan_target import PlanTargetError
 from rhino_jax.search.cost.cluster import H100_8X, MeshTopology, get_cluster, host_ids
 
-
-def _plugin_skip() -> str | None:
-    """Why these tests cannot run here, or None: no CUDA plugin, or one of another version."""
-    try:
-        plugin = importlib.metadata.version("jax-cuda12-plugin")
-    except importlib.metadata.PackageNotFoundError:
-        return "jax's CUDA plugin is not installed (pip install -e '.[test]' on Python >= 3.12)"
-    jaxlib = importlib.metadata.version("jaxlib")
-    if plugin != jaxlib:
-        return f"jax-cuda12-plugin {plugin} is not jaxlib's version {jaxlib}: pip install jax-cuda12-plugin=={jaxlib}"
-    return None
+from helpers import _plugin_skip
 
 
 pytestmark = pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")

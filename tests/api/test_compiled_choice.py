@@ -9,7 +9,7 @@ from rhino_jax.compiled_choice import fastest_compiled
 from rhino_jax.mesh_search import plan_on
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.search.cost.cluster import MeshTopology, get_cluster
-from test_gpu_topology import _plugin_skip
+from helpers import _plugin_skip
 
 SHAPE = Shape(128, 4, 1, 1, 320, vocab=1024)
 

@@ -14,7 +14,6 @@ from rhino_jax.search import progress
 from rhino_jax.search.solvers import ilp
 
 from helpers import assert_same_numbers
-from test_interrupt import ctrl_c  # noqa: F401 (the fixture)
 
 
 @pytest.mark.parametrize("backend", ["HIGHS", "SCIP"])

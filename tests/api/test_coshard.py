@@ -10,8 +10,7 @@ from rhino_jax.errors import ConstraintError
 
 from benchmarks.fixtures.third_party_models import masked_remat_lm, remat_lm
 from helpers import assert_same_adam_step
-from test_constraints import _readme_example
-from test_gpu_topology import _plugin_skip
+from helpers import _plugin_skip, _readme_example
 
 ATTENTION = "*MultiHeadDotProductAttention_0/*"
 # Chunks planned: refused on a jax whose XLA runs them side by side (`coshard_search.ORDERED_FROM`).

@@ -14,7 +14,7 @@ from benchmarks import calibrate
 from benchmarks.fixtures.models import MODELS
 from rhino_jax import H100_8X
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # What the GPU machine lacks: rhino_jax is not installed there (only its top-level folder is found,
 # from the repo root), and its planner's jax pin and ortools are not met.
 BLOCKED = ("rhino_jax.hlo_passes", "rhino_jax.search", "ortools")

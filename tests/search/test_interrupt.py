@@ -39,26 +39,6 @@ def _raising_on_call(monkeypatch, owner, name: str, call: int):
     return calls
 
 
-@pytest.fixture
-def ctrl_c(monkeypatch):
-    """Press Ctrl-C while the first solve runs: its first wait on the solver process raises
-    KeyboardInterrupt, as SIGINT does there. `pressed` tells whether it was; `pid`, the solver
-    process's id then."""
-    class Press:
-        pressed, pid = False, None
-
-        @staticmethod
-        def select(*args):
-            if not Press.pressed:
-                Press.pressed, Press.pid = True, solver_process.helper_pid()
-                raise KeyboardInterrupt
-            return real(*args)
-
-    real = solver_process.select.select
-    monkeypatch.setattr(solver_process, "select", Press)
-    return Press
-
-
 def _no_solver_left(pid: int | None = None):
     """Nothing of the solve runs on: no solver thread here, the solver process `pid` gone."""
     assert not [t for t in threading.enumerate() if t.name.startswith("rhino_jax")]

@@ -2,7 +2,6 @@
 the plan runs with one device's numbers, and a constraint that names nothing or leaves an op no
 strategy is an error that says what to change."""
 import re
-from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -14,7 +13,7 @@ import rhino_jax as rj
 from rhino_jax.errors import ScheduleError, StagingError
 
 from benchmarks.fixtures.third_party_models import linen_gpt
-from helpers import assert_same_adam_step, assert_same_numbers, code_blocks
+from helpers import _readme_example, assert_same_adam_step, assert_same_numbers
 
 BATCH, SEQ, VOCAB, WIDTH, HEADS = 8, 16, 64, 32, 4
 LR = 1e-3
@@ -71,19 +70,6 @@ def _kernels(plan):
     """(path, spec) of every attention kernel and its optimizer moments in `plan.input_shardings`."""
     return [(jax.tree_util.keystr(p), s.spec) for p, s in jax.tree_util.tree_flatten_with_path(plan.input_shardings)[0]
             if "MultiHeadDotProductAttention" in jax.tree_util.keystr(p) and "kernel" in jax.tree_util.keystr(p)]
-
-
-def _readme_example(n: int, train_step, mesh) -> dict:
-    """The README's n-th example on constraints, run as written with `train_step` and `mesh`:
-    what it defines (its `step`, its functions)."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.index("## Constraining the search space")
-    end = readme.index("\n## ", section + 1)
-    blocks = [code for language, code, at in code_blocks(readme) if section < at < end and language == "python"]
-    assert len(blocks) > n, "the README's section has fewer examples"
-    scope = dict(rj=rj, train_step=train_step, mesh=mesh)
-    exec(blocks[n], scope)
-    return scope
 
 
 def test_the_readme_constraints_split_attention_by_heads(lm, tmp_path):

@@ -20,7 +20,7 @@ from benchmarks.fixtures.third_party_models import CASES, Case
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.search.cost.gemm_workspace import gemm_workspaces
 from rhino_jax.models.gpt import GPTConfig, gpt_example, make_gpt_train_step
-from test_gpu_topology import _plugin_skip
+from helpers import _plugin_skip
 
 pytestmark = pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
 
