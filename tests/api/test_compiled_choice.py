@@ -1,6 +1,8 @@
 """Of the plans a search weighed, the one whose compiled program runs fastest is kept
 (`rhino_jax.compiled_choice`): for described H100s each candidate is compiled as `compile()`
 compiles it and priced as its schedule runs; on CPUs nothing is compiled at `lower()`."""
+import functools
+
 import pytest
 
 import rhino_jax as rj
@@ -15,27 +17,31 @@ SHAPE = Shape(128, 4, 1, 1, 320, vocab=1024)
 
 
 def _lowered(mesh, **options):
+    """The step lowered on `mesh`; given `plan=`, compiled as it is, with no other plan to weigh."""
     step, shapes = llama_step(SHAPE, seq=128)
     return rj.parallelize(step, mesh=mesh, donate_argnums=(0, 1), progress=False, **options).lower(*shapes(16))
 
 
+def _gpus():
+    return rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))
+
+
+@functools.cache
+def _two_plans():
+    """The step's plans on described H100s searched without a limit and under 10 MiB."""
+    return _lowered(_gpus()).plan, _lowered(_gpus(), memory_limit_bytes=10 << 20).plan
+
+
 @pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
 def test_the_faster_compiled_of_two_plans_is_kept_whatever_their_order(tmp_path):
-    """Two plans of one step on described H100s (searched without a limit and under 10 MiB):
-    given slower first, the faster program is kept, as compiled, with both listed in its report
+    """Two plans of one step on described H100s (`_two_plans`): given slower first, the faster program is kept, as compiled, with both listed in its report
     and its saved file."""
-    mesh = rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))
-    step, shapes = llama_step(SHAPE, seq=128)
-    plans = [_lowered(mesh).plan, _lowered(mesh, memory_limit_bytes=10 << 20).plan]
+    mesh, plans = _gpus(), _two_plans()
     assert plans[0].arg_specs != plans[1].arg_specs, "two layouts to choose from"
-
-    def given(plan):  # a given plan is compiled as it is, with no other to weigh
-        return rj.parallelize(step, mesh=mesh, plan=plan, donate_argnums=(0, 1), progress=False).lower(*shapes(16))
-
-    seconds = [price_compiled(given(p).compile()._executable, "8x-h100").overlapped_s for p in plans]
+    seconds = [price_compiled(_lowered(mesh, plan=p).compile()._executable, "8x-h100").overlapped_s for p in plans]
     slower, faster = sorted(range(2), key=lambda i: -seconds[i])
     assert seconds[slower] > seconds[faster]
-    candidates = [given(plans[slower]), given(plans[faster])]
+    candidates = [_lowered(mesh, plan=plans[slower]), _lowered(mesh, plan=plans[faster])]
     kept = fastest_compiled(candidates)
     assert kept is candidates[1] and kept.plan.arg_specs == plans[faster].arg_specs
     listed = kept.plan.search_stats["compiled_candidates"]
@@ -53,11 +59,7 @@ def test_the_faster_compiled_of_two_plans_is_kept_whatever_their_order(tmp_path)
 def test_a_program_over_the_limit_is_not_kept():
     """Of two programs compiled, the one over the devices' memory is not kept, though listed
     first (the limit is set after they were compiled, so that no remedy brings the larger under)."""
-    mesh = rj.device_mesh((8,), ("data",), devices=rj.gpu_topology("h100"))
-    step, shapes = llama_step(SHAPE, seq=128)
-    large, small = _lowered(mesh).plan, _lowered(mesh, memory_limit_bytes=10 << 20).plan
-    candidates = [rj.parallelize(step, mesh=mesh, plan=p, donate_argnums=(0, 1), progress=False).lower(*shapes(16))
-                  for p in (large, small)]
+    candidates = [_lowered(_gpus(), plan=p) for p in _two_plans()]
     sizes = [c.compile().memory.total for c in candidates]
     assert sizes[1] < sizes[0]
     for c in candidates:
