@@ -25,7 +25,7 @@ from ..hlo_passes.graph import Graph
 from . import interrupt, progress
 from .assembly import add_hubs, ilp_problem
 from .coarsening import coarse_axes
-from .coarsening.cones import build_cones, signature
+from .coarsening.cones import build_cones, replicated_choice, signature
 from .coarsening.critical import backbone
 from .coarsening.repeats import group_segments, tie_repeats
 from .cost.cluster import Cluster, MeshTopology
@@ -35,7 +35,7 @@ from .pricing import Prices
 from .repin import KEPT_VARS, Repin
 from .solvers import ilp, levels, windows
 from .space.constraints import Named, apply_constraints
-from .space.units import Unit, apply_pins, build_units, replicated_choice
+from .space.units import Unit, apply_pins, build_units
 from .ties import SAME_STEP, seen, with_preferences
 
 
@@ -259,7 +259,7 @@ def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge | coarse_axes
     on three, the one the strategies were restricted near). Windows from the replicated plan
     stop at local optima: no single window can move to data parallelism, which needs every
     layer at once; a coarse plan can already be there."""
-    starts = [replicated_choice(units, groups)]
+    starts = [replicated_choice(groups)]
     if windowed and len(topo.axis_names) >= 2:
         if coarse is None and len(topo.axis_names) == 2:  # on three axes it was searched already
             try:

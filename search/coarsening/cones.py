@@ -190,3 +190,11 @@ def _least(step: np.ndarray, entering: np.ndarray) -> np.ndarray:
     low = step.min(axis=0)
     near = step <= low + 1e-12 + 1e-9 * np.abs(low)
     return np.where(near, entering[:, None], np.inf).argmin(axis=0)
+
+
+def replicated_choice(groups: list[Cone]) -> list[int | None]:
+    """Each cone's strategy in which every member works on whole tensors (None where it has
+    none, a pinned cone): the one-device step run on every device, a plan the search must beat."""
+    def whole(s: Strategy) -> bool:
+        return not any(spec.used_axes() for spec in s.operands + s.results)
+    return [next((j for j, ch in enumerate(g.choice) if all(whole(s) for s in ch.values())), None) for g in groups]

@@ -12,7 +12,6 @@ from rhino_jax.core.ops import COMPUTE_HEAVY
 from rhino_jax.core.specs import ShardingSpec
 
 from ...hlo_passes.graph import Graph, Pin, slots
-from ..coarsening.cones import Cone
 from ..cost.cluster import Cluster, MeshTopology
 from . import carried
 from .strategies import Strategy, memory_traffic, node_strategies, tensor_specs
@@ -200,14 +199,6 @@ def apply_pins(graph: Graph, units: list[Unit], producer_unit: dict[int, int], t
             raise ShardingPinError(f"pin on {pin.name!r}: no strategy of {u.name or u.kind} "
                                    f"produces {pin.dims} on this mesh")
         u.strategies = kept
-
-
-def replicated_choice(units: list[Unit], groups: list[Cone]) -> list[int | None]:
-    """Each cone's strategy in which every member works on whole tensors (None where it has
-    none, a pinned cone): the one-device step run on every device, a plan the search must beat."""
-    def whole(s: Strategy) -> bool:
-        return not any(spec.used_axes() for spec in s.operands + s.results)
-    return [next((j for j, ch in enumerate(g.choice) if all(whole(s) for s in ch.values())), None) for g in groups]
 
 
 def read_branch(u: Unit, pos: int | None, graph: Graph) -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 
 Each folder is a stage, ranked in the order data flows (`docs/DESIGN.md`): the errors and the
 ground floor (`rhino_jax.core`), plain types every stage raises, reads and writes, below all;
-then import (hlo_passes), search, runtime, and the API on top (rhino_jax). A module may import
+then import (hlo_passes), search (its sub-packages ranked too), runtime, and the API on top
+(rhino_jax). A module may import
 from its own rank or below, never above, deferred imports and imports for type checking
 included; and no modules import each other around a loop. What several stages read stands on
 the floor; what reads a stage above it (a plan's report, its schedule) is reached through a
@@ -21,6 +22,11 @@ FOLDERS = {"rhino_jax": "rhino_jax", "hlo_passes": "rhino_jax.hlo_passes", "sear
 GROUND = {"rhino_jax.errors"}
 RANK = {"rhino_jax.core": 0, "rhino_jax.hlo_passes": 1, "rhino_jax.search": 2, "rhino_jax.runtime": 3,
         "rhino_jax": 4}
+# Inside the search, its sub-packages in the order they build on each other: what the search says
+# and how Ctrl-C stops it, then the cost model, the strategy space it prices, the cones over that
+# space, the solvers and the stager; the planner and what ties the stages together on top.
+RANK.update({f"rhino_jax.search.{name}": 2 + k / 10 for k, name in enumerate(
+    ("progress", "interrupt", "cost", "space", "coarsening", "solvers", "staging"))}, **{"rhino_jax.search": 2.9})
 
 
 def _modules() -> dict[str, pathlib.Path]:
