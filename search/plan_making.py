@@ -187,7 +187,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
     memory = plan_memory(graph, specs, topo, read_specs, out_specs)
     strided = [v for v, spec in specs.items() if spec.strides]
     examples = dict.fromkeys(f"{graph.values[v].shape} {specs[v]}" for v in strided)
-    stats = dict(stats, strided_values=len(strided), strided_examples=tuple(examples)[:3], off_chain_comm_s=off_chain)
+    stats = dict(stats, strided_values=len(strided), strided_examples=tuple(examples)[:3])
     return Plan(
         mesh_axes=dict(zip(topo.axis_names, topo.axis_sizes)),
         cluster=cluster.name,
@@ -202,7 +202,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
         value_specs=specs,
         read_specs=read_specs,
         read_paths=read_paths,
-        cost=PlanCost(compute, comm, compute + comm - hidden, memory, hidden),
+        cost=PlanCost(compute, comm, compute + comm - hidden, memory, hidden, off_chain),
         collectives=tuple(planned),
         fallback_ops=tuple(fallback),
         search_stats=dict(ops=len(graph.nodes), **stats),

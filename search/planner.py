@@ -64,14 +64,14 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
         tried, overlap = [plan], topo.overlap
         try:
             while overlap and not interrupt.pressed() and deadline.left() > 0:
-                usable = min(topo.overlap, plan.cost.hidden_s / max(plan.search_stats["off_chain_comm_s"], 1e-30))
+                usable = min(topo.overlap, plan.cost.hidden_s / max(plan.cost.off_chain_comm_s, 1e-30))
                 # it hid what it was priced to hide, or the rounds are spent: last, the plan of a
                 # search that hides nothing, replayed too (where the replay finds little to hide
                 # behind, it can be the faster)
                 overlap = usable if usable < overlap * 0.99 and len(tried) < OVERLAP_ROUNDS - 1 else 0.0
                 progress.say("rhino_jax: overlap: the plan hides %.3g s of %.3g s of communication off the chain; "
                              "searching again with overlap %.3g", plan.cost.hidden_s,
-                             plan.search_stats["off_chain_comm_s"], overlap)
+                             plan.cost.off_chain_comm_s, overlap)
                 plan = _found(_search(graph, dataclasses.replace(topo, overlap=overlap), cluster, deadline=deadline,
                                       **options))
                 tried.append(plan)

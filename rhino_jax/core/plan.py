@@ -28,6 +28,9 @@ class PlanCost:
     total_s: float
     memory_bytes: int
     hidden_s: float = 0.0
+    # the communication off the compute chain, which the search priced at the cluster's overlap:
+    # what it hid of this is the share the next overlap round prices at (`search.planner.search`)
+    off_chain_comm_s: float = 0.0
 
 
 @dataclass(frozen=True)
