@@ -233,5 +233,5 @@ class Lowered:
                                                  self.memory_limit_bytes,
                                                  Weights.of(self.plan.arg_roles, self.plan.arg_specs), self.cluster))
         if compiler_options is None:
-            self._compiled = compiled
+            self._compiled, self._said = compiled, ()  # this compile said its own warnings
         return compiled
