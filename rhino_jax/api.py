@@ -314,13 +314,13 @@ def parallelize(fn: Callable | None = None, *, mesh: Mesh | AbstractMesh | None 
 def _runs_as_planned(plan: Plan, mesh: Mesh | None, options: Options) -> None:
     """A saved plan runs on a mesh, with the micro-batches, stages and schedule it was made for:
     otherwise a ValueError says what to pass."""
-    stats = plan.search_stats
-    planned = {"num_micro_batches": stats.get("micro_batches", 1), "pipeline": stats.get("pipeline", "off")}
+    e = plan.execution
+    planned = {"num_micro_batches": e.micro_batches, "pipeline": e.pipeline if e.pipeline > 1 else "off"}
     given = {"num_micro_batches": options.num_micro_batches,
              "pipeline": "off" if options.pipeline == 1 else options.pipeline}
-    if "pipeline" in stats:
+    if e.pipeline > 1:
         ordered = any(isinstance(c, OpOrder) for c in options.constraints)
-        planned["schedule"], given["schedule"] = stats["schedule"], "op_order" if ordered else options.schedule
+        planned["schedule"], given["schedule"] = e.schedule, "op_order" if ordered else options.schedule
     if mesh is None or given != planned:
         where = plan.target and f"rj.device_mesh({plan.target.mesh_shape}, {plan.target.axis_names})"
         def said(k: str, v) -> str:  # an op_order schedule comes from its constraint, not the option

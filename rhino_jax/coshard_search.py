@@ -9,8 +9,8 @@ chunks' ops and their slices and sums, and its memory model sees one chunk live 
 fastest plan within `memory_limit_bytes` wins; a number of chunks the user fixed is refused where
 its plan is predicted to hold no less than the plan without (chunks cost time to save memory),
 and every coshard on a jax whose XLA does not keep the chunks in order (`ORDERED_FROM`).
-Its choices are kept in the plan's search statistics, so that a saved plan cuts the step the
-same way when loaded (`replay`).
+Its choices are kept in the plan's `execution` (`CoshardCut`), so that a saved plan cuts the step
+the same way when loaded (`replay`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import dataclasses
 import jax
 from jax.sharding import Mesh
 
-from rhino_jax.core.plan import Plan
+from rhino_jax.core.plan import CoshardCut, Plan
 from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError
 from rhino_jax.search.space import coshard as cut
 from rhino_jax.hlo_passes.chunking import Chunking, chunk
@@ -39,18 +39,6 @@ MAX_AUTO = 16  # the most chunks "auto" tries
 # LM's attention: jax 0.10.2 and 0.11.0 drop them first and run the chunks side by side
 # (1.12-1.22x the temporaries of no chunks); jax 0.12.0.1 runs them in turn (0.38-0.41x).
 ORDERED_FROM = (0, 12)
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """One group's cut, as a saved plan keeps it: the constraint (its text), the group's index
-    among the constraint's groups, the dim of its largest value that is cut, and how many chunks."""
-
-    constraint: str
-    group: int
-    dim: int
-    chunks: int
-    recompute: bool  # the chunks make again what they read from the constraint's earlier groups
 
 
 def plan_with_coshards(step: LoweredStep, graph: Graph, mesh: Mesh, cluster: Cluster, options: Options
@@ -95,10 +83,10 @@ def plan_with_coshards(step: LoweredStep, graph: Graph, mesh: Mesh, cluster: Clu
     step, graph, plan, choices = min(tried, key=lambda t: t[2].cost.total_s)
     if choices and plan.cost.memory_bytes >= free.cost.memory_bytes:
         raise ConstraintError(_saves_nothing(coshards, counts, plan, free))
-    stats = dict(plan.search_stats, coshard=[dataclasses.asdict(c) for c in choices],
-                 coshard_candidates=[[t[3][0].chunks if t[3] else 1, t[2].cost.total_s, t[2].cost.memory_bytes]
-                                     for t in tried])
-    return step, graph, dataclasses.replace(plan, search_stats=stats)
+    stats = dict(plan.search_stats, coshard_candidates=[[t[3][0].chunks if t[3] else 1, t[2].cost.total_s,
+                                                         t[2].cost.memory_bytes] for t in tried])
+    return step, graph, dataclasses.replace(plan, search_stats=stats,
+                                            execution=dataclasses.replace(plan.execution, coshard=choices))
 
 
 def _refuse_unordered(coshards: list[CoShard]) -> None:
@@ -123,8 +111,8 @@ def _saves_nothing(coshards: list[CoShard], counts: list[int], plan: Plan, free:
 
 
 def replay(step: LoweredStep, graph: Graph, plan: Plan, constraints) -> tuple[LoweredStep, Graph]:
-    """The step cut as the saved `plan` recorded (`Choice`s), for the plan to run on."""
-    saved = [Choice(**c) for c in plan.search_stats.get("coshard", ())]
+    """The step cut as the saved `plan` recorded (`CoshardCut`s), for the plan to run on."""
+    saved = plan.execution.coshard
     if not saved:
         return step, graph
     coshards = [c for c in constraints if isinstance(c, CoShard)]
@@ -168,7 +156,7 @@ def _candidates(coshards: list[CoShard]) -> list[int]:
     return [1] + [2 ** k for k in range(1, MAX_AUTO.bit_length())]
 
 
-def _cuts(groups, graph: Graph, free: Plan, topo: MeshTopology, chunks: int) -> list[tuple[Choice, Chunking]]:
+def _cuts(groups, graph: Graph, free: Plan, topo: MeshTopology, chunks: int) -> list[tuple[CoshardCut, Chunking]]:
     """Each group's cut into `chunks`: on the dim of its largest value the plan without chunks
     splits least (its largest piece per device), its chunks recomputing what they read from the
     earlier groups where they can. Groups no dim of which can be cut so stay whole; a constraint
@@ -181,7 +169,7 @@ def _cuts(groups, graph: Graph, free: Plan, topo: MeshTopology, chunks: int) -> 
                 options = _options(graph, mine, k, chunks, recompute)
                 if options:
                     best = max(options, key=lambda o: _local(graph, free, topo, o))
-                    found.append((Choice(str(c), k, best.dims[best.seed], chunks, recompute), best))
+                    found.append((CoshardCut(str(c), k, best.dims[best.seed], chunks, recompute), best))
                     break
         if not found:
             raise ConstraintError(_uncuttable(c, mine, graph, chunks))

@@ -58,7 +58,7 @@ def all_collectives(plan: Plan) -> list[PlannedCollective]:
     `plan.collectives`) and its stages' forward and backward programs', once per micro-batch. One
     over mesh axes of a single device (a layout naming an axis of size 1 on a stage's sub-mesh)
     moves nothing, costs nothing and is no op XLA compiles: left out."""
-    k = plan.search_stats.get("micro_batches", 1)
+    k = plan.execution.micro_batches
     runs = [plan.collectives] + [p.collectives * k for st in plan.stages for p in (st.forward, st.backward) if p]
     return [c for run in runs for c in run if c.group > 1]
 

@@ -215,11 +215,11 @@ def _scale(x0: float, y: float, width: float, longest: float) -> list[str]:
 def schedule_svg(plan: Plan) -> str:
     """The pipeline's timeline: a row per stage, a box per (pass, micro-batch) where the schedule's
     simulation (`Schedule.timeline`) places it, then each stage's apply-gradients."""
-    s = plan.search_stats
-    p, k = len(plan.stages), s["micro_batches"]
+    s, e = plan.search_stats, plan.execution
+    p, k = len(plan.stages), e.micro_batches
     schedule = plan.schedule()
     fwd, bwd = [st.forward_s for st in plan.stages], [st.backward_s for st in plan.stages]
-    times = schedule.timeline(lambda t: (fwd if t.kind == "F" else bwd)[t.stage], s["transfer_s"])
+    times = schedule.timeline(lambda t: (fwd if t.kind == "F" else bwd)[t.stage], e.transfer_s)
     apply_at = max(end for _, end in times.values()) + sum(s.get(m, 0.0) for m in
                                                            ("arguments_in_s", "sums_out_s", "outputs_out_s"))
     boxes = [(t.kind, t.stage, t.micro_batch, start, end) for t, (start, end) in times.items()]
@@ -228,7 +228,7 @@ def schedule_svg(plan: Plan) -> str:
     fill = {"F": "#8fbce6", "B": "#f4a582", "A": "#9bd39b"}
     out = []
     for st in plan.stages:
-        name = place_name(st.stage, tuple(s.get("shared_places", ())), s.get("passes", 1), len(plan.stages))
+        name = place_name(st.stage, e.shared_places, e.passes, len(plan.stages))
         out.append(f'<text x="4" y="{30 + 30 * st.stage + 15}">{_e(name)} {_e(mesh_label(st.mesh_axes))}</text>')
     for kind, stage, mb, start, end in sorted(boxes, key=lambda b: (b[1], b[3])):
         x, w, y = x0 + start * scale, max((end - start) * scale, 1.0), 30 + 30 * stage

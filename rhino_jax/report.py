@@ -16,7 +16,7 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
     """`Plan.report`: the plan in words, for a person reading what was chosen and why."""
     mesh = mesh_label(plan.mesh_axes)
     c = plan.cost
-    s = plan.search_stats
+    s, e = plan.search_stats, plan.execution
     lines = [
         f"rhino_jax plan  mesh {mesh}  cluster {plan.cluster}  opt {plan.opt_level}",
         f"predicted step  {c.total_s * 1e3:.3f} ms = "
@@ -37,7 +37,7 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
             f"({s['critical_proportion']:.1%}), {s['subgraphs']} segments{tied}; {s['groups']} cones",
             f"search          ILP over {s['ilp_groups']} groups: {s['ilp_vars']} vars, "
             f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
-            f"({how}) in {s['solve_s']:.2f} s" + _solves(s)]
+            f"({how}) in {s['solve_s']:.2f} s" + _solves(s, several=e.micro_batches > 1 or e.pipeline > 1)]
         if s.get("pipeline_candidates"):
             lines.append("pipeline='auto' (chosen first): " + "; ".join(
                 (f"{c.label} {c.step_s * 1e3:.4g} ms, {c.memory_bytes / 2**30:.3g} GiB/device"
@@ -47,43 +47,42 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
             lines.append("compiled        the search's plans of other layouts, compiled for these GPUs and priced as "
                          "XLA schedules them (* kept): " + "; ".join(
                              map(_compiled_candidate, s["compiled_candidates"])))
-        if s.get("pipeline"):
-            lines.append(f"pipeline        {s['pipeline']} stages ({s['schedule']}"
-                         + (f" interlaced with {len(s['shared_places'])} places on every device (op_assign "
-                            "stage='all')" if s.get("shared_places") else "")
-                         + (f" over {s['passes']} forward passes of {', '.join(s['repeated_layers'])}, the "
-                            "last differentiated" if s.get("passes") else "")
-                         + f", {s['micro_batches']} micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut"
+        if e.pipeline > 1:
+            lines.append(f"pipeline        {e.pipeline} stages ({e.schedule}"
+                         + (f" interlaced with {len(e.shared_places)} places on every device (op_assign "
+                            "stage='all')" if e.shared_places else "")
+                         + (f" over {e.passes} forward passes of {', '.join(e.repeated_layers)}, the "
+                            "last differentiated" if e.passes > 1 else "")
+                         + f", {e.micro_batches} micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut"
                          + (f", the stages' balance relaxed to ±{s['stage_epsilon']:g} of a share for op_assign"
                             if s.get("stage_epsilon") else "")
-                         + f", {s['transfer_s'] * 1e3:.3f} ms "
+                         + f", {e.transfer_s * 1e3:.3f} ms "
                          f"to move a micro-batch's tensors across a boundary; {s['arguments_in_s'] * 1e3:.3f} ms to "
                          f"bring the programs the arguments they read elsewhere, {s['sums_out_s'] * 1e3:.3f} ms to "
                          "bring apply-gradients the sums and values of other stages, "
                          f"{s.get('outputs_out_s', 0.0) * 1e3:.3f} ms to return the loss and metrics on the whole "
                          "mesh), then apply-gradients on the stages (the search line above: its programs together)")
-            shared = tuple(s.get("shared_places", ()))
-            lines += [f"    {place_name(st.stage, shared, s.get('passes', 1), len(plan.stages))}  "
+            lines += [f"    {place_name(st.stage, e.shared_places, e.passes, len(plan.stages))}  "
                       f"{mesh_label(st.mesh_axes)} devices {_runs(st.devices)}: forward {st.forward_s * 1e3:.3f}"
                       + (f" + backward {st.backward_s * 1e3:.3f}" if st.backward else " (no backward)")
                       + " ms per micro-batch, "
                       f"apply {st.apply_s * 1e3:.3f} ms, "
                       f"{st.in_flight} in flight, {st.memory_bytes / 2**20:.1f} MiB/device; "
                       f"{', '.join(st.layers) or 'no named layers'}" + _alike(st) for st in plan.stages]
-        elif s.get("micro_batches"):
+        elif e.micro_batches > 1:
             cg = s["compute_gradients"]
-            lines.append(f"micro-batching  {s['micro_batches']} micro-batches of compute-gradients (ILP over "
+            lines.append(f"micro-batching  {e.micro_batches} micro-batches of compute-gradients (ILP over "
                          f"{cg['ilp_groups']} groups, {cg['status']}), their sums added up, then apply-gradients "
                          "(the search line above); cost and collectives count every micro-batch")
         if plan.constrained():
             lines.append("constraints     " + "; ".join(f"{c} on {n} ops and arguments"
                                                         for c, n in plan.constrained().items()))
         if s.get("coshard_candidates"):
-            cut = s.get("coshard", [])
-            groups = {}
+            cut = e.coshard
+            groups: dict[str, int] = {}
             for c in cut:
-                groups[c["constraint"]] = groups.get(c["constraint"], 0) + 1
-            lines.append("co-shard        " + ("; ".join(f"{c}: {n} groups in {cut[0]['chunks']} chunks"
+                groups[c.constraint] = groups.get(c.constraint, 0) + 1
+            lines.append("co-shard        " + ("; ".join(f"{c}: {n} groups in {cut[0].chunks} chunks"
                                                       for c, n in groups.items()) if cut else "no chunks")
                          + " (tried: " + "; ".join(f"{n} chunk{'s' * (n > 1)} {t * 1e3:.4g} ms, {m / 2**20:.1f} MiB"
                                                   for n, t, m in s["coshard_candidates"]) + ")")
@@ -164,16 +163,16 @@ def _kinds_lines(plan: Plan, backend: str) -> list[str]:
             for kind, (n, b, m) in sorted(summary.items())] or ["  none"]
 
 
-def _solves(stats: dict) -> str:
+def _solves(stats: dict, several: bool) -> str:
     """The search line's tail: each ILP's time where the search solved several (the progress line
     says each one's as it ends, "ILP optimal in 7.84 s"), and the ILP's own estimate of the step,
     the progress line's "predicted", which the predicted step refines by replaying XLA's combiners
     on the chosen collectives. No estimate for a step run as several programs (the search line is
-    one program's) nor for a memory-limit trial (its objective prices memory too)."""
+    one program's: `several`) nor for a memory-limit trial (its objective prices memory too)."""
     names = stats.get("stage_names", ())
     parts = [f"{name} {stage[3]:.2f} s" for name, stage in zip(names, stats.get("stages", ()))]
     out = f" ({', then '.join(parts)})" if len(parts) > 1 else ""
-    if "objective_s" in stats and not stats.get("micro_batches") and not stats.get("memory_weight_s"):
+    if "objective_s" in stats and not several and not stats.get("memory_weight_s"):
         out += f"; the ILP's estimate of the step {stats['objective_s'] * 1e3:.4g} ms"
     return out
 

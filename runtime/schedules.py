@@ -237,11 +237,10 @@ def make(name: str, stages: int, micro_batches: int, passes: int = 1) -> Schedul
 def of_plan(plan: Plan) -> Schedule:
     """A plan's pipeline schedule as it runs (one stage, one micro-batch without a pipeline): an
     op_order or interlaced schedule from its saved rows, the others made again from their name."""
-    s = plan.search_stats
-    if "schedule_order" in s:
-        return Schedule.parse(s["schedule"], s["schedule_order"], s["micro_batches"], s.get("shared_places", ()),
-                              s.get("passes", 1))
-    return make(s.get("schedule", "1f1b"), s.get("pipeline", 1), s.get("micro_batches", 1), s.get("passes", 1))
+    e = plan.execution
+    if e.schedule_rows:
+        return Schedule.parse(e.schedule, e.schedule_rows, e.micro_batches, e.shared_places, e.passes)
+    return make(e.schedule or "1f1b", e.pipeline, e.micro_batches, e.passes)
 
 
 def _multi_forward(name: str, stages: int, micro_batches: int, passes: int) -> list[tuple[Task, Task]]:

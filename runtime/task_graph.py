@@ -5,7 +5,7 @@ place that runs on every device) and micro-batch, its forward and backward pass;
 a receive for every tensor crossing stages (activations forward, their gradients back); with
 several micro-batches, a local accumulation of each backward's gradients; the apply of the
 accumulated gradients (the optimizer): one on the whole mesh, or one per stage and wave of a
-pipeline's apply-gradients programs (`Apply`), each after the stages whose sums it reads and the
+pipeline's apply-gradients programs (`ApplyTask`), each after the stages whose sums it reads and the
 apply programs whose values it reads. Edges: data dependencies, and each stage's run order as the
 schedule fixes it (nnScaler's schedules as ordering constraints), so one topological order of
 the graph is the static schedule the executor follows.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from rhino_jax.core.plan import Plan
+from rhino_jax.core.plan import ApplyTask, Plan, apply_task_name
 from rhino_jax.errors import ScheduleError
 
 from . import schedules
@@ -32,24 +32,6 @@ class TaskNode:
     kind: str  # one of KINDS
     stage: int = -1  # -1: the source and the sink
     micro_batch: int = -1  # -1: tasks of the whole step (source, apply, sink)
-
-
-@dataclass(frozen=True)
-class Apply:
-    """One apply-gradients program of a pipeline: where it runs, and what it waits for."""
-
-    stage: int
-    wave: int
-    sums_from: tuple[int, ...]  # the stages whose accumulated sums it reads
-    reads: tuple[tuple[int, int], ...]  # the (stage, wave) of the apply programs whose values it reads
-
-    @property
-    def name(self) -> str:
-        return _apply_name(self.stage, self.wave)
-
-
-def _apply_name(stage: int, wave: int) -> str:
-    return f"apply {wave}@{stage}" if stage >= 0 else "apply"
 
 
 @dataclass(frozen=True)
@@ -84,7 +66,7 @@ class TaskGraph:
         return "\n".join(lines + ["}"])
 
 
-def build(schedule: Schedule, applies: Sequence[Apply] = ()) -> TaskGraph:
+def build(schedule: Schedule, applies: Sequence[ApplyTask] = ()) -> TaskGraph:
     """The task graph of a checked schedule; `applies`: the apply-gradients programs on the
     stages (none: one apply on the whole mesh)."""
     nodes: list[TaskNode] = []
@@ -131,14 +113,14 @@ def build(schedule: Schedule, applies: Sequence[Apply] = ()) -> TaskGraph:
             last = acc
         done.append(last)
     places = {s: j for j, s in enumerate(filter(backward.__getitem__, range(p)))}  # → its `done`
-    applies = list(applies) or [Apply(-1, 0, tuple(places), ())]  # once per step, on the whole mesh
+    applies = list(applies) or [ApplyTask(-1, 0, tuple(places), ())]  # once per step, on the whole mesh
     for a in applies:
         node(a.name, "apply", a.stage)
     sink = node("sink", "sink")
     edges += [(d, sink) for d in done]
     for a in applies:
         i = at[a.name]
-        edges += [(done[places[s]], i) for s in a.sums_from] + [(at[_apply_name(s, w)], i) for s, w in a.reads]
+        edges += [(done[places[s]], i) for s in a.sums_from] + [(at[apply_task_name(s, w)], i) for s, w in a.reads]
         edges += [(i, sink)] + ([(source, i)] if not a.sums_from and not a.reads else [])
     graph = TaskGraph(tuple(nodes), tuple(edges), schedule.name)
     graph.order()  # acyclic, or ScheduleError
@@ -148,4 +130,4 @@ def build(schedule: Schedule, applies: Sequence[Apply] = ()) -> TaskGraph:
 def of_plan(plan: Plan) -> TaskGraph:
     """What runs in a plan's step, where and after what: its schedule's tasks and its stages'
     apply-gradients programs."""
-    return build(schedules.of_plan(plan), plan.search_stats.get("applies", ()))
+    return build(schedules.of_plan(plan), plan.execution.applies)

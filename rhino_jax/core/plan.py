@@ -123,6 +123,57 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class ApplyTask:
+    """One apply-gradients program of a pipeline, as the task graph runs it: where, and after what."""
+
+    stage: int  # -1: the one apply of a step not pipelined, on the whole mesh
+    wave: int
+    sums_from: tuple[int, ...]  # the stages whose accumulated sums it reads
+    reads: tuple[tuple[int, int], ...]  # the (stage, wave) of the apply programs whose values it reads
+
+    @property
+    def name(self) -> str:
+        return apply_task_name(self.stage, self.wave)
+
+
+def apply_task_name(stage: int, wave: int) -> str:
+    return f"apply {wave}@{stage}" if stage >= 0 else "apply"
+
+
+@dataclass(frozen=True)
+class CoshardCut:
+    """One group of ops a co-shard constraint cut into chunks (nnScaler §3.2, co-shard): the
+    constraint (its text), the group's index among the constraint's groups, the dim of its largest
+    value that is cut, and how many chunks."""
+
+    constraint: str
+    group: int
+    dim: int
+    chunks: int
+    recompute: bool  # the chunks make again what they read from the constraint's earlier groups
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the step's programs run, beyond their layouts: what a saved plan needs to run without
+    a search (the defaults: one SPMD program, as the step was written). What the search measured
+    on the way is `Plan.search_stats`."""
+
+    micro_batches: int = 1
+    pipeline: int = 1  # stages (1: no pipeline)
+    schedule: str = ""  # the pipeline's schedule ("1f1b", "gpipe", "eager-1f1b", "op_order", ...)
+    # an op_order or interlaced schedule's own order, a row of tasks per place ("F0 F1 B0 ...",
+    # `runtime.schedules.Schedule.rows`); the named schedules are made again from their name
+    schedule_rows: tuple[str, ...] = ()
+    shared_places: tuple[int, ...] = ()  # an interlaced pipeline's places that run on every device
+    passes: int = 1  # a multi-forward step's forward passes over the stages
+    repeated_layers: tuple[str, ...] = ()  # the layers those passes repeat
+    applies: tuple[ApplyTask, ...] = ()  # a pipeline's apply-gradients programs (none: one apply)
+    transfer_s: float = 0.0  # to move one micro-batch's tensors across a stage boundary
+    coshard: tuple[CoshardCut, ...] = ()  # the groups of ops cut into chunks
+
+
+@dataclass(frozen=True)
 class Plan:
     mesh_axes: dict[str, int]
     cluster: str
@@ -143,7 +194,10 @@ class Plan:
     cost: PlanCost = None  # type: ignore[assignment]
     collectives: tuple[PlannedCollective, ...] = ()
     fallback_ops: tuple[str, ...] = ()  # ops without a sharding rule, kept replicated
+    # what the search measured on the way (its ILPs' sizes, status and times; the candidates it
+    # weighed): diagnostics for the report, nothing that running the plan reads
     search_stats: dict = field(default_factory=dict)
+    execution: Execution = field(default_factory=Execution)
     backend: str = "gpu"  # the XLA backend the cluster stands for (`cluster.Combiner`)
     # With `parallelize(mesh=None)`: every mesh shape searched, best predicted first (the chosen
     # one is marked), infeasible ones last with their reason. Empty for a given mesh.

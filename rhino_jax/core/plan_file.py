@@ -17,8 +17,9 @@ from rhino_jax.core.specs import ShardingSpec
 from .plain_data import location
 
 # The `rhino_jax_plan` entry of a plan file: bumped when the layout of the file changes (2: targets
-# record the platform and process layout, not device ids).
-PLAN_FORMAT = 2
+# record the platform and process layout, not device ids; 3: how the programs run is the plan's
+# `execution`, no longer among its search statistics).
+PLAN_FORMAT = 3
 
 
 def check_writable(path: str | os.PathLike) -> None:

@@ -109,7 +109,7 @@ class PipelinedCompiled(SeveralPrograms):
         price = {key: priced_s(price_compiled(run, cluster), overlapped) for key, (_, run, _) in self._run.items()}
         p = len(low.stages)
         steps = low.schedule.makespan([price["F", s] for s in range(p)], [price.get(("B", s), 0.0) for s in range(p)],
-                                      low.plan.search_stats["transfer_s"])
+                                      low.plan.execution.transfer_s)
         waves: dict[int, float] = {}
         for prog, run, _ in self._apply.values():
             waves[prog.wave] = max(waves.get(prog.wave, 0.0), priced_s(price_compiled(run, cluster), overlapped))

@@ -9,7 +9,7 @@ from collections import Counter
 import jax
 from jax.sharding import Mesh
 
-from rhino_jax.core.plan import Plan, PlanCost, StagePlan, program_name
+from rhino_jax.core.plan import Execution, Plan, PlanCost, StagePlan, program_name
 from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.hlo_passes import stages as stage_programs
 from rhino_jax.hlo_passes.graph import Graph, Pin
@@ -51,12 +51,11 @@ class PipelinedLowered(SeveralProgramsLowered):
         ops = len(cg.nodes)
         budget = budget_of(options, (1 + STAGER_SHARE) * ops + APPLY_WEIGHT * len(ag.nodes))
         if given is None:
-            place, staged = place_ops(cg, p, options, budget)
+            place, chain, staged = place_ops(cg, p, options, budget)
         else:
             given.check_matches(target)
-            place, staged = _saved_placement(given, cg, p)
-        shared = staged.get("shared_places", ())
-        self.passes = staged.get("passes", 1)
+            place, chain, staged = _saved_placement(given, cg, p)
+        shared, self.passes = chain.shared_places, chain.passes
         # The places of a micro-batch's chain: the stages' sub-meshes, and the whole mesh for the
         # places that run on every device (an interlaced pipeline's); a multi-forward step's passes
         # each over the stages.
@@ -159,7 +158,7 @@ class PipelinedLowered(SeveralProgramsLowered):
                                    _shardings(self._output_layouts()), step, meshes, cluster)
         self.apply_tasks = _apply_tasks(self._applies, self._home, len(cg.args))
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
-        self.plan = dataclasses.replace(self._summary(staged), placement=place, target=target)
+        self.plan = dataclasses.replace(self._summary(chain, staged), placement=place, target=target)
         say_step(self.plan, f"pipeline of {p} stages ({self.schedule.name}, {k} micro-batches)")
 
     def _together(self, s: int) -> tuple[int, ...]:
@@ -235,12 +234,12 @@ class PipelinedLowered(SeveralProgramsLowered):
         return sum(ag.values[ag.args[i].value].nbytes // layouts[i][1].shard_factor(axes)
                    for i, at in self._home.items() if at == s and i < len(layouts) and i not in read)
 
-    def _summary(self, staged: dict) -> Plan:
+    def _summary(self, chain: Execution, staged: dict) -> Plan:
         """The step's plan: its arguments and results where the stages take and return them, the
         pipeline's cost (the schedule's time for the stages' programs, the moves once per step,
         then apply-gradients' programs, wave by wave, each wave as long as its slowest stage),
-        and apply-gradients' searches as its search line. `staged`: the stager's bytes cut and
-        FLOPs per stage."""
+        and apply-gradients' searches as its search line; how it runs, the chain's places
+        (`chain`) and the schedule. `staged`: the stager's bytes cut and FLOPs per stage."""
         fwd, bwd = [s.forward_s for s in self.stages], [s.backward_s for s in self.stages]
         transfer_s = _transfer_s(self.transfers)
         pipeline_s = self.schedule.makespan(fwd, bwd, transfer_s) + sum(self.moves_s)
@@ -253,12 +252,12 @@ class PipelinedLowered(SeveralProgramsLowered):
         whole, ag, n = self._step.whole, self._step.apply_graph, len(self._step.compute_graph.args)
         plans = [plan for _, _, plan in self._applies]
         stats = dict(_searches({program_name("A", prog.stage, prog.wave): plan.search_stats
-                                for prog, _, plan in self._applies}), pipeline=len(self.stage_meshes),
-                     schedule=self.schedule.name, micro_batches=self.k, **staged, transfer_s=transfer_s,
-                     **({"schedule_order": self.schedule.rows()}
-                        if self.schedule.name == "op_order" or self.shared else {}),
-                     arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1], outputs_out_s=self.moves_s[2],
-                     applies=self.apply_tasks)
+                                for prog, _, plan in self._applies}), **staged,
+                     arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1], outputs_out_s=self.moves_s[2])
+        rows = self.schedule.rows() if self.schedule.name == "op_order" or self.shared else ()
+        execution = dataclasses.replace(chain, micro_batches=self.k, pipeline=len(self.stage_meshes),
+                                        schedule=self.schedule.name, schedule_rows=rows, applies=self.apply_tasks,
+                                        transfer_s=transfer_s)
         outputs = self._output_layouts()
         layouts = self._layouts()
         return Plan(
@@ -270,7 +269,7 @@ class PipelinedLowered(SeveralProgramsLowered):
             output_paths=tuple(whole.output_paths), output_specs=tuple(spec for _, spec in outputs), value_specs={},
             cost=cost, collectives=tuple(c for plan in plans for c in plan.collectives),
             fallback_ops=tuple(dict.fromkeys(op for plan in plans for op in plan.fallback_ops)), search_stats=stats,
-            backend=plans[0].backend, stages=self.stages,
+            execution=execution, backend=plans[0].backend, stages=self.stages,
             programs={program_name("A", prog.stage, prog.wave): plan for prog, _, plan in self._applies},
             interrupted=any(plan.interrupted for plan in plans),
             input_shardings=call_tree(self._trees[0], _shardings(layouts)),

@@ -8,13 +8,12 @@ from collections import Counter
 
 import numpy as np
 
-from rhino_jax.core.plan import Plan
+from rhino_jax.core.plan import ApplyTask, Plan
 from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.hlo_passes import stages as stage_programs
 from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
-from rhino_jax.runtime import task_graph
 from rhino_jax.search.cost.memory import local_bytes
 
 # A program of the step, its graph and its plan.
@@ -159,12 +158,12 @@ def _held_layouts(plans: dict[tuple[str, int], Planned], places: tuple[int, ...]
     return held
 
 
-def _apply_tasks(applies: list[Planned], home: dict[int, int], n: int) -> tuple[task_graph.Apply, ...]:
+def _apply_tasks(applies: list[Planned], home: dict[int, int], n: int) -> tuple[ApplyTask, ...]:
     """The task graph's apply tasks: each apply-gradients program after the stages whose sums it
     reads and the programs whose values it reads."""
     made = {v: prog for prog, _, _ in applies for v in prog.outputs}
-    return tuple(task_graph.Apply(prog.stage, prog.wave, tuple(sorted({home[i] for i in prog.args if i >= n})),
-                                  tuple(sorted({(made[v].stage, made[v].wave) for v in prog.inputs})))
+    return tuple(ApplyTask(prog.stage, prog.wave, tuple(sorted({home[i] for i in prog.args if i >= n})),
+                           tuple(sorted({(made[v].stage, made[v].wave) for v in prog.inputs})))
                  for prog, _, _ in applies)
 
 

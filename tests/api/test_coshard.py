@@ -47,8 +47,8 @@ def test_attention_in_chunks_keeps_one_devices_numbers(small, tmp_path):
     coshard = rj.coshard(ATTENTION, chunks=4)
     lowered = _lower(step, args, coshard)
     plan = lowered.plan
-    assert plan.search_stats["coshard"], "no group was cut"
-    assert {c["chunks"] for c in plan.search_stats["coshard"]} == {4}
+    assert plan.execution.coshard, "no group was cut"
+    assert {c.chunks for c in plan.execution.coshard} == {4}
     assert "co-shard" in plan.report() and "in 4 chunks" in plan.report()
     text = lowered.as_text()
     assert "stablehlo.optimization_barrier" in text and "stablehlo.slice" in text
@@ -72,7 +72,7 @@ def test_auto_picks_chunks_that_fit_the_memory_limit(small):
     plan = lowered.plan
     tried = plan.search_stats["coshard_candidates"]
     assert [n for n, _, _ in tried][0] > 1, "the plan without chunks exceeds the limit and is not among those kept"
-    assert plan.cost.memory_bytes <= limit and plan.search_stats["coshard"]
+    assert plan.cost.memory_bytes <= limit and plan.execution.coshard
     assert_same_adam_step(reference, lowered.compile()(*args), LR)
 
 

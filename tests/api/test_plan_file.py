@@ -98,8 +98,8 @@ def test_a_plan_that_records_no_target_is_refused():
     ("not json", "plan.json: Expecting value"),
     ('{"mesh_axes": {"data": 8}}', 'not a rhino_jax plan file: it holds an object without a "rhino_jax_plan" format '
                                    'entry; give a file written by Plan.save or python -m rhino_jax plan'),
-    ('{"rhino_jax_plan": 2, "mesh_axes": {}, "colour": 1}', "Plan has no field 'colour'"),
-    ('{"rhino_jax_plan": 2, "mesh_axes": {}}', "Plan lacks field 'cluster'"),
+    (f'{{"rhino_jax_plan": {PLAN_FORMAT}, "mesh_axes": {{}}, "colour": 1}}', "Plan has no field 'colour'"),
+    (f'{{"rhino_jax_plan": {PLAN_FORMAT}, "mesh_axes": {{}}}}', "Plan lacks field 'cluster'"),
 ])
 def test_a_file_that_is_not_a_plan_says_so(text, message, tmp_path):
     (tmp_path / "plan.json").write_text(text)

@@ -185,7 +185,7 @@ def test_a_global_norm_waits_for_every_stage_and_the_updates_for_it():
              "y": jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)}
     lowered = rj.parallelize(_clipped_step, mesh=rj.device_mesh((8,), ("data",)), pipeline=2,
                              num_micro_batches=2).lower(params, batch)
-    applies = lowered.plan.search_stats["applies"]
+    applies = lowered.plan.execution.applies
     assert {a.stage for a in applies} == {0, 1} and max(a.wave for a in applies) == 2
     for a in applies:
         assert all(w < a.wave for _, w in a.reads) and (a.wave == 0) == (not a.reads)
