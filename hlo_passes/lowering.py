@@ -13,7 +13,7 @@ import functools
 import operator
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import jax
@@ -42,6 +42,9 @@ class LoweredStep:
     arg_paths: list[str]
     arg_roles: list[str]
     output_paths: list[str]
+    # the module as it was imported to find the roles, and its graph with those roles: what
+    # `import_step` reads while the module is that one (a rewrite that swaps it is imported anew)
+    imported: tuple[ir.Module, Graph] | None = field(default=None, repr=False, compare=False)
 
 
 class FlatArgument(NamedTuple):
@@ -247,7 +250,9 @@ def lower_on_mesh(fn, args: Sequence, mesh: Mesh, donate_argnums: tuple[int, ...
     out_paths = [f"out{jax.tree_util.keystr(p)}" for p, _ in out_leaves]
     paths = [a.path for a in flat]
     graph = import_module(module, paths, [a.role for a in flat], out_paths)
-    return LoweredStep(lowered, module, paths, _dataflow_roles(flat, graph), out_paths)
+    roles = _dataflow_roles(flat, graph)
+    graph = graph.replace(args=tuple(replace(a, role=roles[k]) for k, a in enumerate(graph.args)))
+    return LoweredStep(lowered, module, paths, roles, out_paths, (module, graph))
 
 
 def import_step(step: LoweredStep) -> Graph:
@@ -255,7 +260,10 @@ def import_step(step: LoweredStep) -> Graph:
     leaf of an extended dtype) among its arguments and results pinned whole: jax lays such a
     leaf out along its own dims, while the module holds its key data, whose trailing dim of words
     the leaf lacks, so a split the search made of the key data would be one jax cannot make."""
-    graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
+    if step.imported is not None and step.imported[0] is step.module:
+        graph = step.imported[1]
+    else:
+        graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
     return pinned_whole(graph, *extended_leaves(step))
 
 
