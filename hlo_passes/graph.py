@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,39 @@ class Graph:
 
     def replace(self, **kw) -> "Graph":
         return dataclasses.replace(self, **kw)
+
+
+# Ops that pass values on slot by slot: a counted loop's entry and exit, remat's barrier.
+SLOTWISE = frozenset({"stablehlo.while", "stablehlo.return", "stablehlo.optimization_barrier"})
+
+
+def reach(graph: Graph, seeds: dict[int, int]) -> list[int]:
+    """Per value id, the bits of the seeds (value id → bits) it depends on, OR-ed together. Each
+    slot of a counted loop, a barrier or a conditional passes on only what it is given (a loop's
+    parameters stay clear of its activations), so this runs to a fixed point: a slot the body
+    makes depend on a seed does so from the loop's entry on. An op kept whole (a loop without a
+    known trip count) mixes all it reads."""
+    bits = [seeds.get(v.id, 0) for v in graph.values]
+    exit_of = {n.attrs["loop_entry"]: n for n in graph.nodes if "loop_entry" in n.attrs}
+    changed = True
+    while changed:
+        changed = False
+        for n in graph.nodes:
+            if n.id in exit_of:
+                made = [(r, bits[start] | bits[yielded])
+                        for r, start, yielded in zip(n.results, n.operands, exit_of[n.id].operands)]
+            elif (n.op in SLOTWISE and "opaque" not in n.attrs) or "branches" in n.attrs:
+                index = bits[n.operands[0]] if "branches" in n.attrs else 0
+                made = [(r, functools.reduce(operator.or_, (bits[o] for o in reads), index))
+                        for _, reads, r in slots(n)]
+            else:
+                read = functools.reduce(operator.or_, (bits[o] for o in n.operands), 0)
+                made = [(r, read) for r in n.results]
+            for r, b in made:
+                if b & ~bits[r]:
+                    bits[r] |= b
+                    changed = True
+    return bits
 
 
 Leaf = tuple[str, tuple[int, ...], str]  # (key path inside the arguments or the result, shape, dtype)

@@ -12,14 +12,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as shlo
 
 from . import module as mod
 from .graph import Arg, Graph, Node, Pin, Value
-from .lowering import LoweredStep
 
 _ELEMENT_TYPES = {
     "f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64",
@@ -199,27 +197,10 @@ def parse_sdy_dims(text: str) -> tuple[tuple[str, ...] | None, ...]:
     return tuple(dims)
 
 
-def import_step(step: LoweredStep) -> Graph:
-    """The Graph IR of a step lowered whole (`lowering.lower_on_mesh`), its typed PRNG keys (and any
-    other leaf of an extended dtype) among its arguments and results pinned whole: jax lays such a
-    leaf out along its own dims, while the module holds its key data, whose trailing dim of words
-    the leaf lacks, so a split the search made of the key data would be one jax cannot make."""
-    graph = import_module(step.module, step.arg_paths, step.arg_roles, step.output_paths)
-    return pinned_whole(graph, *extended_leaves(step))
-
-
-def extended_leaves(step: LoweredStep) -> tuple[list[bool], list[bool]]:
-    """Which of the step's arguments and results are leaves of an extended dtype (typed PRNG keys)."""
-    def extended(aval) -> bool:
-        return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
-    return ([extended(a) for a in jax.tree.leaves(step.lowered.in_avals)],
-            [extended(o) for o in jax.tree.leaves(step.lowered.out_info)])
-
-
 def pinned_whole(graph: Graph, args: Sequence[bool], outputs: Sequence[bool]) -> Graph:
     """`graph` with the arguments and outputs flagged in `args` and `outputs` pinned whole (one
-    program of a step cut in several passes a key on as its key data: `extended_leaves` of the
-    step, flags of its own arguments and results)."""
+    program of a step cut in several passes a key on as its key data: `lowering.extended_leaves`
+    of the step, flags of its own arguments and results)."""
     values = [a.value for a, flag in zip(graph.args, args) if flag]
     values += [v for v, flag in zip(graph.outputs, outputs) if flag]
     names = dict(zip(graph.outputs, graph.output_paths)) | {a.value: a.path for a in graph.args}

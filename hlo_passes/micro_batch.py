@@ -32,15 +32,11 @@ from rhino_jax.errors import StagingError
 
 from . import batch_positions, scaling
 from . import module as mod
-from .graph import Graph, slots
+from .graph import SLOTWISE, Graph, reach
 from .split import extract
 
 # Ops that may turn per-example values into a sum over examples (the combiner is checked).
 _SUMMING = {"stablehlo.reduce", "stablehlo.dot_general", "stablehlo.convolution", "stablehlo.scatter"}
-
-
-# Ops that pass values on slot by slot: a counted loop's entry and exit (`graph`), remat's barrier
-_SLOTWISE = {"stablehlo.while", "stablehlo.return", "stablehlo.optimization_barrier"}
 
 
 def _check_carried_sums(graph: Graph, node, aggregate: set[int]) -> None:
@@ -62,26 +58,9 @@ class MicroSplit:
 
 
 def _batch(graph: Graph) -> set[int]:
-    """The values that depend on the batch. A loop passes each carried slot on by itself (its
-    parameters stay out even when its activations are in), so this runs to a fixed point: a
-    slot the body makes batch-dependent is so from the loop's entry on."""
-    found = {a.value for a in graph.args if a.role == "batch"}
-    exit_of = {n.attrs["loop_entry"]: n for n in graph.nodes if "loop_entry" in n.attrs}
-    changed = True
-    while changed:
-        changed = False
-        for n in graph.nodes:
-            if n.op == "stablehlo.while":
-                carried = zip(n.results, n.operands, exit_of[n.id].operands)
-                made = [r for r, start, yielded in carried if start in found or yielded in found]
-            elif n.op in _SLOTWISE or "branches" in n.attrs:  # a conditional: also by its index
-                index = "branches" in n.attrs and n.operands[0] in found
-                made = [r for _, reads, r in slots(n) if index or any(o in found for o in reads)]
-            else:
-                made = n.results if any(o in found for o in n.operands) else []
-            changed |= any(r not in found for r in made)
-            found.update(made)
-    return found
+    """The values that depend on the batch (`reach`)."""
+    bits = reach(graph, {a.value: 1 for a in graph.args if a.role == "batch"})
+    return {v for v, b in enumerate(bits) if b}
 
 
 def _check_alike(whole: Graph, micro: Graph) -> None:
@@ -106,7 +85,7 @@ def boundary(whole: Graph, micro: Graph) -> tuple[tuple[int, ...], scaling.Scali
     spread = set(scale.sites) if scale else set()
     for n in whole.nodes:
         made = [r for r in n.results if r in aggregate]
-        if n.op in _SLOTWISE:  # slot k in, slot k out: a sum is checked where it is made
+        if n.op in SLOTWISE:  # slot k in, slot k out: a sum is checked where it is made
             if n.op == "stablehlo.while":
                 _check_carried_sums(whole, n, aggregate)
             continue
@@ -117,7 +96,7 @@ def boundary(whole: Graph, micro: Graph) -> tuple[tuple[int, ...], scaling.Scali
             raise StagingError(f"micro-batching adds up sums over the batch, but {n.name or n.op} "
                                f"({n.op.split('.')[-1]}) combines the examples otherwise; use num_micro_batches=1")
     for n in whole.nodes:
-        if n.op in _SLOTWISE or spread & set(n.results):
+        if n.op in SLOTWISE or spread & set(n.results):
             continue
         if any(r in per_example for r in n.results) and any(o in aggregate for o in n.operands):
             raise StagingError(f"{n.name or n.op} computes per-example values from a sum over the whole batch "

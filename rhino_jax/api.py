@@ -20,8 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from rhino_jax.hlo_passes.importer import import_step
-from rhino_jax.hlo_passes.lowering import lower_on_mesh, step_target
+from rhino_jax.hlo_passes.lowering import import_step, lower_on_mesh, step_target
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.cost.cluster import get_cluster
 from rhino_jax.search.space.constraints import CoShard, OpAssign, check_matched, check_parts

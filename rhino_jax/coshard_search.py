@@ -24,8 +24,7 @@ from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError
 from rhino_jax.search.space import coshard as cut
 from rhino_jax.hlo_passes.chunking import Chunking, chunk
 from rhino_jax.hlo_passes.graph import Graph
-from rhino_jax.hlo_passes.importer import import_step
-from rhino_jax.hlo_passes.lowering import LoweredStep
+from rhino_jax.hlo_passes.lowering import LoweredStep, import_step
 from rhino_jax.search import progress
 from rhino_jax.search.space.constraints import CoShard
 from rhino_jax.search.cost.cluster import Cluster, MeshTopology

@@ -29,8 +29,7 @@ from jax.sharding import Mesh
 
 from rhino_jax.core.plan import MeshCandidate, Plan
 from rhino_jax.hlo_passes.graph import Graph
-from rhino_jax.hlo_passes.importer import import_step
-from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
+from rhino_jax.hlo_passes.lowering import LoweredStep, import_step, lower_on_mesh
 from rhino_jax.search import interrupt, progress
 from rhino_jax.search.cost.cluster import Cluster, MeshTopology, get_cluster, host_ids
 from rhino_jax.search.cost.combining import shares

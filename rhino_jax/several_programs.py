@@ -19,9 +19,9 @@ from rhino_jax.core.plan_target import PlanTarget
 from rhino_jax.hlo_passes import batch_positions, micro_batch
 from rhino_jax.hlo_passes import rewrite as rewrite_pass
 from rhino_jax.hlo_passes.graph import Graph
-from rhino_jax.hlo_passes.importer import extended_leaves, import_module, pinned_whole
+from rhino_jax.hlo_passes.importer import import_module, pinned_whole
 from rhino_jax.hlo_passes.jax_internals import key_impl_of
-from rhino_jax.hlo_passes.lowering import LoweredStep, lower_on_mesh
+from rhino_jax.hlo_passes.lowering import LoweredStep, extended_leaves, lower_on_mesh
 from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_program
 from rhino_jax.search import progress

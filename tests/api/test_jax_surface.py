@@ -425,3 +425,90 @@ def test_optimizer_state_passed_last_is_state_by_its_type():
     lowered = rj.parallelize(step, mesh=_mesh(), num_micro_batches=2).lower(*args)
     assert lowered.plan.arg_roles == ("parameter",) * 2 + ("batch",) * 2 + ("optimizer_state",) * 2
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args), rtol=1e-4, atol=1e-5)
+
+
+def _momentum(params, grads, velocity, count):
+    """SGD with momentum written by hand: plain dicts, no type says which is state."""
+    velocity = jax.tree.map(lambda v, g: 0.9 * v + g, velocity, grads)
+    return jax.tree.map(lambda w, v: w - 0.05 * v, params, velocity), velocity, count + 1
+
+
+def _named_like_state_step(params, opt_state, batch):
+    """A model with a layer named "mu" (a VAE's mean) and a bias named "x", trained by a hand-written
+    optimizer whose momentum is named "mu" too."""
+    def loss(p):
+        h = jnp.tanh(batch["x"] @ p["enc"]["kernel"])
+        return jnp.mean((h @ p["mu"]["kernel"] + p["x"] - batch["y"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    params, mu, count = _momentum(params, grads, opt_state["mu"], opt_state["count"])
+    return params, {"mu": mu, "count": count}, value
+
+
+def test_the_dataflow_tells_a_layer_named_mu_and_a_parameter_named_x_from_a_hand_written_optimizers_state():
+    """Key names mislead here: the layer "mu" is no moment, the bias "x" no batch. The dataflow
+    tells them: both meet the batch in the model (a contraction, a broadcast onto the
+    activations), the momentum only elementwise with the gradient, at its own shape. The step
+    count, an integer no gradient reaches, keeps the role its name gives. Micro-batches split the
+    batch alone (a bias "x" taken for a batch was cut in two, and the step failed)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    params = {"enc": {"kernel": jax.random.normal(k1, (16, 32))}, "mu": {"kernel": jax.random.normal(k2, (32, 8))},
+              "x": jnp.full((8,), 0.5)}
+    opt_state = {"mu": jax.tree.map(jnp.zeros_like, params), "count": jnp.zeros((), jnp.int32)}
+    batch = {"x": jax.random.normal(k3, (16, 16)), "y": jnp.zeros((16, 8))}
+    args = (params, opt_state, batch)
+    lowered = rj.parallelize(_named_like_state_step, mesh=_mesh(), num_micro_batches=2).lower(*args)
+    roles = dict(zip(lowered.plan.arg_paths, lowered.plan.arg_roles))
+    assert [roles[p] for p in ("arg[0]['enc']['kernel']", "arg[0]['mu']['kernel']", "arg[0]['x']")] == ["parameter"] * 3
+    assert {r for p, r in roles.items() if p.startswith("arg[1]")} == {"optimizer_state"}
+    assert [roles[f"arg[2]['{k}']"] for k in ("x", "y")] == ["batch"] * 2
+    assert_same_numbers(jax.jit(_named_like_state_step)(*args), lowered.compile()(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_between_the_parameters_and_a_hand_written_optimizers_state_is_the_batch():
+    """step(params, data, velocity) with keys that name nothing: by position the velocity was the
+    batch (cut into micro-batches, the step failed) and the data optimizer state. The velocity is
+    fed back, so it is state, and read only by the update, so optimizer state; the data is not fed
+    back and its leaves share one leading dim: the batch, split into micro-batches."""
+    def step(p, data, velocity):
+        value, grads = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(data["foo"] @ p["w1"]) @ p["w2"]
+                                                              - data["bar"]) ** 2))(p)
+        p, velocity, _ = _momentum(p, grads, velocity, 0)
+        return p, value, velocity
+
+    params, batch = _args()
+    args = (params, {"foo": batch["x"], "bar": batch["y"]}, jax.tree.map(jnp.zeros_like, params))
+    lowered = rj.parallelize(step, mesh=_mesh(), num_micro_batches=2).lower(*args)
+    assert lowered.plan.arg_roles == ("parameter",) * 2 + ("batch",) * 2 + ("optimizer_state",) * 2
+    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_that_feeds_nothing_back_keeps_the_roles_names_and_positions_give():
+    """An evaluation step returns no state, so its dataflow tells no role: the key names and
+    positions do (the first argument the parameters, the last the batch)."""
+    def evaluate(p, data):
+        return jnp.mean((jnp.tanh(data["foo"] @ p["w1"]) @ p["w2"] - data["bar"]) ** 2)
+
+    params, batch = _args()
+    lowered = rj.parallelize(evaluate, mesh=_mesh()).lower(params, {"foo": batch["x"], "bar": batch["y"]})
+    assert lowered.plan.arg_roles == ("parameter",) * 2 + ("batch",) * 2
+
+
+def test_predictions_returned_where_the_labels_came_in_do_not_make_the_labels_state():
+    """step(params, velocity, x, y) → (params, velocity, loss, predictions): the predictions share
+    the labels' place, shape and dtype, so they would feed the labels back; but they are not made
+    from the labels, so the labels are no state: the batch, as x is."""
+    def step(p, velocity, x, y):
+        def loss(p):
+            predictions = jnp.tanh(x @ p["w1"]) @ p["w2"]
+            return jnp.mean((predictions - y) ** 2), predictions
+
+        (value, predictions), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        p, velocity, _ = _momentum(p, grads, velocity, 0)
+        return p, velocity, value, predictions
+
+    params, batch = _args()
+    args = (params, jax.tree.map(jnp.zeros_like, params), batch["x"], batch["y"])
+    lowered = rj.parallelize(step, mesh=_mesh()).lower(*args)
+    assert lowered.plan.arg_roles == ("parameter",) * 2 + ("optimizer_state",) * 2 + ("batch",) * 2
+    assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))

@@ -184,3 +184,22 @@ def test_constants_a_scan_hoists_are_built_in_the_body_in_its_layout():
     assert lowered.plan.arg_specs[1].dims[0] == ("data",)
     assert f"[{batch},{heads},{seq},{seq}]" not in lowered.compile().as_text()
     assert_same_numbers(jax.jit(step)(*args), parallel(*args))
+
+
+def test_roles_of_stacked_weights_come_from_the_dataflow_through_the_loop():
+    """step(velocity, params, x), the optimizer's state first: by position the velocity would be
+    the parameters. The stacked weights go into the scan's loop in slots of their own, apart from
+    the activations, and meet them there in a contraction (and the biases in an add onto the
+    activations): parameters. The velocity meets only the gradients, elementwise: optimizer
+    state."""
+    from rhino_jax.hlo_passes.lowering import lower_on_mesh
+
+    def step(velocity, p, x):
+        value, grads = jax.value_and_grad(lambda p: _scan_step(p, x)[1])(p)
+        velocity = jax.tree.map(lambda v, g: 0.9 * v + g, velocity, grads)
+        return velocity, jax.tree.map(lambda w, v: w - 0.1 * v, p, velocity), value
+
+    p, x = _scan_args(8, 16)
+    lowered = lower_on_mesh(step, (jax.tree.map(jnp.zeros_like, p), p, x), rj.device_mesh((8,), ("d",)), ())
+    assert "stablehlo.while" in str(lowered.module)
+    assert lowered.arg_roles == ["optimizer_state"] * 2 + ["parameter"] * 2 + ["batch"]
