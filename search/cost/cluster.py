@@ -105,8 +105,9 @@ class Cluster:
     # it is what makes one all-reduce cheaper than a reduce-scatter plus an all-gather.
     collective_launch_s: float = 10e-6
     # Fixed cost of one compute kernel beyond its roofline (launch, or a command buffer's node):
-    # what the referee (`compiled_cost.price_compiled`) charges per kernel a compiled step runs.
-    # 0 where not measured; the search's cost model does not charge it.
+    # what the referee (`compiled_cost.price_compiled`) charges per kernel a compiled step runs,
+    # and the search per kernel it counts once XLA has fused the step (`kernel_launches`).
+    # 0 where not measured.
     kernel_launch_s: float = 0.0
     flops_per_s: dict[str, float] = field(default_factory=dict)  # achievable, by dtype
     memory_bandwidth: float = 1e12  # bytes/s, bounds memory-bound ops

@@ -133,6 +133,60 @@ def memory_traffic(graph: Graph) -> dict[int, int]:
     return traffic
 
 
+def kernel_launches(graph: Graph) -> dict[int, int]:
+    """Kernels each node launches once XLA has fused the step: ops joined by a fused read (a
+    fusible producer read by a fusible op or a reduction) run as one kernel, which XLA's
+    multi-output fusion writes all at once (an Adam update's three results), while a scalar or a
+    broadcast read by many is copied into each reader's kernel; the last node of each group in
+    program order launches it. A group of views, constants and scalar arithmetic alone (a
+    broadcast, a bitcast, a sharding constraint, a step count's power) launches none: XLA folds it
+    into its readers."""
+    parent = list(range(len(graph.nodes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    made_by = {r: n.id for n in graph.nodes for r in n.results}
+    for n in graph.nodes:
+        if n.op in FUSED_READERS:
+            for o in n.operands:
+                p = made_by.get(o)
+                if p is not None and graph.nodes[p].op in FUSIBLE and not _copied(graph.nodes[p], graph):
+                    parent[root(p)] = root(n.id)
+    groups: dict[int, list[Node]] = {}
+    for n in graph.nodes:
+        groups.setdefault(root(n.id), []).append(n)
+    out = dict.fromkeys((n.id for n in graph.nodes), 0)
+    for members in groups.values():
+        if any(not (m.op in _FOLDED or _bitcast(m, graph) or _scalar(m, graph)) for m in members):
+            out[max(m.id for m in members)] = 1
+    return out
+
+
+def _scalar(node: Node, graph: Graph) -> bool:
+    """Arithmetic on scalars alone (a learning rate's schedule, Adam's bias correction), which XLA
+    computes inside each kernel that reads its result."""
+    return all(not graph.values[v].shape for v in node.operands + node.results)
+
+
+def _copied(node: Node, graph: Graph) -> bool:
+    """A value XLA makes again inside each kernel that reads it rather than joining their kernels:
+    a scalar, a constant, an iota, a broadcast of a scalar."""
+    if not graph.values[node.results[0]].shape or node.op in ("stablehlo.constant", "stablehlo.iota"):
+        return True
+    return node.op == "stablehlo.broadcast_in_dim" and not graph.values[node.operands[0]].shape
+
+
+# Ops that launch no kernel of their own: XLA folds them into the kernels that read them (a
+# broadcast, a slice read in place), or they only name a layout, a value or the end of a body.
+_FOLDED = {"stablehlo.constant", "stablehlo.iota", "stablehlo.broadcast_in_dim", "stablehlo.slice",
+           "stablehlo.dynamic_slice", "sdy.sharding_constraint", "stablehlo.optimization_barrier",
+           "stablehlo.get_tuple_element", "stablehlo.tuple", "stablehlo.return"}
+
+
 # A dynamic slice reads only its piece, and XLA updates a buffer in place (a scanned layer's
 # parameters read from their stack, its saved activations written into theirs, once per trip).
 _IN_PLACE = {"stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice"}
@@ -150,28 +204,30 @@ def _bitcast(node: Node, graph: Graph) -> bool:
 
 
 def compute_time(node: Node, values: tuple[Value, ...], traffic: int, split: float,
-                 cluster: Cluster) -> float:
-    """Roofline of the local piece: FLOPs at the dtype's rate or its memory traffic at memory
-    bandwidth."""
+                 cluster: Cluster, launches: int = 0) -> float:
+    """Roofline of the local piece (FLOPs at the dtype's rate or its memory traffic at memory
+    bandwidth), and the kernels it launches (`kernel_launches`), which no split makes shorter."""
     out = values[node.results[0]] if node.results else None
     dtype = out.dtype if out is not None else "float32"
-    return max(node.flops / cluster.flops(dtype), traffic / cluster.memory_bandwidth) / split
+    roofline = max(node.flops / cluster.flops(dtype), traffic / cluster.memory_bandwidth) / split
+    return roofline + launches * cluster.kernel_launch_s
 
 
 def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Cluster, traffic: int,
-                    facts: dict[int, frozenset[Fact]]) -> tuple[list[Strategy], bool]:
+                    facts: dict[int, frozenset[Fact]], launches: int = 0) -> tuple[list[Strategy], bool]:
     """All strategies of a node, and whether it had a sharding rule (False: replicated only).
-    `traffic` is the node's memory traffic from `memory_traffic`; `facts` the candidate strides
+    `traffic` is the node's memory traffic from `memory_traffic`, `launches` its kernels from
+    `kernel_launches`; `facts` the candidate strides
     per value (`strides.candidates`)."""
     if node.op == "stablehlo.reshape":
-        return _reshape_strategies(node, graph, topo, cluster, traffic, facts), True
+        return _reshape_strategies(node, graph, topo, cluster, traffic, facts, launches), True
     space = loop_space(node, graph)
     in_shapes = [graph.values[o].shape for o in node.operands]
     out_shapes = [graph.values[r].shape for r in node.results]
     if space is None:
         rep = Strategy(tuple(ShardingSpec.replicated(len(s)) for s in in_shapes),
                        tuple(ShardingSpec.replicated(len(s)) for s in out_shapes),
-                       compute_time(node, graph.values, traffic, 1, cluster))
+                       compute_time(node, graph.values, traffic, 1, cluster, launches))
         return [rep], False
     loop_strides: dict[int, set[tuple[int, int]]] = {}
     if node.op in STRIDED_OPS:
@@ -199,13 +255,13 @@ def node_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Clust
             local = sum(graph.values[r].nbytes // s.shard_factor(topo.sizes)
                         for r, s in zip(node.results, results))
             inner = (Collective("all-reduce", reduced, local),)
-        out.append(Strategy(operands, results, compute_time(node, graph.values, traffic, split, cluster),
+        out.append(Strategy(operands, results, compute_time(node, graph.values, traffic, split, cluster, launches),
                             inner))
     return out, True
 
 
 def _reshape_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: Cluster, traffic: int,
-                        facts: dict[int, frozenset[Fact]]) -> list[Strategy]:
+                        facts: dict[int, frozenset[Fact]], launches: int) -> list[Strategy]:
     """A reshape moves no data: every layout of its input (or output) that the other side can
     keep without communication (`strides.map_reshape`)."""
     (src,), (dst,) = node.operands, node.results
@@ -216,5 +272,6 @@ def _reshape_strategies(node: Node, graph: Graph, topo: MeshTopology, cluster: C
             mapped = map_reshape(spec, shape, graph.values[there].shape, topo.sizes)
             if mapped is not None:
                 pairs.add((mapped, spec) if flip else (spec, mapped))
-    return [Strategy((a,), (b,), compute_time(node, graph.values, traffic, a.shard_factor(topo.sizes), cluster))
+    return [Strategy((a,), (b,), compute_time(node, graph.values, traffic, a.shard_factor(topo.sizes), cluster,
+                                              launches))
             for a, b in sorted(pairs)]

@@ -14,7 +14,7 @@ from rhino_jax.core.specs import ShardingSpec
 from ...hlo_passes.graph import Graph, Pin, slots
 from ..cost.cluster import Cluster, MeshTopology
 from . import carried
-from .strategies import Strategy, memory_traffic, node_strategies, tensor_specs
+from .strategies import Strategy, kernel_launches, memory_traffic, node_strategies, tensor_specs
 from .strides import candidates as stride_candidates
 
 
@@ -117,7 +117,7 @@ def build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: boo
             operands = (graph.outputs[tied_to[arg.index]],)
         producer_unit[arg.value] = len(units)
         units.append(Unit("arg", arg.index, operands, (arg.value,), strategies, arg.path))
-    traffic = memory_traffic(graph)
+    traffic, launches = memory_traffic(graph), kernel_launches(graph)
     facts = stride_candidates(graph, topo) if strided else {}
     known: dict[tuple, tuple[list[Strategy], bool]] = {}  # identical ops (repeated layers)
     consumers = graph.consumers()
@@ -140,11 +140,11 @@ def build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: boo
             continue
         if "opaque" in node.attrs:
             fallback.append(f"{node.op.split('.')[-1]} ({node.name or f'%{node.id}'}): {node.attrs['opaque']}")
-        key = (node.op, repr(node.attrs), node.flops, traffic[node.id],
+        key = (node.op, repr(node.attrs), node.flops, traffic[node.id], launches[node.id],
                tuple((graph.values[v].shape, graph.values[v].dtype, facts.get(v))
                      for v in node.operands + node.results))
         if key not in known:
-            known[key] = node_strategies(node, graph, topo, cluster, traffic[node.id], facts)
+            known[key] = node_strategies(node, graph, topo, cluster, traffic[node.id], facts, launches[node.id])
         strategies, has_rule = known[key]
         if not has_rule and "opaque" not in node.attrs and any(graph.values[r].shape for r in node.results):
             fallback.append(f"{node.op.split('.')[-1]} ({node.name or f'%{node.id}'})")

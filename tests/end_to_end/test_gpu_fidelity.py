@@ -278,7 +278,8 @@ def test_a_plan_past_the_limit_keeps_the_latency_hiding_scheduler_held_to_it_whe
 @pytest.fixture(scope="module")
 def deep_step():
     """A 6-layer Llama-like step planned on (8,) under 100 MiB per device (its XLA schedule
-    takes 83.2 MiB), compiled under 82 MiB: (the plan, the compiled step, what compile() said)."""
+    takes 98.8 MiB; tied to the program's order 101.3, and with the latency-hiding scheduler off
+    too 92.3), compiled under 95 MiB: (the plan, the compiled step, what compile() said)."""
     import warnings
 
     from benchmarks.scale import Shape, llama_step
@@ -288,20 +289,21 @@ def deep_step():
                              progress=False).lower(*shapes(8))
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always", rj.CompiledMemoryWarning)
-        compiled = dataclasses.replace(lowered, memory_limit_bytes=82 << 20, _compiled=None).compile()
+        compiled = dataclasses.replace(lowered, memory_limit_bytes=95 << 20, _compiled=None).compile()
     return lowered.plan, compiled, [str(w.message) for w in said if w.category is rj.CompiledMemoryWarning]
 
 
 def test_a_deep_step_over_the_limit_in_xlas_schedule_is_tied_to_the_programs_order(deep_step):
     _, compiled, said = deep_step
     assert len(said) == 1 and "kept: tied to the program's order" in said[0], said
-    assert compiled.memory.total <= 82 << 20
+    assert compiled.memory.total <= 95 << 20
 
 
-# The plan splits most weights over `data` and gathers them; tied to the program's order, XLA
-# holds the gathered weights longer than the memory model counts (80.4 MiB compiled against
-# 65.8 MiB predicted): the memory of gathered weights under XLA's schedules is not modelled yet.
-_GATHERED_HELD = pytest.mark.xfail(strict=True, reason="gathered weights held longer than predicted: 1.22x")
+# The plan splits the weights over `data` and gathers them; XLA holds the gathered weights longer
+# than the memory model counts (92.3 MiB compiled, tied to the program's order without the
+# latency-hiding scheduler, against 42.8 MiB predicted): the memory of gathered weights under
+# XLA's schedules is not modelled yet.
+_GATHERED_HELD = pytest.mark.xfail(strict=True, reason="gathered weights held longer than predicted: 2.2x")
 
 
 @_GATHERED_HELD
