@@ -25,7 +25,7 @@ from jax.extend.mlir.dialects import stablehlo as hlo
 from rhino_jax.errors import StagingError
 
 from . import module as mod
-from .graph import Graph, Node, slots
+from .graph import SLOTWISE, Graph, Node, slots
 
 # The attribute that marks an iota of a micro-batch's program with the size m of its micro-batch
 # along its dimension: micro-batch i adds i·m (`with_micro_batch_index`).
@@ -41,9 +41,6 @@ _MOVING = {_S + op for op in ("slice", "pad", "concatenate", "reverse", "sort", 
                               "select_and_scatter", "scatter", "gather", "dynamic_slice", "dynamic_update_slice",
                               "convolution", "fft", "custom_call", "reshape")} | {"chlo.scan"}
 _RANDOM = {_S + "rng_bit_generator", _S + "rng"}
-# Ops that pass values on slot by slot (a loop's entry and exit, remat's barrier): a position
-# reaches the slot it is in, not the loop's counter beside it.
-_SLOTWISE = {_S + "while", _S + "return", _S + "optimization_barrier"}
 
 
 def _varying(whole: Graph, micro: Graph, v: int) -> set[int]:
@@ -115,7 +112,8 @@ def _cone(graph: Graph, start: int, users: dict[int, list[int]], batch: set[int]
                 indexes |= len(as_value) < n.operands.count(v)
             if not as_value:
                 continue
-            made = [r for _, reads, r in slots(n) if v in reads] if n.op in _SLOTWISE or "branches" in n.attrs \
+            # a loop's entry or exit, or a barrier, passes a position on to its own slot, not the counter beside it
+            made = [r for _, reads, r in slots(n) if v in reads] if n.op in SLOTWISE or "branches" in n.attrs \
                 else n.results
             if v not in batch:
                 (meets if set(made) & batch else pure).add(c)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
 
-from .graph import Graph
+from .graph import SLOTWISE, Graph
 
 _S = "stablehlo."
 # Ops linear in their first operand when the others (indices, shapes, padding 0) carry no scale.
@@ -30,7 +30,6 @@ _MOVES = {_S + op for op in ("convert", "reshape", "transpose", "broadcast_in_di
 _SUMS = {_S + op for op in ("add", "subtract", "concatenate", "dynamic_update_slice", "scatter", "reduce")}
 # Ops linear in one operand at a time: a product with exactly one scaled factor.
 _PRODUCTS = {_S + op for op in ("multiply", "dot_general", "convolution")}
-_SLOTWISE = {_S + "while", _S + "return", _S + "optimization_barrier"}
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ def _carries(n, scaled: set[int], zero: Mapping[int, bool], exit_of: dict) -> li
     if not any(on) and not (n.op == _S + "while" and any(y in scaled for y in exit_of[n.id].operands)):
         return []
     where = n.name or n.op
-    if n.op in _SLOTWISE:
+    if n.op in SLOTWISE:
         back = exit_of[n.id].operands if n.op == _S + "while" else [None] * len(n.operands)
         return [r for r, o, y in zip(n.results, n.operands, back) if o in scaled or y in scaled]
     if n.op in _MOVES:
