@@ -14,8 +14,10 @@ Barriers order both. XLA keeps them through scheduling (its GPU pipeline removes
 with `OptimizationBarrierExpander` in the post-scheduling passes), and a barrier passes values
 through unchanged (the numbers change only where XLA fuses around it otherwise, by rounding):
 - a matmul group's weight chain (its convert, layouts and the gather the partitioner makes of
-  them) starts from the weights passed through a barrier with the activation that the group
-  before reads: gathered while that group computes, one group ahead, as hand FSDP prefetches;
+  them) starts from the weights passed through a barrier with what the group before reads (its
+  activation and weights, which it reads through the barrier): gathered while that group
+  computes, one group ahead, as hand FSDP prefetches; so are the layouts the plan reads weights
+  in at `jax.checkpoint`'s barrier before a layer's backward, one layer ahead;
 - a late matmul's result, with the reshards right after it (its reduce-scatter), passes a
   barrier with the activation of the matmul `LATE_SLACK` + 1 matmuls later on the step's
   chain, which so waits for it: the slack lets its collective overlap with those matmuls.
@@ -31,6 +33,7 @@ from . import module as mod
 
 HEAVY = ("stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution")
 CONTROL = ("stablehlo.while", "stablehlo.case", "stablehlo.if")
+BARRIER, PIN = "stablehlo.optimization_barrier", "sdy.sharding_constraint"
 # What a late matmul's result passes through on its way to the optimizer that still belongs to
 # it: its layouts (the reshards the plan priced), reshapes and casts.
 FOLLOWS = ("sdy.sharding_constraint", "stablehlo.reshape", "stablehlo.convert")
@@ -60,74 +63,120 @@ def _tie_weight_reads(main, block: ir.Block, parameters: Sequence[int], split: S
     tied = {block.arguments[arrays[i]] for i in split}
     if not tied:
         return 0
-    ops, order = _body(block)
+    ops, _ = _body(block)
     kind: dict[ir.Value, int] = {a: (WEIGHT if a in weights else OTHER) for a in block.arguments}
     for op in ops:
         made = OTHER if len(op.regions) else max((kind[v] for v in op.operands), default=CONST)
         kind.update((r, made) for r in op.results)
     # The groups of weight reads, in program order: the heavy ops that read a weight beside an
-    # activation, grouped by that activation (q, k and v read one).
-    groups: dict[ir.Value, list[ir.Operation]] = {}
+    # activation, grouped by that activation (q, k and v read one); and each barrier of jax's
+    # that passes weights beside activations (`jax.checkpoint`'s, before a layer's backward
+    # recomputes it), a group of its own. The layout the plan reads a weight in at such a
+    # barrier is made before it, from the weight alone: untied, XLA gathers it at the program's
+    # start, and its combiner merges it with other layers' gathers, all held to the end.
+    groups: dict[ir.Value | ir.Operation, list[ir.Operation]] = {}
     for op in ops:
-        if op.name in HEAVY:
-            acts = [v for v in op.operands if kind[v] == OTHER]
-            if acts and any(kind[v] == WEIGHT for v in op.operands):
-                groups.setdefault(acts[0], []).append(op)
+        reads = [kind[v] for v in op.operands]
+        if op.name in HEAVY and OTHER in reads and WEIGHT in reads:
+            groups.setdefault(op.operands[reads.index(OTHER)], []).append(op)
+        elif op.name == BARRIER and OTHER in reads and any(
+                kind[v] == WEIGHT and not isinstance(v.owner, ir.Block) for v in op.operands):
+            groups[op] = [op]  # (a weight passed as it is, in its own layout, needs no tie)
     layouts = {a: ir.DictAttr(attrs)["sdy.sharding"] for a, attrs in zip(block.arguments, main.attributes["arg_attrs"])
                if a in tied}
     claimed: set[ir.Operation] = set()
     count, previous = 0, None
-    for act, readers in groups.items():
-        count += _tie_group(readers, previous, kind, order, claimed, layouts)
-        previous = act
+    for key, readers in groups.items():
+        count += _tie_group(readers, previous, kind, claimed, layouts)
+        # the next group waits for this one's activation and weights; past a barrier of jax's,
+        # for what it passes on (a backward's next layer, one layer ahead, as the forward's are)
+        previous = (key, readers) if isinstance(key, ir.Value) else (
+            key.results[[kind[v] for v in key.operands].index(OTHER)], [])
     return count
 
 
-def _tie_group(readers: list[ir.Operation], act: ir.Value | None, kind: dict, order: dict, claimed: set,
-               layouts: dict) -> int:
+def _tie_group(readers: list[ir.Operation], previous: tuple[ir.Value, list[ir.Operation]] | None, kind: dict,
+               claimed: set, layouts: dict) -> int:
     """Start the chains from the tied weights (`layouts`: their arguments' shardings, kept) to
-    `readers` after `act` is made; 1 if done, 0 where there is no such weight or no `act` (the
-    first group, or one reading an argument), or a chain is read before `act` (left as it was).
-    The chains are claimed either way: a later group reading them does not tie them again (a
-    backward under `jax.checkpoint` reads the weights again behind jax's own barrier, which
-    already waits for the layer's saved input)."""
+    `readers` once `previous` (the activation the group before reads, and its matmuls) can run;
+    1 if done, 0 where there is no such weight or no group before (the first group, or one
+    reading an argument). A chain that is read before that is left as it was (a norm's weight,
+    read by the forward, that `jax.checkpoint`'s barrier passes again). The chains are claimed
+    either way: a later group reading them (a backward that reads the forward's cast weights
+    again) does not tie them again.
+
+    The barrier passes what the matmuls before read, and they read it through the barrier: a
+    barrier result no one reads is dropped by XLA's simplifications, its operand with it, and the
+    tie with that. Passing one of their weights too makes this group's gather wait for theirs:
+    XLA's combiner, which merges gathers that do not depend on one another, would otherwise merge
+    the two into one op, issued just before the matmuls before, with nothing left to overlap."""
+    act, before = previous if previous is not None and not isinstance(previous[0].owner, ir.Block) else (None, [])
+    if act is None:
+        anchor = None
+    elif before:  # the barrier goes right before the first matmul before
+        anchor = before[0]
+    else:  # or right after `act` is made
+        anchor = act.owner.operation
+
+    def ahead(op) -> bool:
+        """Whether `op` (or the op of @main's body around it) runs before the barrier."""
+        op = _top(op)
+        return op.is_before_in_block(anchor) or not before and op == anchor
+
     chain: dict[ir.Operation, None] = {}
     leaves: dict[ir.Value, None] = {}
 
-    def visit(v: ir.Value) -> None:
+    def visit(v: ir.Value, ops: dict, found: dict) -> None:
         if kind.get(v, OTHER) != WEIGHT:  # not in `kind`: a barrier's or its pin's, tied already
             return
         if isinstance(v.owner, ir.Block):
-            leaves[v] = None
+            found[v] = None
             return
         op = v.owner.operation
-        if op in chain or op in claimed:
+        if op in chain or op in ops or op in claimed:
             return
         for o in op.operands:
-            visit(o)
-        chain[op] = None
+            visit(o, ops, found)
+        ops[op] = None
 
     for reader in readers:
         for v in reader.operands:
-            visit(v)
-    claimed.update(chain)
+            if reader.name == BARRIER and isinstance(v.owner, ir.Block):
+                continue  # passed on in its own layout: nothing is made of it here
+            ops, found = {}, {}
+            visit(v, ops, found)
+            claimed.update(ops)
+            if anchor is None or any(ahead(use.owner) for op in ops for r in op.results for use in r.uses):
+                continue
+            chain.update(ops)
+            leaves.update(found)
     leaves = [v for v in leaves if v in layouts]
-    if not leaves or act is None or isinstance(act.owner, ir.Block):
+    if not leaves:
         return 0
-    made_at = act.owner.operation
-    start = order[made_at]
-    if any(order.get(_top(use.owner), -1) <= start for op in chain for r in op.results for use in r.uses):
-        return 0  # (an op not in `order` was added by an earlier tie, before its group's activation)
-    barrier = _barrier([*leaves, act], made_at)
-    made_at.move_before(barrier)
-    last, passed = barrier, {}
+    # what the matmuls before read beside `act` in a layout the plan pins, made before the barrier
+    held = list(dict.fromkeys(v for r in before for v in r.operands if v != act and not isinstance(v.owner, ir.Block)
+                              and v.owner.operation.name == PIN and ahead(v.owner)))
+    barrier = _barrier([*leaves, act, *held], anchor)
+    if not before:
+        anchor.move_before(barrier)
+    last = barrier
+    for k, v in enumerate([act, *held], start=len(leaves)):  # their readers read them through it
+        through = _pinned_like(v, barrier.results[k], ip=ir.InsertionPoint(barrier))
+        if through.owner.operation != barrier:
+            through.owner.operation.move_after(last)
+            last = through.owner.operation
+        for use in list(v.uses):
+            user = use.owner.operation
+            if user in before or v == act and user != barrier and not ahead(user):
+                use.owner.operands[use.operand_number] = through
+    passed = {}
     for leaf, result in zip(leaves, barrier.results):
         pinned = sdy.ShardingConstraintOp(result, layouts[leaf], ip=ir.InsertionPoint(barrier))
         pinned.operation.move_after(last)
         last = pinned.operation
         passed[leaf] = pinned.result
-    for op in sorted(chain, key=order.__getitem__):
-        if order[op] < start:
+    for op in chain:  # (in the order `visit` found them: each after what it reads)
+        if ahead(op):
             op.move_after(last)
             last = op
     for op in (*chain, *readers):
@@ -160,11 +209,7 @@ def _tie_late_results(block: ir.Block) -> int:
             result = late.result  # its reshard sits after the waiting matmul: tie the GEMM alone
         act = waiting.operands[0]  # its activation, or whatever it reads first: it waits either way
         barrier = _barrier([result, act], waiting)
-        passed = barrier.results[1]
-        layout = _layout(act)
-        if layout is not None:
-            passed = sdy.ShardingConstraintOp(passed, layout, ip=ir.InsertionPoint(waiting)).result
-        waiting.operands[0] = passed
+        waiting.operands[0] = _pinned_like(act, barrier.results[1], ip=ir.InsertionPoint(waiting))
         count += 1
     return count
 
@@ -181,15 +226,16 @@ def _followed(v: ir.Value) -> ir.Value:
         v = user.results[0]
 
 
-def _layout(v: ir.Value):
-    """The sharding the plan pins `v` to, where a constraint makes it."""
-    if not isinstance(v.owner, ir.Block) and v.owner.operation.name == "sdy.sharding_constraint":
-        return v.owner.operation.attributes["sharding"]
-    return None
+def _pinned_like(v: ir.Value, passed: ir.Value, ip: ir.InsertionPoint) -> ir.Value:
+    """`passed` (`v` through a barrier) pinned to the sharding the plan pins `v` to, where a
+    constraint makes `v`; else `passed` itself."""
+    if isinstance(v.owner, ir.Block) or v.owner.operation.name != PIN:
+        return passed
+    return sdy.ShardingConstraintOp(passed, v.owner.operation.attributes["sharding"], ip=ip).result
 
 
 def _barrier(values: list[ir.Value], before: ir.Operation) -> ir.Operation:
-    return ir.Operation.create("stablehlo.optimization_barrier", results=[v.type for v in values],
+    return ir.Operation.create(BARRIER, results=[v.type for v in values],
                                operands=values, loc=before.location, ip=ir.InsertionPoint(before))
 
 

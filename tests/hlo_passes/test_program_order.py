@@ -48,19 +48,24 @@ def _matmuls_reached(values, at, end) -> list[int]:
 
 
 def _weight_ties(module) -> int:
-    """@main's barriers whose activation a matmul reads before the weights they pass."""
+    """@main's barriers that pass weights (arguments) beside an activation that a matmul reads,
+    through the barrier, before the weights reach one."""
     body, at = _body(module)
-    readers: dict = {}
-    for op in body:
-        if op.name == "stablehlo.dot_general":
-            for v in op.operands:
-                readers.setdefault(v, []).append(at[op])
     count = 0
     for op in body:
-        if op.name == "stablehlo.optimization_barrier" and op.operands[-1] in readers:
-            passed = _matmuls_reached(list(op.results)[:-1], at, len(body))
-            count += bool(passed) and min(readers[op.operands[-1]]) < min(passed)
+        if op.name != "stablehlo.optimization_barrier":
+            continue
+        weights = [r for v, r in zip(op.operands, op.results) if isinstance(v.owner, ir.Block)]
+        acts = [at[use.owner.operation] for v, r in zip(op.operands, op.results) if not isinstance(v.owner, ir.Block)
+                for read in _pins(r) for use in read.uses if use.owner.operation.name == "stablehlo.dot_general"]
+        passed = _matmuls_reached(weights, at, len(body))
+        count += bool(passed and acts) and min(acts) < min(passed)
     return count
+
+
+def _pins(v) -> list:
+    """`v` and the sharding constraints that read it."""
+    return [v] + [use.owner.operation.result for use in v.uses if use.owner.operation.name == "sdy.sharding_constraint"]
 
 
 def _late_ties(module) -> list[tuple[int, int, int]]:
