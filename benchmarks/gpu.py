@@ -31,6 +31,10 @@ Parts, each within what is left of the budget, each recording its error and goin
    whether the description changes the compiled collectives or memory;
 7. `benchmarks.calibrate measure` on the zoo models given, in the time left (its rows are written
    as each step finishes, so a cut-off run keeps them).
+
+One module of some 490 lines, by design: one run on a borrowed GPU, its parts and gpu.md's tables
+(`markdown`) over one result, which each part writes a record of, the tables read and `--merge`
+joins by the same keys: a part and its table change together.
 """
 from __future__ import annotations
 
