@@ -31,6 +31,10 @@ Parts, each within what is left of the budget, each recording its error and goin
    whether the description changes the compiled collectives or memory;
 7. `benchmarks.calibrate measure` on the zoo models given, in the time left (its rows are written
    as each step finishes, so a cut-off run keeps them).
+
+One module of some 490 lines, by design: one run on a borrowed GPU, its parts and gpu.md's tables
+(`markdown`) over one result, which each part writes a record of, the tables read and `--merge`
+joins by the same keys: a part and its table change together.
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
 from benchmarks import RESULTS  # noqa: E402
-from benchmarks.calibrate import timed  # noqa: E402
+from benchmarks.calibrate_measure import timed  # noqa: E402
 from benchmarks.fixtures.third_party_models import CASES  # noqa: E402
 from rhino_jax.gpu_topology import GPUS  # noqa: E402
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled, xla_cost_analysis  # noqa: E402
@@ -296,7 +300,7 @@ def described_plans(result: dict, cases: dict, device_config: str | None, budget
 
 def calibrate(out: pathlib.Path, models: list[str], budget: Budget) -> None:
     """Part 7. benchmarks.calibrate's measurements, one model after another while time is left."""
-    from benchmarks import calibrate as cal  # noqa: PLC0415 (the zoo is imported on use)
+    from benchmarks import calibrate_measure as cal  # noqa: PLC0415 (the zoo is imported on use)
 
     for model in models:
         if budget.left() < 60:

@@ -56,7 +56,8 @@ VARIANTS = [
 def compiled_temp(plan: str, layers: int, scan: bool, options: dict, limit_s: float) -> dict:
     """One compile for the described 32 x 8 H100s: XLA's memory analysis, in GiB per device."""
     import rhino_jax as rj
-    from benchmarks.scale import compile_as_users_do, compile_hand, llama_step, model_shape
+    from benchmarks.fixtures.llama import compile_hand, llama_step, model_shape
+    from benchmarks.scale import compile_as_users_do
     from rhino_jax.runtime.compiled.memory import compiled_memory
 
     devices = rj.gpu_topology("h100", hosts=MESH[0], devices_per_host=MESH[1])

@@ -1,7 +1,7 @@
 """Plans priced as the GPU runs them: communication overlapped with compute.
 
 python -m benchmarks.overlap [--cases NAME ...] [--out benchmarks/]
-    each case: a Llama-style step (`scale.llama_step`: RMSNorm, rotary, SwiGLU, per-layer remat,
+    each case: a Llama-style step (`fixtures.llama.llama_step`: RMSNorm, rotary, SwiGLU, per-layer remat,
     AdamW on f32 state, bf16 compute) planned by rhino_jax for described H100s, compiled as
     `compile()` makes it, and the hand plans users write (data parallel, FSDP) compiled by plain
     `jax.jit` with the state donated; each priced from its GPU HLO (`compiled_cost.price_compiled`)
@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 
 from benchmarks import RESULTS
 
-from .scale import GIB, compile_as_users_do, compile_hand, kept_note, llama_step, model_shape
+from .fixtures.llama import compile_hand, llama_step, model_shape
+from .scale import GIB, compile_as_users_do, kept_note
 
 HAND = ("data parallel", "FSDP")
 NOTES = "<!-- notes: kept when the table is written again -->"
@@ -31,7 +32,7 @@ NOTES = "<!-- notes: kept when the table is written again -->"
 @dataclass(frozen=True)
 class Case:
     name: str
-    shape: object  # scale.Shape
+    shape: object  # llama.Shape
     mesh: tuple[int, ...]
     seq: int
     per_device: int = 1  # sequences per device

@@ -11,10 +11,11 @@ python -m benchmarks.scale --compile [--cases ...]
     referee, as the program's schedule runs (communication beside compute where XLA issued it
     asynchronously), the serial sum beside it. Minutes and GiBs per 70B compile.
 
-The model is written as users write it in plain JAX: f32 parameters and AdamW states
-(`optax.adamw`), bf16 compute, each layer under `jax.checkpoint`, integer tokens, seq 2048, 8
-sequences per device. Devices are described H100s (`rj.gpu_topology`): no GPU and no emulated
-devices, so any machine plans for any cluster. Needs jax's CUDA plugin (the test extra).
+The model and the hand plans (`fixtures/llama.py`) are written as users write them in plain JAX:
+f32 parameters and AdamW states (`optax.adamw`), bf16 compute, each layer under `jax.checkpoint`,
+integer tokens, seq 2048, 8 sequences per device. Devices are described H100s (`rj.gpu_topology`):
+no GPU and no emulated devices, so any machine plans for any cluster. Needs jax's CUDA plugin (the
+test extra).
 
 Predicted MFU = 6 N T / step / devices / peak (N parameters, T tokens per step, dense bf16 peak
 of an H100 SXM, 989 TFLOP/s), the formula of MaxText's published figure beside it.
@@ -30,44 +31,17 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from benchmarks import RESULTS
+from benchmarks.fixtures.llama import HAND, LLAMA, SEQ, compile_hand, llama_step, model_shape
 
 HERE = pathlib.Path(__file__).parent
-SEQ, PER_DEVICE = 2048, 8
+PER_DEVICE = 8
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16 (NVIDIA's datasheet)
 GIB = 1 << 30
 # MaxText's Llama2-7B on 8 H100s (bf16, seq 4096, 2 sequences per GPU, FSDP 8): 0.721 s a step.
 MAXTEXT_7B = {"step_s": 0.721, "devices": 8, "tokens": 8 * 2 * 4096}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Llama-2 dimensions (Touvron et al. 2023, table 1 and the released configs)."""
-    d: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int = 32000
-
-    @property
-    def head_dim(self) -> int:
-        return self.d // self.heads
-
-    def parameters(self) -> int:
-        attn = self.d * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        layer = attn + 3 * self.d * self.ffn + 2 * self.d
-        return self.layers * layer + 2 * self.vocab * self.d + self.d
-
-
-LLAMA = {"7b": Shape(4096, 32, 32, 32, 11008), "70b": Shape(8192, 80, 64, 8, 28672)}
-
-
-def model_shape(model: str, layers: int | None) -> Shape:
-    """The Llama-2 shape of `model` ("7b", "70b"), at `layers` layers where given."""
-    return replace(LLAMA[model], layers=layers or LLAMA[model].layers)
 
 
 @dataclass(frozen=True)
@@ -107,156 +81,15 @@ CASES = [
 ]
 
 
-def llama_step(shape: Shape, scan: bool = False, seq: int = SEQ, compute: str = "bfloat16"):
-    """(train_step, init_shapes) for a Llama-2 decoder: RMSNorm, rotary positions, grouped-query
-    attention, SwiGLU, untied head; AdamW on f32 parameters, `compute` (bf16) compute; sequences
-    of `seq` tokens. `scan`: the layers' parameters stacked on a leading axis and run by
-    `jax.lax.scan` (as MaxText writes them) rather than a Python loop of layers."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    dh, bf = shape.head_dim, jnp.dtype(compute)
-
-    def rms(x, w):
-        x32 = x.astype(jnp.float32)
-        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5) * w).astype(bf)
-
-    def rotary(x):  # [B, S, H, Dh]
-        half = dh // 2
-        freq = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
-        angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freq
-        cos, sin = jnp.cos(angle)[None, :, None].astype(bf), jnp.sin(angle)[None, :, None].astype(bf)
-        a, b = x[..., :half], x[..., half:]
-        return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
-
-    def layer(p, x):
-        b, s, _ = x.shape
-        h = rms(x, p["attn_norm"])
-        q = (h @ p["wq"].astype(bf)).reshape(b, s, shape.heads, dh)
-        k = (h @ p["wk"].astype(bf)).reshape(b, s, shape.kv_heads, dh)
-        v = (h @ p["wv"].astype(bf)).reshape(b, s, shape.kv_heads, dh)
-        q, k = rotary(q), rotary(k)
-        group = shape.heads // shape.kv_heads
-        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(dh).astype(bf)
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-        scores = jnp.where(causal, scores.astype(jnp.float32), -1e9)
-        att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1).astype(bf), v)
-        x = x + att.reshape(b, s, -1) @ p["wo"].astype(bf)
-        h = rms(x, p["mlp_norm"])
-        gate = jax.nn.silu(h @ p["w_gate"].astype(bf)) * (h @ p["w_up"].astype(bf))
-        return x + gate @ p["w_down"].astype(bf)
-
-    def loss_fn(params, tokens):
-        x = params["embed"].astype(bf)[tokens[:, :-1]]
-        if scan:
-            x, _ = jax.lax.scan(lambda h, p: (jax.checkpoint(layer)(p, h), None), x, params["layers"])
-        else:
-            for p in params["layers"]:
-                x = jax.checkpoint(layer)(p, x)
-        logits = (rms(x, params["final_norm"]) @ params["head"].astype(bf)).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    optimizer = optax.adamw(3e-4, weight_decay=0.1)
-
-    def train_step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    def params_shapes():
-        f32 = jnp.float32
-        d, hd, kv = shape.d, shape.heads * dh, shape.kv_heads * dh
-
-        def one():
-            return {"attn_norm": jax.ShapeDtypeStruct((d,), f32), "wq": jax.ShapeDtypeStruct((d, hd), f32),
-                    "wk": jax.ShapeDtypeStruct((d, kv), f32), "wv": jax.ShapeDtypeStruct((d, kv), f32),
-                    "wo": jax.ShapeDtypeStruct((hd, d), f32), "mlp_norm": jax.ShapeDtypeStruct((d,), f32),
-                    "w_gate": jax.ShapeDtypeStruct((d, shape.ffn), f32),
-                    "w_up": jax.ShapeDtypeStruct((d, shape.ffn), f32),
-                    "w_down": jax.ShapeDtypeStruct((shape.ffn, d), f32)}
-        layers = ([one() for _ in range(shape.layers)] if not scan else
-                  jax.tree.map(lambda x: jax.ShapeDtypeStruct((shape.layers, *x.shape), x.dtype), one()))
-        return {"embed": jax.ShapeDtypeStruct((shape.vocab, d), f32), "layers": layers,
-                "final_norm": jax.ShapeDtypeStruct((d,), f32), "head": jax.ShapeDtypeStruct((d, shape.vocab), f32)}
-
-    def shapes(batch: int):
-        params = params_shapes()
-        opt_state = jax.eval_shape(optimizer.init, params)
-        return params, opt_state, jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
-
-    return train_step, shapes
-
-
-# Hand plans users write for such a job with plain jax.jit, each on the plan's own mesh (the
-# inner, last axis inside a host): the state's specs per leaf; the batch split over every axis
-# (over the outer axes under tensor parallelism, whose inner axis splits the weights instead).
-HAND = ("FSDP", "FSDP in hosts x data parallel", "FSDP x tensor parallel")
-# Megatron's tensor-parallel dims of the Llama leaves (by the leaf's key): q/k/v and gate/up split
-# their outputs (columns), o and down their inputs (rows), the embedding and head the vocabulary.
-TP_DIM = {"wq": 1, "wk": 1, "wv": 1, "w_gate": 1, "w_up": 1, "wo": 0, "w_down": 0, "embed": 0, "head": 1}
-
-
-def hand_state_spec(method: str, path, leaf, axes: tuple[str, ...], sizes: dict[str, int]):
-    """The PartitionSpec of one state leaf (parameter or AdamW moment) under a hand plan: FSDP
-    splits its largest dim over every axis; MaxText's FSDP in hosts over the inner axis only
-    (data parallel across hosts); FSDP x TP splits Megatron's dim over the inner axis and the
-    largest other dim over the outer axes."""
-    from jax.sharding import PartitionSpec as P
-    inner, outer = axes[-1], axes[:-1]
-
-    def split(dims: dict[int, tuple[str, ...]]):
-        spec = [None] * leaf.ndim
-        for d, over in dims.items():
-            n = 1
-            for a in over:
-                n *= sizes[a]
-            if leaf.shape[d] % n == 0:
-                spec[d] = over if len(over) > 1 else over[0]
-        return P(*spec)
-
-    if leaf.ndim == 0:
-        return P()
-    largest = max(range(leaf.ndim), key=lambda d: leaf.shape[d])
-    if method == "FSDP":
-        return split({largest: axes})
-    if method == "FSDP in hosts x data parallel":
-        return split({largest: (inner,)})
-    key = next((k.key for k in reversed(path) if hasattr(k, "key") and k.key in TP_DIM), None)
-    if key is None or leaf.ndim not in (2, 3):
-        return split({largest: axes})
-    lead = leaf.ndim - 2  # a scanned model's layer axis comes first
-    tp = TP_DIM[key]
-    return split({lead + tp: (inner,), lead + 1 - tp: outer})
-
-
 def _hand_state_gib(case: dict, method: str) -> float:
     """Per device, the f32 parameters and AdamW moments (12 bytes a parameter) of a hand plan:
     FSDP in hosts splits them over one host's devices (the last axis), the others over every
-    device (the Llama dims divide them: `hand_state_spec`)."""
+    device (the Llama dims divide them: `llama.hand_state_spec`)."""
     shape = model_shape(case["model"], case["layers"])
     devices = 1
     for n in case["mesh"]:
         devices *= n
     return 12 * shape.parameters() / (case["mesh"][-1] if method == HAND[1] else devices) / GIB
-
-
-def compile_hand(step, args, mesh, method: str, donate: bool = False, options: dict | None = None):
-    """The step as plain `jax.jit` compiles it under the hand plan `method` (`HAND`) on `mesh`:
-    the state's specs per leaf (`hand_state_spec`), the batch over every axis (over the outer
-    ones under tensor parallelism), the loss replicated; `donate`: the state donated; `options`:
-    XLA's compiler options."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    axes, sizes = tuple(mesh.axis_names), dict(zip(mesh.axis_names, mesh.devices.shape))
-    state = jax.tree_util.tree_map_with_path(
-        lambda p, x: NamedSharding(mesh, hand_state_spec(method, p, x, axes, sizes)), args[:2])
-    batch = NamedSharding(mesh, P(axes[:-1] if method == "FSDP x tensor parallel" else axes))
-    return jax.jit(step, in_shardings=(*state, batch), out_shardings=(*state, NamedSharding(mesh, P())),
-                   donate_argnums=(0, 1) if donate else ()).lower(*args).compile(compiler_options=options)
 
 
 def compile_as_users_do(lowered):

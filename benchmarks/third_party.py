@@ -45,6 +45,10 @@ and compared with jax.jit on one device (max |Δ| over every output); described 
 it.
 --quick: linen_gpt and eqx_mlp only. --compiler and --meshes pick a subset of the targets. --keep:
 the configurations not rerun stay as DIR/third_party.json has them (the tables say from which run).
+
+One module of some 450 lines, by design: one benchmark's script, its targets, the measuring of a
+configuration and THIRD_PARTY.md's tables over one record (`Row`) that the measuring fills, the
+tables read and `--keep` reads back from third_party.json: a column is added to all three at once.
 """
 import os
 

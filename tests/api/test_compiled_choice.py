@@ -6,7 +6,7 @@ import functools
 import pytest
 
 import rhino_jax as rj
-from benchmarks.scale import Shape, llama_step
+from benchmarks.fixtures.llama import Shape, llama_step
 from rhino_jax.compiled_choice import fastest_compiled
 from rhino_jax.mesh_search import plan_on
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled

@@ -10,7 +10,7 @@ import sys
 import jax
 import pytest
 
-from benchmarks import calibrate
+from benchmarks import calibrate_fit, calibrate_measure
 from benchmarks.fixtures.models import MODELS
 from rhino_jax import H100_8X
 
@@ -46,7 +46,7 @@ def test_fit_recovers_the_roofline_constants():
     ops = [_op("dot_general", fl, 1e6, fl / f_rate + per_op) for fl in (2e9, 8e9, 3e10, 1e11, 4e11)]
     ops += [_op("add", 0.0, b, b / bandwidth + per_op) for b in (1e7, 5e7, 2e8, 1e9)]
     ops.append(_op("dot_general", 1e6, 1e4, 1.0))  # below MIN_FIT_FLOPS: timed, not fitted
-    fit = calibrate.fit(ops, H100_8X)
+    fit = calibrate_fit.fit(ops, H100_8X)
     assert fit.flops_per_s["float32"] == pytest.approx(f_rate, rel=1e-6)
     assert fit.memory_bandwidth == pytest.approx(bandwidth, rel=1e-6)
     assert fit.per_op_s == pytest.approx(per_op, rel=1e-6)
@@ -54,7 +54,7 @@ def test_fit_recovers_the_roofline_constants():
 
 
 def test_fit_keeps_the_preset_without_enough_ops():
-    fit = calibrate.fit([_op("dot_general", 1e10, 1e6, 1e-4), _op("add", 0.0, 1e8, 1e-4)], H100_8X)
+    fit = calibrate_fit.fit([_op("dot_general", 1e10, 1e6, 1e-4), _op("add", 0.0, 1e8, 1e-4)], H100_8X)
     assert fit.flops_per_s == {} and fit.memory_bandwidth == H100_8X.memory_bandwidth
 
 
@@ -63,7 +63,7 @@ def test_measure_then_fit_end_to_end(measured_path, tmp_path):
     assert [s["label"] for s in measured["steps"]] == ["tiny"]
     assert measured["ops"] and all(o["seconds"] > 0 for o in measured["ops"])
     assert {"dot_general"} <= {o["primitive"] for o in measured["ops"]}
-    text = calibrate.fit_and_report(measured_path, "m8-v100", tmp_path)
+    text = calibrate_fit.fit_and_report(measured_path, "m8-v100", tmp_path)
     report = json.loads((tmp_path / "calibration.json").read_text())
     (step,) = report["steps"]
     assert step["measured_ms"] > 0 and math.isfinite(step["preset_ms"]) and step["kernels"] > 0
@@ -74,21 +74,22 @@ def test_fit_counts_each_ops_flops_with_the_importer(measured_path):
     """The FLOPs fit reads for an op (its stored StableHLO, imported) are those of the same op
     traced here, lowered on a mesh and imported as the cost model imports a step."""
     module, config = MODELS["gpt"], MODELS["gpt"].PRESETS["tiny"]
-    eqns = calibrate._selected_eqns(module.make_train_step(config), module.example(config, abstract=True), set())
+    eqns = calibrate_measure._selected_eqns(module.make_train_step(config), module.example(config, abstract=True),
+                                            set())
     dots = [e for e in eqns if e.primitive.name == "dot_general"]
     expected = []
     for e in dots:
         operands = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in e.invars]
-        graph = calibrate._graph(lambda *ops, e=e: e.primitive.bind(*ops, **e.params), operands)
+        graph = calibrate_fit._graph(lambda *ops, e=e: e.primitive.bind(*ops, **e.params), operands)
         expected.append(sum(n.flops for n in graph.nodes))
-    ops = [o for o in calibrate.measured_ops(json.loads(measured_path.read_text())) if o["primitive"] == "dot_general"]
+    ops = [o for o in calibrate_fit.measured_ops(json.loads(measured_path.read_text())) if o["primitive"] == "dot_general"]
     assert [o["shapes"] for o in ops] == [[list(v.aval.shape) for v in e.invars] for e in dots]
     assert all(f > 0 for f in expected) and [o["flops"] for o in ops] == expected
 
 
 def test_zoo_defers_rhino_jax_package_body():
     """Loading the zoo imports no planner module; rhino_jax's body runs at its first name lookup."""
-    out = _python("from benchmarks import calibrate\ncalibrate.configs('gpt')\n"
+    out = _python("from benchmarks import calibrate_measure\ncalibrate_measure.configs('gpt')\n"
                   "print(sorted(m for m, v in sys.modules.items() if v and m.startswith(('rhino_jax', 'ortools'))))\n"
                   "for name in " + repr(BLOCKED) + ":\n    del sys.modules[name]\n"
                   "from rhino_jax import H100_8X\nprint(H100_8X.name)\n")

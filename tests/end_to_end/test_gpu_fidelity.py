@@ -203,7 +203,7 @@ def test_a_plan_xlas_gpu_schedule_takes_past_the_limit_is_tied_to_its_order(micr
     for the scheduler, it keeps it too. Under a limit no program meets, it also drops the
     scheduler and says the step will not fit. On CPUs nothing is compiled twice
     (`test_memory_limit::test_a_cpu_compile_is_not_held_to_the_limit`)."""
-    from benchmarks.scale import Shape, llama_step
+    from benchmarks.fixtures.llama import Shape, llama_step
     from rhino_jax.runtime.compiled.memory import compiled_memory
     from rhino_jax.runtime.executable import LATENCY_HIDING
 
@@ -249,7 +249,7 @@ def test_a_plan_past_the_limit_keeps_the_latency_hiding_scheduler_held_to_it_whe
 
     from jax.experimental import topologies
 
-    from benchmarks.scale import Shape, llama_step
+    from benchmarks.fixtures.llama import Shape, llama_step
     from rhino_jax.gpu_topology import H100_SXM
     from rhino_jax.runtime.executable import SLOP, Weights, compile_module, tied_to_order
 
@@ -284,7 +284,7 @@ def deep_step():
     compiled step, what compile() said)."""
     import warnings
 
-    from benchmarks.scale import Shape, llama_step
+    from benchmarks.fixtures.llama import Shape, llama_step
 
     step, shapes = llama_step(Shape(512, 6, 4, 2, 1024, vocab=1024), seq=32)
     lowered = rj.parallelize(step, mesh=_mesh("8"), memory_limit_bytes=100 << 20, donate_argnums=(0, 1),

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.extend.mlir import ir
 
 import rhino_jax as rj
-from benchmarks.scale import Shape, llama_step
+from benchmarks.fixtures.llama import Shape, llama_step
 from rhino_jax.hlo_passes import module as mod
 from rhino_jax.hlo_passes.jax_internals import compile_replacing_module
 from rhino_jax.hlo_passes.program_order import LATE_SLACK, tie_to_program_order

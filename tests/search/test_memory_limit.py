@@ -144,7 +144,7 @@ def test_a_cpu_compile_is_not_held_to_the_limit():
     a GPU's), so a CPU program over the limit is kept as compiled, without a
     `CompiledMemoryWarning`; a GPU's is compiled again tied to its order
     (`test_gpu_fidelity::test_a_plan_xlas_gpu_schedule_takes_past_the_limit_is_tied_to_its_order`)."""
-    from benchmarks.scale import Shape, llama_step
+    from benchmarks.fixtures.llama import Shape, llama_step
 
     step, shapes = llama_step(Shape(128, 4, 1, 1, 320, vocab=1024), seq=128)
     limit = 10 << 20
