@@ -152,7 +152,7 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     hub_of = add_hubs(graph, units, groups, group_of, producer_unit, prices,
                       lambda ms: signature(ms, units, producer_unit, {}, unit_key, prices.value_key))
     priced = ilp_problem(units, groups, group_of, producer_unit, prices, hub_of, building)
-    problem = with_preferences(priced, [[seen(units, ch, graph, sizes) for ch in g.choice] for g in groups])
+    problem = with_preferences(priced, [seen(units, g.members, g.choice, graph, sizes) for g in groups])
     bb = backbone(graph)
     stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges),
                  hubs=len(hub_of), **({"constraints": constrained} if constrained else {}))
