@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import time
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 
@@ -59,6 +60,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
     Ctrl-C: before the first plan, KeyboardInterrupt; after it, the best plan so far,
     `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
+    options = dict(options, built={})  # the units, built once for every round
     with interrupt.session():
         plan = _found(_search(graph, topo, cluster, deadline=deadline, **options))
         tried, overlap = [plan], topo.overlap
@@ -117,7 +119,7 @@ def _same_layouts(a: Plan, b: Plan) -> bool:
 
 def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: levels.Deadline, opt_level: str = "O2",
             backend: str = "HIGHS", memory_limit_bytes: int | None = None, strided: bool = True,
-            constraints: tuple[Named, ...] = (), with_choice: bool = False):
+            constraints: tuple[Named, ...] = (), with_choice: bool = False, built: dict | None = None):
     """O3: cones, then one ILP over the whole graph, started from O2's plan. O2: the same ILP
     with the cones of repeated segments tied together (`repeats`), solved whole when small,
     else by windows (`levels`); on three or more mesh axes, first on a mesh of one axis fewer
@@ -125,14 +127,16 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     stay replicated (`fit_memory`). `strided`: offer non-maximum strides where reshapes call for
     them. Every solve stops at the `deadline`, which also counts the build. `constraints`: the
     user's on what strategies the ops they name may take (`constraints`). `with_choice`: the
-    plan and each unit's chosen strategy (the coarse pass's answer)."""
+    plan and each unit's chosen strategy (the coarse pass's answer). `built`: the units of
+    earlier searches of this step (`_units`)."""
     t0 = time.perf_counter()
     building = functools.partial(deadline.check, "it built the ILP")
-    units, producer_unit, fallback, ties = build_units(graph, topo, cluster, strided, building)
+    units, producer_unit, fallback, ties = _units({} if built is None else built, graph, topo, cluster, strided,
+                                                  building)
     apply_pins(graph, units, producer_unit, topo)
     constrained = apply_constraints(constraints, graph, units, topo)
     coarse_options = dict(backend=backend, memory_limit_bytes=memory_limit_bytes, strided=strided,
-                          constraints=constraints)
+                          constraints=constraints, built=built)
     coarse = None
     if opt_level == "O2" and len(topo.axis_names) >= 3:
         coarse = _coarse_plan(graph, topo, cluster, COARSE_SHARE, deadline, coarse_options)
@@ -249,6 +253,20 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
         plan = fit_memory(plan_with, candidates, [units[groups[g].root].ref for g in candidates],
                            plan, memory_limit_bytes, graph, least, deadline)
     return (plan, next(ch for p, ch in made if p is plan)) if with_choice else plan
+
+
+def _units(built: dict, graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bool,
+           check: Callable[[], None]) -> tuple[list[Unit], dict[int, int], list[str], list[tuple[int, int]]]:
+    """`build_units`' answer, built once per mesh and pins in `built` (of one step's graph): the
+    overlap rounds search the same units again, priced otherwise (a strategy's collectives do not
+    depend on how much of them compute hides, only their prices do). Each search gets its own
+    copy of every unit, whose strategies it may restrict (pins, constraints, the coarse plan's
+    neighbourhood) and to which it adds hubs; the strategy lists stay shared."""
+    key = (dataclasses.replace(topo, overlap=0.0), graph.pins, strided)
+    if key not in built:
+        built[key] = build_units(graph, topo, cluster, strided, check)
+    units, producer_unit, fallback, ties = built[key]
+    return [Unit(**vars(u)) for u in units], dict(producer_unit), list(fallback), list(ties)  # shallow copies
 
 
 def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge | coarse_axes.Drop] | None", graph: Graph,
