@@ -131,10 +131,8 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     earlier searches of this step (`_units`)."""
     t0 = time.perf_counter()
     building = functools.partial(deadline.check, "it built the ILP")
-    units, producer_unit, fallback, ties = _units({} if built is None else built, graph, topo, cluster, strided,
-                                                  building)
-    apply_pins(graph, units, producer_unit, topo)
-    constrained = apply_constraints(constraints, graph, units, topo)
+    units, producer_unit, fallback, ties, constrained = _space(graph, topo, cluster, strided, constraints, built,
+                                                               building)
     coarse_options = dict(backend=backend, memory_limit_bytes=memory_limit_bytes, strided=strided,
                           constraints=constraints, built=built)
     coarse = None
@@ -269,6 +267,28 @@ def _units(built: dict, graph: Graph, topo: MeshTopology, cluster: Cluster, stri
     return [Unit(**vars(u)) for u in units], dict(producer_unit), list(fallback), list(ties)  # shallow copies
 
 
+def _space(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bool, constraints: tuple[Named, ...],
+           built: dict | None, check: Callable[[], None]
+           ) -> tuple[list[Unit], dict[int, int], list[str], list[tuple[int, int]], dict]:
+    """The units (`_units`) left the strategies the user's pins and constraints allow, and how
+    many units each constraint restricted."""
+    units, producer_unit, fallback, ties = _units({} if built is None else built, graph, topo, cluster, strided, check)
+    apply_pins(graph, units, producer_unit, topo)
+    return units, producer_unit, fallback, ties, apply_constraints(constraints, graph, units, topo)
+
+
+def _never_fits(graph: Graph, topo: MeshTopology, cluster: Cluster, deadline: levels.Deadline, options: dict) -> bool:
+    """Whether the arguments alone, each split as finely as its strategies allow, hold more than
+    the memory limit on this mesh (`least_arguments`: a lower bound on every plan's memory). A
+    search there ends in a `MemoryLimitError` after building its ILP and solving it once."""
+    limit = options["memory_limit_bytes"]
+    if limit is None:
+        return False
+    units, producer_unit, *_ = _space(graph, topo, cluster, options["strided"], options["constraints"],
+                                      options["built"], functools.partial(deadline.check, "it built the ILP"))
+    return least_arguments(graph, units, producer_unit, topo.sizes) > limit
+
+
 def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge | coarse_axes.Drop] | None", graph: Graph,
             topo: MeshTopology, cluster: Cluster, units: list[Unit], groups: list, deadline: levels.Deadline,
             options: dict) -> list[list[int | None]]:
@@ -299,12 +319,14 @@ def _coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, share: floa
     coarse, how = coarse_axes.coarser(topo)
     progress.say("rhino_jax: %d mesh axes: searching first on [%s]", len(topo.axis_names), ", ".join(coarse.axis_names))
     part = levels.Deadline(deadline.seconds, time.perf_counter() + share * deadline.left())
+    graph = dataclasses.replace(graph, pins=how.pins(graph.pins))
     try:
+        if _never_fits(graph, coarse, cluster, part, options):  # as its search would find, without the search
+            raise MemoryLimitError(f"the arguments alone exceed memory_limit_bytes on [{', '.join(coarse.axis_names)}]")
         with warnings.catch_warnings():  # its time running out is the fine search's to say
             warnings.simplefilter("ignore", SolverTimeLimitWarning)
             with progress.part():
-                _, chosen = _search(dataclasses.replace(graph, pins=how.pins(graph.pins)), coarse, cluster,
-                                    deadline=part, opt_level="O2", with_choice=True, **options)
+                _, chosen = _search(graph, coarse, cluster, deadline=part, opt_level="O2", with_choice=True, **options)
     except MemoryLimitError:
         progress.say("rhino_jax: no plan on [%s] fits the memory limit; searching the whole space",
                      ", ".join(coarse.axis_names))
