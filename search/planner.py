@@ -16,6 +16,7 @@ import functools
 import time
 import warnings
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -45,6 +46,7 @@ OVERLAP_ROUNDS = 3  # searches at most, with Cluster.overlap, to price what comp
 # most of the work; the fine search starts near a plan that fits, each op with a tenth of its strategies.
 COARSE_SHARE = 0.6
 START_SHARE = 0.3  # the coarse search's share where its plan is only the windows' start (`_starts`)
+T = TypeVar("T")
 
 
 def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: float = 60.0, **options) -> Plan:
@@ -60,7 +62,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
     Ctrl-C: before the first plan, KeyboardInterrupt; after it, the best plan so far,
     `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
-    options = dict(options, built={})  # the units, built once for every round
+    options = dict(options, built={})  # what every round builds alike: the units, the graph's backbone
     with interrupt.session():
         plan = _found(_search(graph, topo, cluster, deadline=deadline, **options))
         tried, overlap = [plan], topo.overlap
@@ -127,8 +129,8 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     stay replicated (`fit_memory`). `strided`: offer non-maximum strides where reshapes call for
     them. Every solve stops at the `deadline`, which also counts the build. `constraints`: the
     user's on what strategies the ops they name may take (`constraints`). `with_choice`: the
-    plan and each unit's chosen strategy (the coarse pass's answer). `built`: the units of
-    earlier searches of this step (`_units`)."""
+    plan and each unit's chosen strategy (the coarse pass's answer). `built`: what
+    earlier searches of this step built that this one builds alike (`_once`)."""
     t0 = time.perf_counter()
     building = functools.partial(deadline.check, "it built the ILP")
     units, producer_unit, fallback, ties, constrained = _space(graph, topo, cluster, strided, constraints, built,
@@ -155,7 +157,7 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
                       lambda ms: signature(ms, units, producer_unit, {}, unit_key, prices.value_key))
     priced = ilp_problem(units, groups, group_of, producer_unit, prices, hub_of, building)
     problem = with_preferences(priced, [seen(units, g.members, g.choice, graph, sizes) for g in groups])
-    bb = backbone(graph)
+    bb = _once({} if built is None else built, "backbone", lambda: backbone(graph))  # the graph's, not the mesh's
     stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges),
                  hubs=len(hub_of), **({"constraints": constrained} if constrained else {}))
     segments = group_segments(units, groups, group_of, bb, producer_unit)
@@ -260,11 +262,16 @@ def _units(built: dict, graph: Graph, topo: MeshTopology, cluster: Cluster, stri
     depend on how much of them compute hides, only their prices do). Each search gets its own
     copy of every unit, whose strategies it may restrict (pins, constraints, the coarse plan's
     neighbourhood) and to which it adds hubs; the strategy lists stay shared."""
-    key = (dataclasses.replace(topo, overlap=0.0), graph.pins, strided)
-    if key not in built:
-        built[key] = build_units(graph, topo, cluster, strided, check)
-    units, producer_unit, fallback, ties = built[key]
+    units, producer_unit, fallback, ties = _once(built, (dataclasses.replace(topo, overlap=0.0), graph.pins, strided),
+                                                 lambda: build_units(graph, topo, cluster, strided, check))
     return [Unit(**vars(u)) for u in units], dict(producer_unit), list(fallback), list(ties)  # shallow copies
+
+
+def _once(built: dict, key, make: Callable[[], T]) -> T:
+    """`built[key]`, made by `make` the first time."""
+    if key not in built:
+        built[key] = make()
+    return built[key]
 
 
 def _space(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bool, constraints: tuple[Named, ...],

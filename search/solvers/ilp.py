@@ -134,11 +134,12 @@ def _merged(problem: Problem, src: int, dst: int, edges: list[Edge]) -> Edge:
     dst_class, dst_keys = classes(list(zip(*(e.dst_class for e in edges))))
     a, b = np.array(src_keys).T, np.array(dst_keys).T  # [edge, merged class] → the edge's class
     matrix = first.matrix[np.ix_(a[0], b[0])]
-    used = problem.edge_uses(first)[:, a[0]][:, :, b[0]]
-    for k, e in enumerate(edges[1:], 1):
-        matrix = matrix + e.matrix[np.ix_(a[k], b[k])]
-        if e.uses is not None:
-            used = used | e.uses[:, a[k]][:, :, b[k]]
+    used = np.zeros((len(problem.fixed), len(src_keys), len(dst_keys)), dtype=bool)
+    for k, e in enumerate(edges):
+        if k:
+            matrix = matrix + e.matrix[np.ix_(a[k], b[k])]
+        if e.uses is not None and e.uses.any():  # most edges use no family
+            used |= e.uses[:, a[k]][:, :, b[k]]
     return Edge(src, dst, src_class, dst_class, matrix, used)
 
 
