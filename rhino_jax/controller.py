@@ -20,6 +20,7 @@ from rhino_jax.search import interrupt, progress
 
 from .errors import MemoryLimitError, MeshError, RhinoError
 from .options import budget_of, device_memory, within
+from .several_programs import splits_shared
 
 
 def candidates(options, first_axis: int) -> list:
@@ -72,27 +73,28 @@ def _lower_candidates(parallelized, call, key, limit: int) -> tuple[list[tuple[C
     errors: list[RhinoError] = []
     cands = candidates(parallelized.options, parallelized.mesh.devices.shape[0])
     budget = budget_of(parallelized.options, len(cands))  # the candidates share the limit
-    for cand in cands:
-        if interrupt.pressed():  # a candidate's search answered Ctrl-C with its plan so far: no more
-            break
-        try:
-            lowered = parallelized.lower_with(within(cand, budget, 1, _label(cand)), call, key)
-        except RhinoError as e:
-            errors.append(e)
-            tried.append((Candidate(_label(cand), None, None, str(e).splitlines()[0][:160]), None))
-            continue
-        except KeyboardInterrupt:
-            if not any(lowered is not None for _, lowered in tried):
-                raise
-            interrupt.press()
-            interrupt.warn("pipeline='auto': the comparison of SPMD and pipelined plans", stacklevel=5)
-            break
-        cost = lowered.plan.cost
-        over = cost.memory_bytes > limit
-        why = f"needs {cost.memory_bytes / 2**30:.1f} GiB/device > {limit / 2**30:.1f} GiB" if over else ""
-        tried.append((Candidate(_label(cand), cost.total_s, cost.memory_bytes, why), lowered))
-        progress.say("rhino_jax: pipeline='auto': %s predicted %.4g ms, %.1f GiB/device", _label(cand),
-                     cost.total_s * 1e3, cost.memory_bytes / 2**30, best_s=None if over else cost.total_s)
+    with splits_shared():  # the candidates split the step for their micro-batches once
+        for cand in cands:
+            if interrupt.pressed():  # a candidate's search answered Ctrl-C with its plan so far: no more
+                break
+            try:
+                lowered = parallelized.lower_with(within(cand, budget, 1, _label(cand)), call, key)
+            except RhinoError as e:
+                errors.append(e)
+                tried.append((Candidate(_label(cand), None, None, str(e).splitlines()[0][:160]), None))
+                continue
+            except KeyboardInterrupt:
+                if not any(lowered is not None for _, lowered in tried):
+                    raise
+                interrupt.press()
+                interrupt.warn("pipeline='auto': the comparison of SPMD and pipelined plans", stacklevel=5)
+                break
+            cost = lowered.plan.cost
+            over = cost.memory_bytes > limit
+            why = f"needs {cost.memory_bytes / 2**30:.1f} GiB/device > {limit / 2**30:.1f} GiB" if over else ""
+            tried.append((Candidate(_label(cand), cost.total_s, cost.memory_bytes, why), lowered))
+            progress.say("rhino_jax: pipeline='auto': %s predicted %.4g ms, %.1f GiB/device", _label(cand),
+                         cost.total_s * 1e3, cost.memory_bytes / 2**30, best_s=None if over else cost.total_s)
     return tried, errors
 
 

@@ -5,6 +5,8 @@ limit and priced; and the `jax.stages` surfaces (`SeveralProgramsLowered`, `Seve
 that `micro_batched` and `pipelined` build on."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -119,10 +121,38 @@ class SplitStep:
     donated: tuple[int, ...] = ()
 
 
+_SHARED_SPLITS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("shared_splits", default=None)
+
+
+@contextlib.contextmanager
+def splits_shared():
+    """Within it, a step is split once for each count of micro-batches (`split_step`): the
+    candidates `pipeline="auto"` weighs (SPMD with micro-batches, and each count of stages) cut
+    the same step for the same micro-batches, two lowerings and four imports of it each. Every
+    reader of a split copies its modules before changing them (`split.extract`, the rewrite
+    before a compile) and replaces its graphs, so one split serves them all."""
+    token = _SHARED_SPLITS.set({})
+    try:
+        yield
+    finally:
+        _SHARED_SPLITS.reset(token)
+
+
 def split_step(call: Call, mesh: Mesh, k: int, constraints: tuple = ()) -> SplitStep:
     """The step lowered whole and cut into compute-gradients and apply-gradients for `k`
     micro-batches; the user's `constraints` are checked against the whole step's names here, as
-    each program holds only some of them."""
+    each program holds only some of them. Inside `splits_shared`, made once per call, mesh, `k`
+    and constraints."""
+    shared = _SHARED_SPLITS.get()
+    if shared is None:
+        return _split_step(call, mesh, k, constraints)
+    key = (id(call), id(mesh), k, constraints)  # the call and mesh outlive the context
+    if key not in shared:
+        shared[key] = _split_step(call, mesh, k, constraints)
+    return shared[key]
+
+
+def _split_step(call: Call, mesh: Mesh, k: int, constraints: tuple) -> SplitStep:
     whole = lower_on_mesh(call.fn, call.args, mesh, (), call.kwargs, (), call.positions)
     inputs = (call.args, call.kwargs)
     flat_micro = micro_batch_args(jax.tree.map(_abstract, inputs), whole.arg_roles, k, whole.arg_paths)[0]  # shapes

@@ -3,7 +3,6 @@ with reads between them; a value read by several cones is read through its hub, 
 layout."""
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -71,19 +70,22 @@ def ilp_problem(units, groups: list[Cone], group_of: dict[int, int], producer_un
     between them (reads inside a cone, or from a cone with one layout, fold into the costs); each
     with the combined families it uses (`pricing`). Groups of one signature (`cones.signature`:
     a layer's cone and the next layer's) are priced once, and so are their reads read alike."""
-    priced: dict[tuple, tuple[np.ndarray, list[frozenset[int]]]] = {}
+    # each signature numbered: the keys below hash a number, not a cone's whole signature
+    alike_as: dict[tuple, int] = {}
+    number = [None if g.signature is None else alike_as.setdefault(g.signature, len(alike_as)) for g in groups]
+    priced: dict[int, tuple[np.ndarray, list[frozenset[int]]]] = {}
     costs, uses = [], []
-    for g in groups:
-        if g.signature is None or g.signature not in priced:
+    for g, n in zip(groups, number):
+        if n is None or n not in priced:
             own = (np.array([sum(prices.own(m, s) for m, s in ch.items()) for ch in g.choice]),
                    [frozenset().union(*(prices.own_uses(m, s) for m, s in ch.items())) for ch in g.choice])
-            if g.signature is None:
+            if n is None:
                 costs.append(own[0])
                 uses.append(own[1])
                 continue
-            priced[g.signature] = own
-        costs.append(priced[g.signature][0].copy())  # the reads below add to it
-        uses.append(list(priced[g.signature][1]))
+            priced[n] = own
+        costs.append(priced[n][0].copy())  # the reads below add to it
+        uses.append(list(priced[n][1]))
 
     def moves(values, src_specs, dst_specs) -> dict:
         """A value read in one layout by several readers is resharded once (as in `make_plan`
@@ -114,9 +116,9 @@ def ilp_problem(units, groups: list[Cone], group_of: dict[int, int], producer_un
         check()
         gs, gd = groups[src], groups[dst]
         values = [v for v, _, _, _ in rs]
-        alike = None if gs.signature is None or gd.signature is None else (
-            gs.signature, gd.signature, src == dst, tuple((place[m], pos, place[p], units[p].results.index(v),
-                                                           prices.value_key(v)) for v, m, pos, p in rs))
+        alike = None if number[src] is None or number[dst] is None else (
+            number[src], number[dst], src == dst, tuple((place[m], pos, place[p], units[p].results.index(v),
+                                                         prices.value_key(v)) for v, m, pos, p in rs))
         if src == dst:
             if alike not in inside:
                 read = [(values, [_result_spec(units, gs, j, p, v) for v, _, _, p in rs],
@@ -124,10 +126,12 @@ def ilp_problem(units, groups: list[Cone], group_of: dict[int, int], producer_un
                 inside[alike] = (np.array([moves_cost(*r) for r in read]), [moves_uses(*r) for r in read])
             cost, used = inside[alike] if alike is not None else inside.pop(None)
             costs[src] += cost
-            uses[src] = [a | b for a, b in zip(uses[src], used)]
+            if any(used):
+                uses[src] = [a | b for a, b in zip(uses[src], used)]
             continue
         if alike in between:
-            edge = dataclasses.replace(between[alike], src=src, dst=dst)
+            like = between[alike]
+            edge = ilp.Edge(src, dst, like.src_class, like.dst_class, like.matrix, like.uses)
         else:
             src_keys = [tuple(_result_spec(units, gs, j, p, v) for v, _, _, p in rs) for j in range(len(gs.choice))]
             dst_keys = [tuple(gd.choice[j][m].operands[pos] for _, m, pos, _ in rs) for j in range(len(gd.choice))]
@@ -147,8 +151,16 @@ def ilp_problem(units, groups: list[Cone], group_of: dict[int, int], producer_un
         else:
             edges.append(edge)
     return ilp.Problem(tuple(costs), tuple(edges), prices.families.fixed,
-                       tuple(np.array([prices.families.vector(u) for u in g], dtype=bool).T.reshape(
-                           len(prices.families.fixed), len(g)) for g in uses))
+                       tuple(_family_matrix(g, len(prices.families.fixed)) for g in uses))
+
+
+def _family_matrix(used: list[frozenset[int]], families: int) -> np.ndarray:
+    """[family, strategy]: whether each strategy uses each family (most use none)."""
+    out = np.zeros((families, len(used)), dtype=bool)
+    for j, fs in enumerate(used):
+        if fs:
+            out[list(fs), j] = True
+    return out
 
 
 def _read_edge(src: int, dst: int, values: list[int], src_keys: list[tuple], dst_keys: list[tuple],

@@ -15,6 +15,8 @@ import dataclasses
 import functools
 import time
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -44,6 +46,7 @@ OVERLAP_ROUNDS = 3  # searches at most, with Cluster.overlap, to price what comp
 # most of the work; the fine search starts near a plan that fits, each op with a tenth of its strategies.
 COARSE_SHARE = 0.6
 START_SHARE = 0.3  # the coarse search's share where its plan is only the windows' start (`_starts`)
+T = TypeVar("T")
 
 
 def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: float = 60.0, **options) -> Plan:
@@ -59,6 +62,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
     Ctrl-C: before the first plan, KeyboardInterrupt; after it, the best plan so far,
     `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
+    options = dict(options, built={})  # what every round builds alike: the units, the graph's backbone
     with interrupt.session():
         plan = _found(_search(graph, topo, cluster, deadline=deadline, **options))
         tried, overlap = [plan], topo.overlap
@@ -117,7 +121,7 @@ def _same_layouts(a: Plan, b: Plan) -> bool:
 
 def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: levels.Deadline, opt_level: str = "O2",
             backend: str = "HIGHS", memory_limit_bytes: int | None = None, strided: bool = True,
-            constraints: tuple[Named, ...] = (), with_choice: bool = False):
+            constraints: tuple[Named, ...] = (), with_choice: bool = False, built: dict | None = None):
     """O3: cones, then one ILP over the whole graph, started from O2's plan. O2: the same ILP
     with the cones of repeated segments tied together (`repeats`), solved whole when small,
     else by windows (`levels`); on three or more mesh axes, first on a mesh of one axis fewer
@@ -125,14 +129,14 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     stay replicated (`fit_memory`). `strided`: offer non-maximum strides where reshapes call for
     them. Every solve stops at the `deadline`, which also counts the build. `constraints`: the
     user's on what strategies the ops they name may take (`constraints`). `with_choice`: the
-    plan and each unit's chosen strategy (the coarse pass's answer)."""
+    plan and each unit's chosen strategy (the coarse pass's answer). `built`: what
+    earlier searches of this step built that this one builds alike (`_once`)."""
     t0 = time.perf_counter()
     building = functools.partial(deadline.check, "it built the ILP")
-    units, producer_unit, fallback, ties = build_units(graph, topo, cluster, strided, building)
-    apply_pins(graph, units, producer_unit, topo)
-    constrained = apply_constraints(constraints, graph, units, topo)
+    units, producer_unit, fallback, ties, constrained = _space(graph, topo, cluster, strided, constraints, built,
+                                                               building)
     coarse_options = dict(backend=backend, memory_limit_bytes=memory_limit_bytes, strided=strided,
-                          constraints=constraints)
+                          constraints=constraints, built=built)
     coarse = None
     if opt_level == "O2" and len(topo.axis_names) >= 3:
         coarse = _coarse_plan(graph, topo, cluster, COARSE_SHARE, deadline, coarse_options)
@@ -152,8 +156,8 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     hub_of = add_hubs(graph, units, groups, group_of, producer_unit, prices,
                       lambda ms: signature(ms, units, producer_unit, {}, unit_key, prices.value_key))
     priced = ilp_problem(units, groups, group_of, producer_unit, prices, hub_of, building)
-    problem = with_preferences(priced, [[seen(units, ch, graph, sizes) for ch in g.choice] for g in groups])
-    bb = backbone(graph)
+    problem = with_preferences(priced, [seen(units, g.members, g.choice, graph, sizes) for g in groups])
+    bb = _once({} if built is None else built, "backbone", lambda: backbone(graph))  # the graph's, not the mesh's
     stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges),
                  hubs=len(hub_of), **({"constraints": constrained} if constrained else {}))
     segments = group_segments(units, groups, group_of, bb, producer_unit)
@@ -251,6 +255,47 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     return (plan, next(ch for p, ch in made if p is plan)) if with_choice else plan
 
 
+def _units(built: dict, graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bool,
+           check: Callable[[], None]) -> tuple[list[Unit], dict[int, int], list[str], list[tuple[int, int]]]:
+    """`build_units`' answer, built once per mesh and pins in `built` (of one step's graph): the
+    overlap rounds search the same units again, priced otherwise (a strategy's collectives do not
+    depend on how much of them compute hides, only their prices do). Each search gets its own
+    copy of every unit, whose strategies it may restrict (pins, constraints, the coarse plan's
+    neighbourhood) and to which it adds hubs; the strategy lists stay shared."""
+    units, producer_unit, fallback, ties = _once(built, (dataclasses.replace(topo, overlap=0.0), graph.pins, strided),
+                                                 lambda: build_units(graph, topo, cluster, strided, check))
+    return [Unit(**vars(u)) for u in units], dict(producer_unit), list(fallback), list(ties)  # shallow copies
+
+
+def _once(built: dict, key, make: Callable[[], T]) -> T:
+    """`built[key]`, made by `make` the first time."""
+    if key not in built:
+        built[key] = make()
+    return built[key]
+
+
+def _space(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: bool, constraints: tuple[Named, ...],
+           built: dict | None, check: Callable[[], None]
+           ) -> tuple[list[Unit], dict[int, int], list[str], list[tuple[int, int]], dict]:
+    """The units (`_units`) left the strategies the user's pins and constraints allow, and how
+    many units each constraint restricted."""
+    units, producer_unit, fallback, ties = _units({} if built is None else built, graph, topo, cluster, strided, check)
+    apply_pins(graph, units, producer_unit, topo)
+    return units, producer_unit, fallback, ties, apply_constraints(constraints, graph, units, topo)
+
+
+def _never_fits(graph: Graph, topo: MeshTopology, cluster: Cluster, deadline: levels.Deadline, options: dict) -> bool:
+    """Whether the arguments alone, each split as finely as its strategies allow, hold more than
+    the memory limit on this mesh (`least_arguments`: a lower bound on every plan's memory). A
+    search there ends in a `MemoryLimitError` after building its ILP and solving it once."""
+    limit = options["memory_limit_bytes"]
+    if limit is None:
+        return False
+    units, producer_unit, *_ = _space(graph, topo, cluster, options["strided"], options["constraints"],
+                                      options["built"], functools.partial(deadline.check, "it built the ILP"))
+    return least_arguments(graph, units, producer_unit, topo.sizes) > limit
+
+
 def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge | coarse_axes.Drop] | None", graph: Graph,
             topo: MeshTopology, cluster: Cluster, units: list[Unit], groups: list, deadline: levels.Deadline,
             options: dict) -> list[list[int | None]]:
@@ -281,12 +326,14 @@ def _coarse_plan(graph: Graph, topo: MeshTopology, cluster: Cluster, share: floa
     coarse, how = coarse_axes.coarser(topo)
     progress.say("rhino_jax: %d mesh axes: searching first on [%s]", len(topo.axis_names), ", ".join(coarse.axis_names))
     part = levels.Deadline(deadline.seconds, time.perf_counter() + share * deadline.left())
+    graph = dataclasses.replace(graph, pins=how.pins(graph.pins))
     try:
+        if _never_fits(graph, coarse, cluster, part, options):  # as its search would find, without the search
+            raise MemoryLimitError(f"the arguments alone exceed memory_limit_bytes on [{', '.join(coarse.axis_names)}]")
         with warnings.catch_warnings():  # its time running out is the fine search's to say
             warnings.simplefilter("ignore", SolverTimeLimitWarning)
             with progress.part():
-                _, chosen = _search(dataclasses.replace(graph, pins=how.pins(graph.pins)), coarse, cluster,
-                                    deadline=part, opt_level="O2", with_choice=True, **options)
+                _, chosen = _search(graph, coarse, cluster, deadline=part, opt_level="O2", with_choice=True, **options)
     except MemoryLimitError:
         progress.say("rhino_jax: no plan on [%s] fits the memory limit; searching the whole space",
                      ", ".join(coarse.axis_names))

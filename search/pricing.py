@@ -34,6 +34,7 @@ class Prices:
         self._unit_trips = [graph.values[rs[0]].trips if rs else 1 for rs in unit_results]
         self._reshards: dict[tuple, tuple[float, frozenset[int]]] = {}
         self._tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._value_keys: dict[int, tuple] = {}
 
     def add_unit(self, results: tuple[int, ...]) -> None:
         """A unit added after the prices were made (a hub, `assembly.add_hubs`)."""
@@ -46,9 +47,13 @@ class Prices:
         return found.pop() if len(found) == 1 else None
 
     def value_key(self, v: int) -> tuple:
-        """What moving value v costs depends on (besides the layouts)."""
-        value = self.graph.values[v]
-        return value.nbytes, value.shape, self.sides.get(v), value.trips
+        """What moving value v costs depends on (besides the layouts); made once per value, as
+        every cone's signature and every read between cones asks for it."""
+        key = self._value_keys.get(v)
+        if key is None:
+            value = self.graph.values[v]
+            key = self._value_keys[v] = (value.nbytes, value.shape, self.sides.get(v), value.trips)
+        return key
 
     def unit_key(self, m: int) -> tuple:
         """What unit m's own costs depend on besides its strategies."""

@@ -21,6 +21,7 @@ is settled too. A solve stopped at its gap or its time limit may leave a tie unb
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -35,16 +36,23 @@ TIE_S = 1e-11  # seconds per rank of a tied strategy
 SAME_STEP = 1e-6  # two plans whose predicted steps differ by less than this share of the step tie
 
 
-def seen(units: list[Unit], choice: dict[int, Strategy], graph: Graph, sizes: dict[str, int]
-         ) -> list[tuple[int, ShardingSpec]]:
-    """(local bytes, layout) of each argument and output a cone's strategy makes: what a reader
-    of the plan sees, and what is ranked."""
+def seen(units: list[Unit], members: Sequence[int], choices: list[dict[int, Strategy]], graph: Graph,
+         sizes: dict[str, int]) -> list[list[tuple[int, ShardingSpec]]]:
+    """Per strategy of a cone (`choices`, each over its `members`), the (local bytes, layout) of
+    each argument and output it makes: what a reader of the plan sees, and what is ranked. Most
+    cones hold neither: theirs are empty without a look at their strategies."""
+    shown = {m for m in members if units[m].kind in ("arg", "output")}
+    if not shown:
+        return [[] for _ in choices]
     out = []
-    for m, s in choice.items():
-        u = units[m]
-        if u.kind in ("arg", "output"):
-            v, spec = (u.results[0], s.results[0]) if u.kind == "arg" else (u.operands[0], s.operands[0])
-            out.append((graph.values[v].nbytes // spec.shard_factor(sizes), spec))
+    for choice in choices:
+        held = []
+        for m, s in choice.items():
+            if m in shown:
+                u = units[m]
+                v, spec = (u.results[0], s.results[0]) if u.kind == "arg" else (u.operands[0], s.operands[0])
+                held.append((graph.values[v].nbytes // spec.shard_factor(sizes), spec))
+        out.append(held)
     return out
 
 

@@ -16,6 +16,7 @@ addition to Rhino, whose cones only grow backwards).
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -152,10 +153,19 @@ def build_cones(units: Sequence[ConeUnit], producer_unit: dict[int, int],
             if key is not None:
                 seen[key] = cone
         else:
-            cone = Cone(root, order, [{m: ch[o] for m, o in zip(order, like.members)} for ch in like.choice], key)
+            cone = Cone(root, order, _renamed(like, order), key)
         cones.append(cone)
     cones.sort(key=lambda c: c.root)
     return cones
+
+
+def _renamed(like: Cone, order: list[int]) -> list[dict[int, Strategy]]:
+    """The choices of cone `like` for an alike cone whose members are `order` (in its members'
+    order): each member takes what its counterpart takes."""
+    if len(order) == 1:
+        return [{order[0]: ch[like.members[0]]} for ch in like.choice]
+    counterparts = operator.itemgetter(*like.members)
+    return [dict(zip(order, counterparts(ch))) for ch in like.choice]
 
 
 def signature(members: Sequence[int], units: Sequence[ConeUnit], producer_unit: dict[int, int],

@@ -40,20 +40,38 @@ def group_segments(units, groups: Sequence[Cone], group_of: dict[int, int], back
     return seg
 
 
-def _unit_signature(u, graph: Graph, local: dict[int, tuple[int, int]], producer_unit, exact: bool) -> tuple:
+class _Spaces:
+    """Strategy lists numbered by their content. Units share one list where their strategies
+    are alike (a repeated layer's ops), so each list is hashed once here rather than inside
+    every segment's signature: two signatures still match exactly where their lists are equal."""
+
+    def __init__(self, exact: bool):
+        self.exact = exact
+        self._of_list: dict[int, int] = {}  # id of a list (alive for the tying) → its number
+        self._of_content: dict[tuple, int] = {}
+
+    def number(self, strategies: list) -> int:
+        n = self._of_list.get(id(strategies))
+        if n is None:
+            content = tuple(strategies) if self.exact else tuple((s.operands, s.results) for s in strategies)
+            n = self._of_list[id(strategies)] = self._of_content.setdefault(content, len(self._of_content))
+        return n
+
+
+def _unit_signature(u, graph: Graph, local: dict[int, tuple[int, int]], producer_unit, spaces: _Spaces) -> tuple:
     """What two units must share to be tied: everything (`exact`), or their op, the ranks of
     their tensors and the layouts their strategies offer, in order (`similar`: the same layer
     with other widths)."""
     values = graph.values
     op = graph.nodes[u.ref].op if u.kind == "node" else u.kind
-    if not exact:
+    if not spaces.exact:
         reads = tuple(local.get(producer_unit[v], ("outside", len(values[v].shape))) for v in u.live)
         return (op, tuple((len(values[v].shape), values[v].dtype) for v in u.operands + u.results), reads,
-                tuple((s.operands, s.results) for s in u.strategies))
+                spaces.number(u.strategies))
     attrs = repr(sorted(graph.nodes[u.ref].attrs.items())) if u.kind == "node" else ""
     reads = tuple(local.get(producer_unit[v], ("outside", values[v].shape)) for v in u.live)
     return (op, attrs, tuple((values[v].shape, values[v].dtype) for v in u.operands),
-            tuple((values[v].shape, values[v].dtype) for v in u.results), reads, tuple(u.strategies))
+            tuple((values[v].shape, values[v].dtype) for v in u.results), reads, spaces.number(u.strategies))
 
 
 def tie_repeats(units, groups: Sequence[Cone], segments: list[int], graph: Graph,
@@ -68,10 +86,11 @@ def tie_repeats(units, groups: Sequence[Cone], segments: list[int], graph: Graph
     first_copy: dict[tuple, list[int]] = {}
     class_of = list(range(len(groups)))
     tied = 0
+    spaces = _Spaces(exact)
     for s in sorted(by_segment):
         gs = by_segment[s]
         local = {m: (k, i) for k, gi in enumerate(gs) for i, m in enumerate(groups[gi].members)}
-        signature = tuple(tuple(_unit_signature(units[m], graph, local, producer_unit, exact)
+        signature = tuple(tuple(_unit_signature(units[m], graph, local, producer_unit, spaces)
                                 for m in groups[gi].members)
                           for gi in gs)
         original = first_copy.setdefault(signature, gs)

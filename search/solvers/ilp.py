@@ -109,25 +109,38 @@ def tie(problem: Problem, class_of: list[int]) -> tuple[Problem, list[int]]:
     for g, c in enumerate(problem.costs):
         costs[index[g]] = costs[index[g]] + c
         uses[index[g]] |= problem.group_uses(g)
-    merged: dict[tuple[int, int], Edge] = {}
+    between: dict[tuple[int, int], list[Edge]] = {}  # edges between two classes, merged below
     for e in problem.edges:
         src, dst = index[e.src], index[e.dst]
-        eu = problem.edge_uses(e)
         if src == dst:
+            eu = problem.edge_uses(e)
             costs[src] = costs[src] + e.matrix[list(e.src_class), list(e.dst_class)]
             uses[src] |= eu[:, list(e.src_class), list(e.dst_class)]
             continue
-        old = merged.get((src, dst))
-        if old is None:
-            merged[src, dst] = Edge(src, dst, e.src_class, e.dst_class, e.matrix, eu)
-            continue
-        src_class, src_pairs = classes(list(zip(old.src_class, e.src_class)))
-        dst_class, dst_pairs = classes(list(zip(old.dst_class, e.dst_class)))
-        (a0, a1), (b0, b1) = np.array(src_pairs).T, np.array(dst_pairs).T
-        merged[src, dst] = Edge(src, dst, src_class, dst_class,
-                                old.matrix[np.ix_(a0, b0)] + e.matrix[np.ix_(a1, b1)],
-                                old.uses[:, a0][:, :, b0] | eu[:, a1][:, :, b1])
-    return Problem(tuple(costs), tuple(merged.values()), problem.fixed, tuple(uses)), list(index)
+        between.setdefault((src, dst), []).append(e)
+    merged = [_merged(problem, src, dst, es) for (src, dst), es in between.items()]
+    return Problem(tuple(costs), tuple(merged), problem.fixed, tuple(uses)), list(index)
+
+
+def _merged(problem: Problem, src: int, dst: int, edges: list[Edge]) -> Edge:
+    """The edges between two classes as one: a strategy's class is the tuple of its classes in
+    every edge, numbered by first appearance, and the matrices are added in the edges' order.
+    Merging all at once rather than pairwise (one edge per tied layer: tens of merges per pair)
+    keeps the classes, and each entry's sum, what the pairwise merges make."""
+    first = edges[0]
+    if len(edges) == 1:
+        return Edge(src, dst, first.src_class, first.dst_class, first.matrix, problem.edge_uses(first))
+    src_class, src_keys = classes(list(zip(*(e.src_class for e in edges))))
+    dst_class, dst_keys = classes(list(zip(*(e.dst_class for e in edges))))
+    a, b = np.array(src_keys).T, np.array(dst_keys).T  # [edge, merged class] → the edge's class
+    matrix = first.matrix[np.ix_(a[0], b[0])]
+    used = np.zeros((len(problem.fixed), len(src_keys), len(dst_keys)), dtype=bool)
+    for k, e in enumerate(edges):
+        if k:
+            matrix = matrix + e.matrix[np.ix_(a[k], b[k])]
+        if e.uses is not None and e.uses.any():  # most edges use no family
+            used |= e.uses[:, a[k]][:, :, b[k]]
+    return Edge(src, dst, src_class, dst_class, matrix, used)
 
 
 def evaluate(problem: Problem, choice: tuple[int, ...]) -> float:
