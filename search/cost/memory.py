@@ -27,6 +27,7 @@ from .cluster import MeshTopology
 from .collectives import reshard
 
 VIEWS = {"stablehlo.reshape", "sdy.sharding_constraint"}  # XLA makes them bitcasts of their operand
+BARRIER = "stablehlo.optimization_barrier"  # hands each operand's buffer on as its result, slot by slot
 
 
 def local_bytes(graph: Graph, vid: int, spec: ShardingSpec | None, sizes: dict[str, int]) -> int:
@@ -118,26 +119,33 @@ def _first_reads(graph: Graph) -> dict[int, int]:
     return first
 
 
+def _slotwise(node) -> bool:
+    """Whether `node` hands each operand's buffer on as the result in its slot: a counted loop's
+    entry or exit (a carried value is one buffer in, through and out of the loop), or a barrier
+    (`jax.checkpoint`'s: XLA's buffer assignment gives its results their operands' buffers)."""
+    return "loop_trips" in node.attrs or node.op == BARRIER
+
+
 def _aliases(graph: Graph, v: int) -> bool:
     """Whether `v` is a view of an operand's buffer: a reshape or sharding constraint's result, or
-    what a counted loop's entry or exit hands on (a carried value is one buffer in, through and
-    out of the loop)."""
+    what a slot-wise op hands on."""
     p = graph.values[v].producer
-    return p >= 0 and (graph.nodes[p].op in VIEWS or "loop_trips" in graph.nodes[p].attrs)
+    return p >= 0 and (graph.nodes[p].op in VIEWS or _slotwise(graph.nodes[p]))
 
 
 def _buffer(graph: Graph, v: int) -> int:
     """The value whose buffer `v` is (itself, or the source of the views it is)."""
     while _aliases(graph, v):
         node = graph.nodes[graph.values[v].producer]
-        v = node.operands[node.results.index(v)] if "loop_trips" in node.attrs else node.operands[0]
+        v = node.operands[node.results.index(v)] if _slotwise(node) else node.operands[0]
     return v
 
 
-def _stored(graph: Graph) -> list[bool]:
+def _stored(graph: Graph, barrier_views: bool = True) -> list[bool]:
     """Whether each value has a buffer of its own: a result of a fusible op read only by fusible
     ops (or reductions, which fuse their input) stays inside the fusion, and a view (a reshape,
-    a sharding constraint) is its operand's buffer; its readers count as its operand's."""
+    a sharding constraint, what a slot-wise op hands on) is its operand's buffer; its readers
+    count as its operand's. `barrier_views=False`: a barrier's results are buffers of their own."""
     fused_only = [True] * len(graph.values)
     for o in graph.outputs:
         fused_only[o] = False
@@ -150,7 +158,7 @@ def _stored(graph: Graph) -> list[bool]:
         for r in n.results:
             if n.op in FUSIBLE:
                 stored[r] = n.op not in VIEWS and not fused_only[r]
-            elif "loop_trips" in n.attrs:
+            elif "loop_trips" in n.attrs or (barrier_views and n.op == BARRIER):
                 stored[r] = False
     return stored
 
@@ -195,7 +203,11 @@ def _lifetimes(graph: Graph, stored: list[bool], moves: dict[tuple[int, int], Sh
         elif not all(stored[r] for r in n.results):
             first = min([start[r] for r in n.results if r in start], default=n.id)
             last = max([n.id] + [end[r] for r in n.results if r in end])
+        slots = _slotwise(n) and not any(stored[r] for r in n.results) and len(n.operands) == len(n.results)
         for pos, o in enumerate(n.operands):
+            if slots:  # each operand is needed as long as the result in its slot
+                r = n.results[pos]
+                first, last = start.get(r, n.id), max(n.id, end.get(r, n.id))
             start[o] = min(start.get(o, first), first)
             spec = moves.get((n.id, pos))
             if spec is None:
@@ -211,8 +223,11 @@ def held_fractions(graph: Graph) -> dict[int, float]:
     arguments all of it (and their copies held beside, `Arg.held_beside`), intermediates from
     their producer to their last reader, values that stay inside fusions or are views none.
     Bytes times this fraction, summed, are the average memory of the step: a linear stand-in for
-    its peak that the strategy ILP can price."""
-    stored = _stored(graph)
+    its peak that the strategy ILP can price. A barrier's results count as buffers of their own
+    here: the ILP prices each slot's layout alone, and a result laid out unlike its operand is
+    the copy the move makes (left uncounted, reading a weight whole at `jax.checkpoint`'s
+    barrier was free to the ILP, and the plans it solved overran a limit they could meet)."""
+    stored = _stored(graph, barrier_views=False)
     end, _ = _lifetimes(graph, stored, {})
     steps = len(graph.nodes) + 1
     held = {a.value: 1.0 + a.held_beside for a in graph.args}
