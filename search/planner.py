@@ -25,6 +25,7 @@ from rhino_jax.core.plan import Plan
 
 from ..hlo_passes.graph import Graph
 from . import interrupt, progress
+from .gc_pause import few_full_collections
 from .assembly import add_hubs, ilp_problem
 from .coarsening import coarse_axes
 from .coarsening.cones import build_cones, replicated_choice, signature
@@ -63,7 +64,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
     `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
     options = dict(options, built={})  # what every round builds alike: the units, the graph's backbone
-    with interrupt.session():
+    with interrupt.session(), few_full_collections():
         plan = _found(_search(graph, topo, cluster, deadline=deadline, **options))
         tried, overlap = [plan], topo.overlap
         try:
