@@ -145,7 +145,9 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
             _keep_near(units, *coarse, topo.axis_names)
     sizes = topo.sizes
 
-    prices = Prices(graph, topo, [u.results for u in units])
+    prices = Prices(graph, topo, [u.results for u in units],
+                    _once({} if built is None else built, ("prices", dataclasses.replace(topo, overlap=0.0), graph.pins),
+                          dict))
 
     def unit_key(m: int) -> tuple:  # units that share a strategy list have the same strategies
         return id(units[m].strategies), *prices.unit_key(m)
@@ -292,9 +294,15 @@ def _never_fits(graph: Graph, topo: MeshTopology, cluster: Cluster, deadline: le
     limit = options["memory_limit_bytes"]
     if limit is None:
         return False
-    units, producer_unit, *_ = _space(graph, topo, cluster, options["strided"], options["constraints"],
-                                      options["built"], functools.partial(deadline.check, "it built the ILP"))
-    return least_arguments(graph, units, producer_unit, topo.sizes) > limit
+
+    def least() -> int:
+        units, producer_unit, *_ = _space(graph, topo, cluster, options["strided"], options["constraints"],
+                                          options["built"], functools.partial(deadline.check, "it built the ILP"))
+        return least_arguments(graph, units, producer_unit, topo.sizes)
+    # the same at every overlap share: found once per search
+    key = ("least arguments", dataclasses.replace(topo, overlap=0.0), graph.pins, options["strided"],
+           options["constraints"])
+    return _once({} if options["built"] is None else options["built"], key, least) > limit
 
 
 def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge | coarse_axes.Drop] | None", graph: Graph,
