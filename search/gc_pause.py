@@ -4,7 +4,8 @@ CPython collects its oldest generation once ten younger collections have run and
 that survived them have grown by a quarter: each such collection walks every object alive. A
 search of a large model holds millions (the graph, each unit's strategies, each cone's
 choices) and makes and drops as many again per overlap round, so the full collections came
-every few seconds and took a quarter of a 70B model's search (28 of them, 26 s of 95 s),
+every few seconds and took a quarter of a 70B model's search (28 of them, 22 to 26 s of 85 to
+95 s on two loaded cores),
 finding little: the search's garbage is freed by reference counting, and the young collections,
 which still run, take the few cycles it makes. Inside `few_full_collections` a full collection
 waits for `YOUNGER_PER_FULL` younger ones instead; the threshold is put back when the last
