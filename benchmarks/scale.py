@@ -3,6 +3,10 @@
 python -m benchmarks.scale [--cases NAME ...] [--limit-s 100] [--timeout-s 900] [--out benchmarks/]
     each case in its own process (its peak memory is its own): lower, search, the plan's
     prediction; writes scale.json and scale.md (the cases not rerun kept from the file there).
+    On these GPUs `lower()` also compiles the plans the search weighed to keep the fastest
+    (`rhino_jax/compiled_choice.py`: minutes each at 70B): "search s" is `lower()`'s time less
+    the lowering and those compiles (each `CompiledCandidate.compile_s`), which have their own
+    column.
 python -m benchmarks.scale --small
     the small case only (7B shapes, 4 layers, (4, 8, 8)): the check CI's test runs.
 python -m benchmarks.scale --compile [--cases ...]
@@ -163,9 +167,13 @@ def run_case(case: Case, limit_s: float, compile_plans: bool = False) -> dict:
     planned = time.perf_counter() - t0
     plan = lowered.plan
     stats = plan.search_stats
+    # the plans compiled at lower() to choose among them (`compiled_choice`), each with its time
+    chosen_s = sum(c.compile_s or 0.0 for c in stats.get("compiled_candidates", ()))
     tokens = PER_DEVICE * case.devices * SEQ
     mfu = 6 * shape.parameters() * tokens / plan.cost.total_s / case.devices / PEAK_FLOPS
-    out = {"lower_s": lower_s, "plan_s": planned, "search_s": planned - lower_s, "build_s": stats.get("build_s"),
+    out = {"lower_s": lower_s, "plan_s": planned, "search_s": planned - lower_s - chosen_s, "choice_s": chosen_s,
+           "choice_compiled": sum(c.compile_s is not None for c in stats.get("compiled_candidates", ())),
+           "build_s": stats.get("build_s"),
            "step_s": plan.cost.total_s, "gib_per_device": plan.cost.memory_bytes / GIB, "mfu": mfu,
            "parameters": shape.parameters(), "ilp_vars": stats.get("ilp_vars"), "status": stats.get("status"),
            "limit_s": limit_s,
@@ -221,17 +229,19 @@ def measure(case: Case, limit_s: float, timeout_s: float, compile_plans: bool = 
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| case | devices | limit s | lower s | search s (build) | wall s | peak RSS GiB | predicted step s | "
-           "GiB/dev | predicted MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| case | devices | limit s | lower s | search s (build) | compiled choice s (plans) | wall s | peak RSS GiB | "
+           "predicted step s | GiB/dev | predicted MFU |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     auto = []
     for r in rows:
         m = r["result"]
         head = f"| {r['case']['name']} | {r['devices']} | {m.get('limit_s') or '-'} "
         if not m["ok"]:
-            out.append(head + f"| failed: {m['error'][:160]} | | {m['wall_s']:.0f} | "
+            out.append(head + f"| failed: {m['error'][:160]} | | | {m['wall_s']:.0f} | "
                        f"{m.get('peak_rss_gib', float('nan')):.1f} | | | |")
             continue
-        out.append(head + f"| {m['lower_s'] or 0:.1f} | {m['search_s'] or 0:.1f} ({m['build_s'] or 0:.1f}) | "
+        # a row measured before the compiled choice was timed apart has no choice_s: "-"
+        choice = f"{m['choice_s']:.0f} ({m['choice_compiled']})" if "choice_s" in m else "-"
+        out.append(head + f"| {m['lower_s'] or 0:.1f} | {m['search_s'] or 0:.1f} ({m['build_s'] or 0:.1f}) | {choice} | "
                    f"{m['wall_s']:.0f} | {m['peak_rss_gib']:.2f} | {m['step_s']:.3f} | {m['gib_per_device']:.1f} | "
                    f"{100 * m['mfu']:.0f} % |")
         if m.get("candidates"):

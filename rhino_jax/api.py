@@ -22,6 +22,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from rhino_jax.hlo_passes.lowering import import_step, lower_on_mesh, step_target
 from rhino_jax.search import progress as search_progress
+from rhino_jax.search.gc_pause import few_full_collections
 from rhino_jax.search.cost.cluster import get_cluster
 from rhino_jax.search.space.constraints import CoShard, OpAssign, check_matched, check_parts
 from rhino_jax.core.plan import Plan
@@ -128,7 +129,7 @@ class Parallelized:
         if lowered is None:
             check_parts(self.options.constraints, len(self.devices or jax.devices()) if self.mesh is None
                         else self.mesh.size)
-            with search_progress.shown(search_progress.enabled(self.options.progress)):
+            with search_progress.shown(search_progress.enabled(self.options.progress)), few_full_collections():
                 if self.options.pipeline == "auto":
                     lowered = choose(self, call, key)
                 else:

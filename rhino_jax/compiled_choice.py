@@ -17,6 +17,7 @@ search's replay is what runs, and nothing is compiled before `compile()`.
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class CompiledCandidate:
     memory_bytes: int | None = None  # XLA's memory analysis of the program kept for it
     fits: bool | None = None  # within the devices' memory
     kept: bool = False
+    compile_s: float | None = None  # seconds its compile and pricing took at `lower()` (None: not compiled)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class _Compiled:
     seconds: float
     nbytes: int
     said: tuple[warnings.WarningMessage, ...]
+    compile_s: float  # what its compile and pricing took
 
     def fits(self) -> bool:
         return self.nbytes <= self.lowered.memory_limit_bytes
@@ -57,7 +60,8 @@ def fastest_compiled(candidates: list[Lowered]) -> Lowered:
     """The first of `candidates` (the search's plan, then its alternatives, best predicted first)
     for CPUs or when it is alone; for GPUs, the one whose compiled program runs fastest among
     those that fit (none fitting: the first), compiled already, its plan's `search_stats`
-    listing each candidate (`compiled_candidates`, `CompiledCandidate`s in the search's order)."""
+    listing each candidate (`compiled_candidates`, `CompiledCandidate`s in the search's order,
+    with what each compile took: `lower()`'s time less theirs is the search's and the lowering's)."""
     first = candidates[0]
     if len(candidates) == 1 or first.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
         return first
@@ -73,7 +77,7 @@ def fastest_compiled(candidates: list[Lowered]) -> Lowered:
     chosen = kept.lowered
     chosen.plan = dataclasses.replace(chosen.plan, search_stats=dict(chosen.plan.search_stats, compiled_candidates=[
         CompiledCandidate(c.plan.cost.total_s) if t is None else
-        CompiledCandidate(c.plan.cost.total_s, t.seconds, t.nbytes, t.fits(), t is kept)
+        CompiledCandidate(c.plan.cost.total_s, t.seconds, t.nbytes, t.fits(), t is kept, t.compile_s)
         for c, t in zip(candidates, tried)]))
     chosen._compiled.plan = chosen.plan
     chosen._said = kept.said
@@ -90,8 +94,9 @@ def _compile(lowered: Lowered, i: int, n: int) -> _Compiled:
     """`lowered` compiled (and kept compiled) with its warnings held back, and priced."""
     progress.say("rhino_jax: compiling the plan %d of %d the search weighed (predicted %.4g ms) to price it as XLA "
                  "schedules it", i + 1, n, lowered.plan.cost.total_s * 1e3)
+    t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         compiled = lowered.compile()
     seconds = price_compiled(compiled._executable, lowered.cluster).overlapped_s
-    return _Compiled(lowered, seconds, compiled.memory.total, tuple(said))
+    return _Compiled(lowered, seconds, compiled.memory.total, tuple(said), time.perf_counter() - t0)

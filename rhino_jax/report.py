@@ -113,11 +113,12 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
 
 def _compiled_candidate(c) -> str:
     """One plan `compiled_choice` weighed (a `CompiledCandidate`): its compiled step, its
-    predicted one and its memory."""
+    predicted one, its memory and what its compile took."""
     if c.compiled_s is None:
         return f"predicted {c.predicted_s * 1e3:.4g} ms, above a compiled step: not compiled"
     return (f"{'*' * c.kept}{c.compiled_s * 1e3:.4g} ms (predicted {c.predicted_s * 1e3:.4g}), "
-            f"{c.memory_bytes / 2**20:.1f} MiB" + ("" if c.fits else ", does not fit"))
+            f"{c.memory_bytes / 2**20:.1f} MiB" + ("" if c.fits else ", does not fit")
+            + (f", compiled in {c.compile_s:.3g} s" if c.compile_s is not None else ""))
 
 
 def mesh_candidates_report(plan: Plan) -> str:

@@ -25,6 +25,7 @@ from rhino_jax.core.plan import Plan
 
 from ..hlo_passes.graph import Graph
 from . import interrupt, progress
+from .gc_pause import few_full_collections
 from .assembly import add_hubs, ilp_problem
 from .coarsening import coarse_axes
 from .coarsening.cones import build_cones, replicated_choice, signature
@@ -63,7 +64,7 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
     `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
     options = dict(options, built={})  # what every round builds alike: the units, the graph's backbone
-    with interrupt.session():
+    with interrupt.session(), few_full_collections():
         plan = _found(_search(graph, topo, cluster, deadline=deadline, **options))
         tried, overlap = [plan], topo.overlap
         try:
@@ -144,7 +145,9 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
             _keep_near(units, *coarse, topo.axis_names)
     sizes = topo.sizes
 
-    prices = Prices(graph, topo, [u.results for u in units])
+    prices = Prices(graph, topo, [u.results for u in units],
+                    _once({} if built is None else built, ("prices", dataclasses.replace(topo, overlap=0.0), graph.pins),
+                          dict))
 
     def unit_key(m: int) -> tuple:  # units that share a strategy list have the same strategies
         return id(units[m].strategies), *prices.unit_key(m)
@@ -291,9 +294,15 @@ def _never_fits(graph: Graph, topo: MeshTopology, cluster: Cluster, deadline: le
     limit = options["memory_limit_bytes"]
     if limit is None:
         return False
-    units, producer_unit, *_ = _space(graph, topo, cluster, options["strided"], options["constraints"],
-                                      options["built"], functools.partial(deadline.check, "it built the ILP"))
-    return least_arguments(graph, units, producer_unit, topo.sizes) > limit
+
+    def least() -> int:
+        units, producer_unit, *_ = _space(graph, topo, cluster, options["strided"], options["constraints"],
+                                          options["built"], functools.partial(deadline.check, "it built the ILP"))
+        return least_arguments(graph, units, producer_unit, topo.sizes)
+    # the same at every overlap share: found once per search
+    key = ("least arguments", dataclasses.replace(topo, overlap=0.0), graph.pins, options["strided"],
+           options["constraints"])
+    return _once({} if options["built"] is None else options["built"], key, least) > limit
 
 
 def _starts(windowed: bool, coarse: "tuple[list, coarse_axes.Merge | coarse_axes.Drop] | None", graph: Graph,

@@ -9,6 +9,7 @@ own launch and latency (`combining.combined_alone`). A layout copy XLA adds to a
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,9 +27,19 @@ from .space.strategies import Strategy
 class Prices:
     """The prices of one search: per unit and per read, cached by what they depend on."""
 
-    def __init__(self, graph: Graph, topo: MeshTopology, unit_results: Sequence[tuple[int, ...]]):
+    def __init__(self, graph: Graph, topo: MeshTopology, unit_results: Sequence[tuple[int, ...]],
+                 shared: dict | None = None):
+        """`shared`: what searches of this graph on this mesh at other overlap shares found that
+        does not depend on the share (the overlap rounds, `planner.search`): which side of the
+        compute chain each value stands on, and the collectives of each move (a move's path is
+        the cheapest under α-β alone; what the share changes is the price of its collectives)."""
         self.graph, self.topo = graph, topo
-        self.sides = combining_sides(graph)
+        shared = {} if shared is None else shared
+        if "sides" not in shared:
+            shared["sides"] = combining_sides(graph)
+        self.sides = shared["sides"]
+        self._moves: dict[tuple, list[Collective]] = shared.setdefault("moves", {})
+        self._path_topo = dataclasses.replace(topo, overlap=0.0)  # one path cache for every share
         self.families: Families = families(topo, sorted({v.trips for v in graph.values}))
         self._unit_side = [self.side_of(rs) for rs in unit_results]
         self._unit_trips = [graph.values[rs[0]].trips if rs else 1 for rs in unit_results]
@@ -86,7 +97,10 @@ class Prices:
         value = self.graph.values[v]
         key = (src, dst, *self.value_key(v))
         if key not in self._reshards:
-            self._reshards[key] = self._priced(reshard(src, dst, value.nbytes, self.topo, value.shape), *key[4:])
+            moved = (src, dst, value.nbytes, value.shape)
+            if moved not in self._moves:
+                self._moves[moved] = reshard(src, dst, value.nbytes, self._path_topo, value.shape)
+            self._reshards[key] = self._priced(self._moves[moved], *key[4:])
         return self._reshards[key]
 
     def reshard(self, src: ShardingSpec, dst: ShardingSpec, v: int) -> float:

@@ -48,8 +48,10 @@ def test_the_faster_compiled_of_two_plans_is_kept_whatever_their_order(tmp_path)
     listed = kept.plan.search_stats["compiled_candidates"]
     assert [c.kept for c in listed] == [False, True]
     assert [c.compiled_s for c in listed] == pytest.approx([seconds[slower], seconds[faster]])
+    assert all(c.compile_s is not None and c.compile_s >= 0 for c in listed), "what each compile took"
     assert kept.compile() is kept._compiled and kept.compile().plan is kept.plan, "kept compiled, not compiled again"
     assert "compiled        " in kept.plan.report() and f"*{seconds[faster] * 1e3:.4g} ms" in kept.plan.report()
+    assert "compiled in " in kept.plan.report()
     for i, plan in enumerate((kept.plan, plans[0])):  # the second lowered as users do, its candidates its search's
         plan.save(tmp_path / f"{i}.json")
         loaded = rj.Plan.load(tmp_path / f"{i}.json")
