@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
+from .diagnostics import SearchDiagnostics
 from .plain_data import PlainDataError, from_plain, to_plain
 from .plan_file import PLAN_FORMAT, check_specs, not_readable, replace_file, spec_owner
 from .plan_target import PlanTarget, PlanTargetError
@@ -196,7 +197,7 @@ class Plan:
     fallback_ops: tuple[str, ...] = ()  # ops without a sharding rule, kept replicated
     # what the search measured on the way (its ILPs' sizes, status and times; the candidates it
     # weighed): diagnostics for the report, nothing that running the plan reads
-    search_stats: dict = field(default_factory=dict)
+    search_stats: SearchDiagnostics = field(default_factory=SearchDiagnostics)
     execution: Execution = field(default_factory=Execution)
     backend: str = "gpu"  # the XLA backend the cluster stands for (`cluster.Combiner`)
     # With `parallelize(mesh=None)`: every mesh shape searched, best predicted first (the chosen
@@ -310,7 +311,7 @@ class Plan:
         every program of the step."""
         out: dict[str, int] = {}
         for plan in [self, *self.program_plans().values()]:
-            for c, n in plan.search_stats.get("constraints", {}).items():
+            for c, n in plan.search_stats.constraints.items():
                 out[c] = out.get(c, 0) + n
         return out
 

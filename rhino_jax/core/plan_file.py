@@ -18,8 +18,9 @@ from .plain_data import location
 
 # The `rhino_jax_plan` entry of a plan file: bumped when the layout of the file changes (2: targets
 # record the platform and process layout, not device ids; 3: how the programs run is the plan's
-# `execution`, no longer among its search statistics).
-PLAN_FORMAT = 3
+# `execution`, no longer among its search statistics; 4: the search statistics are typed,
+# `SearchDiagnostics`, no longer a free-form object).
+PLAN_FORMAT = 4
 
 
 def check_writable(path: str | os.PathLike) -> None:

@@ -198,7 +198,8 @@ def test_a_save_that_fails_leaves_the_plan_file_that_was_there(failure, tmp_path
         monkeypatch.setattr(os, "fsync", full)
         other, raised = dataclasses.replace(plan, cluster="another"), OSError
     else:  # a search statistic JSON cannot hold: found only while the plan is serialised
-        other, raised = dataclasses.replace(plan, search_stats=dict(plan.search_stats, bad=object())), TypeError
+        other, raised = dataclasses.replace(plan, search_stats=dataclasses.replace(plan.search_stats,
+                                                                                   gap=object())), TypeError
     with pytest.raises(raised):
         other.save(path)
     assert path.read_bytes() == before
