@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from .diagnostics import SearchDiagnostics
 from .plain_data import PlainDataError, from_plain, to_plain
-from .plan_file import PLAN_FORMAT, check_specs, not_readable, replace_file, spec_owner
+from .plan_file import PLAN_FORMAT, check_specs, not_readable, replace_file, spec_owner, upgraded
 from .plan_target import PlanTarget, PlanTargetError
 from .specs import ShardingSpec
 
@@ -281,7 +281,7 @@ class Plan:
             why = not_readable(data)
             if why:
                 raise ValueError(why)
-            plan = from_plain(Plan, {k: v for k, v in data.items() if k != "rhino_jax_plan"})
+            plan = from_plain(Plan, {k: v for k, v in upgraded(data).items() if k != "rhino_jax_plan"})
             check_specs(plan)
             return plan
         except PlainDataError as e:
