@@ -88,7 +88,7 @@ def run(case: dict) -> dict:
         return dict(case, error=str(e).splitlines()[0], search_s=time.perf_counter() - start)
     plan = lowered.plan
     return dict(case, search_s=time.perf_counter() - start, flops=flops,
-                candidates=[dataclasses.asdict(c) for c in plan.search_stats["pipeline_candidates"]],
+                candidates=[dataclasses.asdict(c) for c in plan.search_stats.pipeline_candidates],
                 step_s=plan.cost.total_s, mfu=flops / (plan.cost.total_s * mesh.size * PEAK[case['preset']]),
                 stages=[dict(stage=s.stage, layers=s.layers, memory_bytes=s.memory_bytes,
                              forward_s=s.forward_s, backward_s=s.backward_s) for s in plan.stages])

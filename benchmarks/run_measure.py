@@ -92,7 +92,7 @@ def _lower_once(step, args, mesh, cluster, opt_level, memory_limit: int | None, 
         seconds = time.perf_counter() - start
     if any(issubclass(w.category, rj.SolverTimeLimitWarning) for w in caught):
         note = (note + "; " if note else "") + (f"time limit ({o3_limit:g} s), gap "
-                                                f"{lowered.plan.search_stats.get('gap', float('nan')):.1%}")
+                                                f"{lowered.plan.search_stats.gap:.1%}")
     return lowered, seconds, note
 
 
@@ -151,14 +151,14 @@ def measure(model, cfg, target: Target, mesh, method: str, *, concrete: bool, o3
     if method == LIMITED:
         if "no plan fits" in row["note"]:  # the fallback is the unlimited plan: a check that cannot fail
             return dict(row, status="no plan")
-        kept = f"limit {_size(limit)} ({len(plan.search_stats['not_replicated'])} largest states kept off replication)"
+        kept = f"limit {_size(limit)} ({len(plan.search_stats.not_replicated)} largest states kept off replication)"
         row["note"] = "; ".join(n for n in (kept, row["note"]) if n)
     if row["note"].startswith("time limit") or "; time limit" in row["note"]:
         row["status"] = "time limit"
     s = plan.search_stats
     # predicted as the target's compiler combines the plan's collectives, to compare with its program
     predicted = plan.collective_summary(target.compiler)
-    row.update(solve_s=s.get("solve_s"), ops=s.get("ops"), step_ms=plan.cost.total_s * 1e3,
+    row.update(solve_s=s.solve_s, ops=s.ops, step_ms=plan.cost.total_s * 1e3,
                compute_ms=plan.cost.compute_s * 1e3, comm_ms=plan.cost.comm_s * 1e3,
                pred_mib=sum(b for _, b in predicted.values()) / 2**20,
                pred_count=sum(n for n, _ in predicted.values()), pred_kinds=_kinds(predicted),
@@ -299,7 +299,7 @@ def strong_scaling(layers: int | None, log) -> list[dict]:
                        mem_pred_gib=plan.cost.memory_bytes / 2**30,
                        kinds={k: [v[0], v[1] / 2**20] for k, v in kinds.items()},
                        sharded=sharded_summary(plan),
-                       not_replicated=len(plan.search_stats.get("not_replicated", ())),
+                       not_replicated=len(plan.search_stats.not_replicated),
                        layers=cfg.n_layers)
             if rhino and n == 8:
                 row["report"] = plan.report(max_tensors=10)
@@ -319,7 +319,7 @@ def search_vs_layers(layer_counts, o3_limit: float, log) -> list[dict]:
         for level in ("O2", "O3"):
             lowered, seconds, note = _lower(model.make_train_step(cfg), args, mesh, M8, level, None, o3_limit)
             s = lowered.plan.search_stats
-            rows.append(dict(layers=layers, opt=level, search_s=seconds, solve_s=s["solve_s"], ops=s["ops"],
-                             ilp_vars=s["ilp_vars"], step_ms=lowered.plan.cost.total_s * 1e3, note=note))
+            rows.append(dict(layers=layers, opt=level, search_s=seconds, solve_s=s.solve_s, ops=s.ops,
+                             ilp_vars=s.ilp_vars, step_ms=lowered.plan.cost.total_s * 1e3, note=note))
             log(rows[-1])
     return rows

@@ -168,16 +168,16 @@ def run_case(case: Case, limit_s: float, compile_plans: bool = False) -> dict:
     plan = lowered.plan
     stats = plan.search_stats
     # the plans compiled at lower() to choose among them (`compiled_choice`), each with its time
-    chosen_s = sum(c.compile_s or 0.0 for c in stats.get("compiled_candidates", ()))
+    chosen_s = sum(c.compile_s or 0.0 for c in stats.compiled_candidates)
     tokens = PER_DEVICE * case.devices * SEQ
     mfu = 6 * shape.parameters() * tokens / plan.cost.total_s / case.devices / PEAK_FLOPS
     out = {"lower_s": lower_s, "plan_s": planned, "search_s": planned - lower_s - chosen_s, "choice_s": chosen_s,
-           "choice_compiled": sum(c.compile_s is not None for c in stats.get("compiled_candidates", ())),
-           "build_s": stats.get("build_s"),
+           "choice_compiled": sum(c.compile_s is not None for c in stats.compiled_candidates),
+           "build_s": stats.build_s,
            "step_s": plan.cost.total_s, "gib_per_device": plan.cost.memory_bytes / GIB, "mfu": mfu,
-           "parameters": shape.parameters(), "ilp_vars": stats.get("ilp_vars"), "status": stats.get("status"),
+           "parameters": shape.parameters(), "ilp_vars": stats.ilp_vars, "status": stats.status,
            "limit_s": limit_s,
-           "candidates": [[c.label, c.step_s, c.why] for c in stats.get("pipeline_candidates", ())]}
+           "candidates": [[c.label, c.step_s, c.why] for c in stats.pipeline_candidates]}
     if compile_plans:
         t0 = time.perf_counter()
         out["compiled"] = compile_and_price(step, args, mesh, lowered)

@@ -40,10 +40,10 @@ def plan_once(layers: int, opt_level: str, mesh, distinct: bool) -> dict:
     plan = rj.parallelize(step, mesh=mesh, opt_level=opt_level, donate_argnums=(0, 1),
                           solver_time_limit_s=600).lower(*args).plan
     s = plan.search_stats
-    return dict(layers=layers, opt=opt_level, plan_s=time.perf_counter() - start, build_s=s["build_s"],
-                solve_s=s["solve_s"], instructions=s["instructions"], critical=s["critical_nodes"],
-                proportion=s["critical_proportion"], subgraphs=s["subgraphs"], ilp_groups=s["ilp_groups"],
-                ilp_vars=s["ilp_vars"], windows=s.get("windows", 0), status=s["status"],
+    return dict(layers=layers, opt=opt_level, plan_s=time.perf_counter() - start, build_s=s.build_s,
+                solve_s=s.solve_s, instructions=s.ops, critical=s.critical_nodes,
+                proportion=s.critical_proportion, subgraphs=s.segments, ilp_groups=s.ilp_groups,
+                ilp_vars=s.ilp_vars, windows=s.windows, status=s.status,
                 step_ms=plan.cost.total_s * 1e3)
 
 

@@ -65,8 +65,8 @@ def measure(name, fn, args, mesh):
     compile_s = time.perf_counter() - start
     stats, plan = compiled.collectives, lowered.plan
     predicted_bytes = sum(c.bytes for c in plan.collectives)
-    return dict(method=name, ops=plan.search_stats["ops"], groups=plan.search_stats["groups"],
-                ilp_vars=plan.search_stats["ilp_vars"], solve_s=plan.search_stats["solve_s"],
+    return dict(method=name, ops=plan.search_stats.ops, groups=plan.search_stats.groups,
+                ilp_vars=plan.search_stats.ilp_vars, solve_s=plan.search_stats.solve_s,
                 plan_s=plan_s, compile_s=compile_s, step_ms=plan.cost.total_s * 1e3,
                 compute_ms=plan.cost.compute_s * 1e3, comm_ms=plan.cost.comm_s * 1e3,
                 pred_mib=predicted_bytes / 2**20, hlo_collectives=stats.count(),

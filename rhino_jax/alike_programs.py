@@ -41,8 +41,8 @@ def renamed(plan: Plan, searched: Graph, graph: Graph, name: str) -> Plan:
     are `graph`'s, and its search line says whose plan it is and took no time."""
     names = {a.path: b.path for a, b in zip(searched.args, graph.args)}
     names.update((a.name, b.name) for a, b in zip(searched.nodes, graph.nodes) if a.name)
-    stats = dict(plan.search_stats, solve_s=0.0, build_s=0.0, plan_of=name, stages=[], stage_names=[],
-                 not_replicated=tuple(names.get(n, n) for n in plan.search_stats.get("not_replicated", ())))
+    stats = dataclasses.replace(plan.search_stats, solve_s=0.0, build_s=0.0, plan_of=name, ilp_stages=(),
+                                not_replicated=tuple(names.get(n, n) for n in plan.search_stats.not_replicated))
     return dataclasses.replace(
         plan, arg_paths=tuple(a.path for a in graph.args), output_paths=graph.output_paths,
         collectives=tuple(dataclasses.replace(c, where=names.get(c.where, c.where)) for c in plan.collectives),

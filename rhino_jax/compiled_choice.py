@@ -21,24 +21,13 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from rhino_jax.core.diagnostics import CompiledCandidate
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.search import progress
 from rhino_jax.search.cost.gemm_workspace import GPU_PLATFORMS
 from rhino_jax.search.ties import SAME_STEP
 
 from .one_program import Lowered
-
-
-@dataclass(frozen=True)
-class CompiledCandidate:
-    """One plan `fastest_compiled` weighed, as the plan's report and its file list it."""
-
-    predicted_s: float  # the search's replay
-    compiled_s: float | None = None  # as its schedule runs; None: not compiled (predicted above a compiled step)
-    memory_bytes: int | None = None  # XLA's memory analysis of the program kept for it
-    fits: bool | None = None  # within the devices' memory
-    kept: bool = False
-    compile_s: float | None = None  # seconds its compile and pricing took at `lower()` (None: not compiled)
 
 
 @dataclass(frozen=True)
@@ -60,8 +49,8 @@ def fastest_compiled(candidates: list[Lowered]) -> Lowered:
     """The first of `candidates` (the search's plan, then its alternatives, best predicted first)
     for CPUs or when it is alone; for GPUs, the one whose compiled program runs fastest among
     those that fit (none fitting: the first), compiled already, its plan's `search_stats`
-    listing each candidate (`compiled_candidates`, `CompiledCandidate`s in the search's order,
-    with what each compile took: `lower()`'s time less theirs is the search's and the lowering's)."""
+    listing each candidate (`compiled_candidates`, in the search's order, with what each compile
+    took: `lower()`'s time less theirs is the search's and the lowering's)."""
     first = candidates[0]
     if len(candidates) == 1 or first.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
         return first
@@ -75,10 +64,11 @@ def fastest_compiled(candidates: list[Lowered]) -> Lowered:
     progress.say("rhino_jax: kept the plan %d of %d: %.4g ms as its schedule runs", tried.index(kept) + 1, len(tried),
                  kept.seconds * 1e3)
     chosen = kept.lowered
-    chosen.plan = dataclasses.replace(chosen.plan, search_stats=dict(chosen.plan.search_stats, compiled_candidates=[
-        CompiledCandidate(c.plan.cost.total_s) if t is None else
-        CompiledCandidate(c.plan.cost.total_s, t.seconds, t.nbytes, t.fits(), t is kept, t.compile_s)
-        for c, t in zip(candidates, tried)]))
+    listed = tuple(CompiledCandidate(c.plan.cost.total_s) if t is None else
+                   CompiledCandidate(c.plan.cost.total_s, t.seconds, t.nbytes, t.fits(), t is kept, t.compile_s)
+                   for c, t in zip(candidates, tried))
+    chosen.plan = dataclasses.replace(
+        chosen.plan, search_stats=dataclasses.replace(chosen.plan.search_stats, compiled_candidates=listed))
     chosen._compiled.plan = chosen.plan
     chosen._said = kept.said
     return chosen

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass
 
+from rhino_jax.core.diagnostics import PipelineCandidate
 from rhino_jax.search import interrupt, progress
 
 from .errors import MemoryLimitError, MeshError, RhinoError
@@ -42,20 +42,10 @@ def _label(options) -> str:
     return f"{stages}, {options.num_micro_batches} micro-batch{'es' if options.num_micro_batches > 1 else ''}"
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One plan `pipeline="auto"` weighed: its predicted step and memory, or why it has none."""
-
-    label: str
-    step_s: float | None  # None: no plan
-    memory_bytes: int | None
-    why: str = ""  # why it has no plan, or does not fit
-
-
 def choose(parallelized, call, key):
     """The candidate with the least predicted step among those that fit the devices' memory
-    (`memory_limit_bytes`, else the cluster's `memory_per_device`); `plan.search_stats[
-    "pipeline_candidates"]` lists each (`Candidate`), the chosen one first. When none fits, a
+    (`memory_limit_bytes`, else the cluster's `memory_per_device`); `plan.search_stats.
+    pipeline_candidates` lists each, the chosen one first. When none fits, a
     given `memory_limit_bytes` is an error; the preset's capacity only a warning (the estimate
     is not XLA's), and the least predicted step is taken."""
     if parallelized.mesh is None:
@@ -67,9 +57,10 @@ def choose(parallelized, call, key):
         return _choose(tried, errors, options, limit, interrupt.pressed())
 
 
-def _lower_candidates(parallelized, call, key, limit: int) -> tuple[list[tuple[Candidate, object]], list[RhinoError]]:
+def _lower_candidates(parallelized, call, key, limit: int
+                      ) -> tuple[list[tuple[PipelineCandidate, object]], list[RhinoError]]:
     """Each candidate lowered, or why not. Ctrl-C: the candidates lowered so far (none: it propagates)."""
-    tried: list[tuple[Candidate, object]] = []
+    tried: list[tuple[PipelineCandidate, object]] = []
     errors: list[RhinoError] = []
     cands = candidates(parallelized.options, parallelized.mesh.devices.shape[0])
     budget = budget_of(parallelized.options, len(cands))  # the candidates share the limit
@@ -81,7 +72,7 @@ def _lower_candidates(parallelized, call, key, limit: int) -> tuple[list[tuple[C
                 lowered = parallelized.lower_with(within(cand, budget, 1, _label(cand)), call, key)
             except RhinoError as e:
                 errors.append(e)
-                tried.append((Candidate(_label(cand), None, None, str(e).splitlines()[0][:160]), None))
+                tried.append((PipelineCandidate(_label(cand), None, None, str(e).splitlines()[0][:160]), None))
                 continue
             except KeyboardInterrupt:
                 if not any(lowered is not None for _, lowered in tried):
@@ -92,13 +83,13 @@ def _lower_candidates(parallelized, call, key, limit: int) -> tuple[list[tuple[C
             cost = lowered.plan.cost
             over = cost.memory_bytes > limit
             why = f"needs {cost.memory_bytes / 2**30:.1f} GiB/device > {limit / 2**30:.1f} GiB" if over else ""
-            tried.append((Candidate(_label(cand), cost.total_s, cost.memory_bytes, why), lowered))
+            tried.append((PipelineCandidate(_label(cand), cost.total_s, cost.memory_bytes, why), lowered))
             progress.say("rhino_jax: pipeline='auto': %s predicted %.4g ms, %.1f GiB/device", _label(cand),
                          cost.total_s * 1e3, cost.memory_bytes / 2**30, best_s=None if over else cost.total_s)
     return tried, errors
 
 
-def _reasons(tried: list[tuple[Candidate, object]], errors: list[RhinoError]) -> str:
+def _reasons(tried: list[tuple[PipelineCandidate, object]], errors: list[RhinoError]) -> str:
     """Why each candidate has no plan, whole (the report's table keeps a line of it), candidates
     with the same reason named together: every candidate failing alike says so once."""
     by_reason: dict[str, list[str]] = {}
@@ -107,7 +98,8 @@ def _reasons(tried: list[tuple[Candidate, object]], errors: list[RhinoError]) ->
     return "; ".join(f"{' / '.join(labels)}: {why}" for why, labels in by_reason.items())
 
 
-def _choose(tried: list[tuple[Candidate, object]], errors: list[RhinoError], options, limit: int, interrupted: bool):
+def _choose(tried: list[tuple[PipelineCandidate, object]], errors: list[RhinoError], options, limit: int,
+            interrupted: bool):
     """The fastest candidate that fits (see `choose`), its plan marked `interrupted` when Ctrl-C
     cut the comparison short."""
     planned = [t for t in tried if t[1] is not None]
@@ -128,6 +120,7 @@ def _choose(tried: list[tuple[Candidate, object]], errors: list[RhinoError], opt
     best = min(fitting, key=lambda t: t[0].step_s)
     chosen = best[1]
     table = tuple(c for c, _ in [best] + [t for t in tried if t is not best])
-    chosen.plan = dataclasses.replace(chosen.plan, search_stats=dict(chosen.plan.search_stats, pipeline_candidates=table),
-                                      interrupted=chosen.plan.interrupted or interrupted)
+    chosen.plan = dataclasses.replace(
+        chosen.plan, search_stats=dataclasses.replace(chosen.plan.search_stats, pipeline_candidates=table),
+        interrupted=chosen.plan.interrupted or interrupted)
     return chosen

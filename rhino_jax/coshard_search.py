@@ -19,6 +19,7 @@ import dataclasses
 import jax
 from jax.sharding import Mesh
 
+from rhino_jax.core.diagnostics import CoshardCandidate
 from rhino_jax.core.plan import CoshardCut, Plan
 from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError
 from rhino_jax.search.space import coshard as cut
@@ -82,8 +83,8 @@ def plan_with_coshards(step: LoweredStep, graph: Graph, mesh: Mesh, cluster: Clu
     step, graph, plan, choices = min(tried, key=lambda t: t[2].cost.total_s)
     if choices and plan.cost.memory_bytes >= free.cost.memory_bytes:
         raise ConstraintError(_saves_nothing(coshards, counts, plan, free))
-    stats = dict(plan.search_stats, coshard_candidates=[[t[3][0].chunks if t[3] else 1, t[2].cost.total_s,
-                                                         t[2].cost.memory_bytes] for t in tried])
+    stats = dataclasses.replace(plan.search_stats, coshard_candidates=tuple(
+        CoshardCandidate(t[3][0].chunks if t[3] else 1, t[2].cost.total_s, t[2].cost.memory_bytes) for t in tried))
     return step, graph, dataclasses.replace(plan, search_stats=stats,
                                             execution=dataclasses.replace(plan.execution, coshard=choices))
 

@@ -88,7 +88,8 @@ def _same_layouts(apply_graph: Graph, compute_graph: Graph, compute_plan: Plan) 
 
 def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mesh, trees,
              accumulate: str | None) -> Plan:
-    """One Plan for the step: apply-gradients' (the step's arguments and outputs), its cost k
+    """One Plan for the step: apply-gradients' (the step's arguments and outputs, the search
+    statistics: compute-gradients' stay with its plan, in `programs`), its cost k
     compute-gradients and one apply, the batch in compute-gradients' layout (per micro-batch);
     compute-gradients' memory counts the running sums beside it, in their accumulation dtype. The
     per-value layouts stay with the programs' plans (`programs`), not repeated here (a saved plan
@@ -101,12 +102,11 @@ def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mes
                     max(c.memory_bytes + sums, a.memory_bytes), k * c.hidden_s + a.hidden_s)
     n = len(compute_graph.args)
     specs = tuple(compute.arg_specs[i] if r == "batch" else apply.arg_specs[i] for i, r in enumerate(apply.arg_roles[:n]))
-    stats = dict(apply.search_stats, compute_gradients=compute.search_stats, status=apply.search_stats.get("status"))
     return dataclasses.replace(
         apply, arg_paths=apply.arg_paths[:n], arg_roles=apply.arg_roles[:n], arg_shapes=apply.arg_shapes[:n],
         arg_dtypes=apply.arg_dtypes[:n], arg_specs=specs, value_specs={}, read_specs={}, read_paths={}, cost=cost,
         collectives=compute.collectives * k + apply.collectives,
-        search_stats=stats, execution=dataclasses.replace(apply.execution, micro_batches=k),
+        execution=dataclasses.replace(apply.execution, micro_batches=k),
         input_shardings=call_tree(trees[0], named(mesh, specs)),
         output_shardings=jax.tree.unflatten(trees[1], named(mesh, apply.output_specs)))
 

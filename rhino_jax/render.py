@@ -215,13 +215,12 @@ def _scale(x0: float, y: float, width: float, longest: float) -> list[str]:
 def schedule_svg(plan: Plan) -> str:
     """The pipeline's timeline: a row per stage, a box per (pass, micro-batch) where the schedule's
     simulation (`Schedule.timeline`) places it, then each stage's apply-gradients."""
-    s, e = plan.search_stats, plan.execution
+    s, e = plan.search_stats.staging, plan.execution
     p, k = len(plan.stages), e.micro_batches
     schedule = plan.schedule()
     fwd, bwd = [st.forward_s for st in plan.stages], [st.backward_s for st in plan.stages]
     times = schedule.timeline(lambda t: (fwd if t.kind == "F" else bwd)[t.stage], e.transfer_s)
-    apply_at = max(end for _, end in times.values()) + sum(s.get(m, 0.0) for m in
-                                                           ("arguments_in_s", "sums_out_s", "outputs_out_s"))
+    apply_at = max(end for _, end in times.values()) + s.arguments_in_s + s.sums_out_s + s.outputs_out_s
     boxes = [(t.kind, t.stage, t.micro_batch, start, end) for t, (start, end) in times.items()]
     boxes += [("A", st.stage, -1, apply_at, apply_at + st.apply_s) for st in plan.stages]
     scale, x0 = 760 / max(max(b[4] for b in boxes), 1e-30), 210

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rhino_jax.core.diagnostics import CompiledCandidate, SearchDiagnostics
 from rhino_jax.core.plan import Plan, StagePlan, place_name
 from rhino_jax.core.plan_file import mesh_label
 from rhino_jax.hlo_passes.graph import dtype_size
@@ -28,39 +29,39 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
     ]
     if plan.interrupted:
         lines.append("interrupted     Ctrl-C stopped the search: this is the best plan found by then, not optimal")
-    if s:
-        tied = f", {s['tied_segments']} repeats tied" if "tied_segments" in s else ""
-        how = (f"each window optimal given the rest, {s['windows']} windows" if s["status"] == "windowed"
-               else "no bound" if np.isnan(s["gap"]) else f"gap {s['gap']:.2%}")
+    if s.status:
+        how = (f"each window optimal given the rest, {s.windows} windows" if s.status == "windowed"
+               else "no bound" if np.isnan(s.gap) else f"gap {s.gap:.2%}")
         lines += [
-            f"coarsening      {s['ops']} ops, {s['critical_nodes']} critical nodes "
-            f"({s['critical_proportion']:.1%}), {s['subgraphs']} segments{tied}; {s['groups']} cones",
-            f"search          ILP over {s['ilp_groups']} groups: {s['ilp_vars']} vars, "
-            f"{s['ilp_constraints']} constraints; {s['backend']} {s['status']} "
-            f"({how}) in {s['solve_s']:.2f} s" + _solves(s, several=e.micro_batches > 1 or e.pipeline > 1)]
-        if s.get("pipeline_candidates"):
+            f"coarsening      {s.ops} ops, {s.critical_nodes} critical nodes "
+            f"({s.critical_proportion:.1%}), {s.segments} segments, {s.tied_segments} repeats tied; {s.groups} cones",
+            f"search          ILP over {s.ilp_groups} groups: {s.ilp_vars} vars, "
+            f"{s.ilp_constraints} constraints; {s.solver} {s.status} "
+            f"({how}) in {s.solve_s:.2f} s" + _solves(s, several=e.micro_batches > 1 or e.pipeline > 1)]
+        if s.pipeline_candidates:
             lines.append("pipeline='auto' (chosen first): " + "; ".join(
                 (f"{c.label} {c.step_s * 1e3:.4g} ms, {c.memory_bytes / 2**30:.3g} GiB/device"
                  if c.step_s is not None else c.label) + (f" (infeasible: {c.why})" if c.why else "")
-                for c in s["pipeline_candidates"]))
-        if s.get("compiled_candidates"):
+                for c in s.pipeline_candidates))
+        if s.compiled_candidates:
             lines.append("compiled        the search's plans of other layouts, compiled for these GPUs and priced as "
                          "XLA schedules them (* kept): " + "; ".join(
-                             map(_compiled_candidate, s["compiled_candidates"])))
+                             map(_compiled_candidate, s.compiled_candidates)))
         if e.pipeline > 1:
+            staging = s.staging
             lines.append(f"pipeline        {e.pipeline} stages ({e.schedule}"
                          + (f" interlaced with {len(e.shared_places)} places on every device (op_assign "
                             "stage='all')" if e.shared_places else "")
                          + (f" over {e.passes} forward passes of {', '.join(e.repeated_layers)}, the "
                             "last differentiated" if e.passes > 1 else "")
-                         + f", {e.micro_batches} micro-batches; {s['stage_cut_bytes'] / 2**20:.2f} MiB cut"
-                         + (f", the stages' balance relaxed to ±{s['stage_epsilon']:g} of a share for op_assign"
-                            if s.get("stage_epsilon") else "")
+                         + f", {e.micro_batches} micro-batches; {staging.cut_bytes / 2**20:.2f} MiB cut"
+                         + (f", the stages' balance relaxed to ±{staging.epsilon:g} of a share for op_assign"
+                            if staging.epsilon else "")
                          + f", {e.transfer_s * 1e3:.3f} ms "
-                         f"to move a micro-batch's tensors across a boundary; {s['arguments_in_s'] * 1e3:.3f} ms to "
-                         f"bring the programs the arguments they read elsewhere, {s['sums_out_s'] * 1e3:.3f} ms to "
-                         "bring apply-gradients the sums and values of other stages, "
-                         f"{s.get('outputs_out_s', 0.0) * 1e3:.3f} ms to return the loss and metrics on the whole "
+                         f"to move a micro-batch's tensors across a boundary; {staging.arguments_in_s * 1e3:.3f} ms "
+                         f"to bring the programs the arguments they read elsewhere, {staging.sums_out_s * 1e3:.3f} ms "
+                         "to bring apply-gradients the sums and values of other stages, "
+                         f"{staging.outputs_out_s * 1e3:.3f} ms to return the loss and metrics on the whole "
                          "mesh), then apply-gradients on the stages (the search line above: its programs together)")
             lines += [f"    {place_name(st.stage, e.shared_places, e.passes, len(plan.stages))}  "
                       f"{mesh_label(st.mesh_axes)} devices {_runs(st.devices)}: forward {st.forward_s * 1e3:.3f}"
@@ -70,28 +71,29 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
                       f"{st.in_flight} in flight, {st.memory_bytes / 2**20:.1f} MiB/device; "
                       f"{', '.join(st.layers) or 'no named layers'}" + _alike(st) for st in plan.stages]
         elif e.micro_batches > 1:
-            cg = s["compute_gradients"]
+            cg = plan.programs["compute_gradients"].search_stats
             lines.append(f"micro-batching  {e.micro_batches} micro-batches of compute-gradients (ILP over "
-                         f"{cg['ilp_groups']} groups, {cg['status']}), their sums added up, then apply-gradients "
+                         f"{cg.ilp_groups} groups, {cg.status}), their sums added up, then apply-gradients "
                          "(the search line above); cost and collectives count every micro-batch")
         if plan.constrained():
             lines.append("constraints     " + "; ".join(f"{c} on {n} ops and arguments"
                                                         for c, n in plan.constrained().items()))
-        if s.get("coshard_candidates"):
+        if s.coshard_candidates:
             cut = e.coshard
             groups: dict[str, int] = {}
             for c in cut:
                 groups[c.constraint] = groups.get(c.constraint, 0) + 1
             lines.append("co-shard        " + ("; ".join(f"{c}: {n} groups in {cut[0].chunks} chunks"
                                                       for c, n in groups.items()) if cut else "no chunks")
-                         + " (tried: " + "; ".join(f"{n} chunk{'s' * (n > 1)} {t * 1e3:.4g} ms, {m / 2**20:.1f} MiB"
-                                                  for n, t, m in s["coshard_candidates"]) + ")")
-        if s.get("strided_values"):
-            lines.append(f"strided specs   {s['strided_values']} values held at a non-maximum stride "
-                         "(split dims in the compiled program), e.g. " + ", ".join(s["strided_examples"]))
-        if s.get("not_replicated"):
-            forced = ", ".join(s["not_replicated"][:6]) + (" ..." if len(s["not_replicated"]) > 6 else "")
-            lines.append(f"memory limit    kept from replication ({len(s['not_replicated'])}, largest first): "
+                         + " (tried: " + "; ".join(f"{c.chunks} chunk{'s' * (c.chunks > 1)} {c.step_s * 1e3:.4g} ms, "
+                                                  f"{c.memory_bytes / 2**20:.1f} MiB"
+                                                  for c in s.coshard_candidates) + ")")
+        if s.strided_values:
+            lines.append(f"strided specs   {s.strided_values} values held at a non-maximum stride "
+                         "(split dims in the compiled program), e.g. " + ", ".join(s.strided_examples))
+        if s.not_replicated:
+            forced = ", ".join(s.not_replicated[:6]) + (" ..." if len(s.not_replicated) > 6 else "")
+            lines.append(f"memory limit    kept from replication ({len(s.not_replicated)}, largest first): "
                          f"{forced}")
     if plan.mesh_candidates:
         lines += ["", mesh_candidates_report(plan)]
@@ -111,9 +113,9 @@ def report(plan: Plan, max_tensors: int = 12) -> str:
     return "\n".join(lines)
 
 
-def _compiled_candidate(c) -> str:
-    """One plan `compiled_choice` weighed (a `CompiledCandidate`): its compiled step, its
-    predicted one, its memory and what its compile took."""
+def _compiled_candidate(c: CompiledCandidate) -> str:
+    """One plan `compiled_choice` weighed: its compiled step, its predicted one, its memory and
+    what its compile took."""
     if c.compiled_s is None:
         return f"predicted {c.predicted_s * 1e3:.4g} ms, above a compiled step: not compiled"
     return (f"{'*' * c.kept}{c.compiled_s * 1e3:.4g} ms (predicted {c.predicted_s * 1e3:.4g}), "
@@ -164,23 +166,22 @@ def _kinds_lines(plan: Plan, backend: str) -> list[str]:
             for kind, (n, b, m) in sorted(summary.items())] or ["  none"]
 
 
-def _solves(stats: dict, several: bool) -> str:
+def _solves(stats: SearchDiagnostics, several: bool) -> str:
     """The search line's tail: each ILP's time where the search solved several (the progress line
     says each one's as it ends, "ILP optimal in 7.84 s"), and the ILP's own estimate of the step,
     the progress line's "predicted", which the predicted step refines by replaying XLA's combiners
     on the chosen collectives. No estimate for a step run as several programs (the search line is
     one program's: `several`) nor for a memory-limit trial (its objective prices memory too)."""
-    names = stats.get("stage_names", ())
-    parts = [f"{name} {stage[3]:.2f} s" for name, stage in zip(names, stats.get("stages", ()))]
+    parts = [f"{stage.name} {stage.solve_s:.2f} s" for stage in stats.ilp_stages]
     out = f" ({', then '.join(parts)})" if len(parts) > 1 else ""
-    if "objective_s" in stats and not several and not stats.get("memory_weight_s"):
-        out += f"; the ILP's estimate of the step {stats['objective_s'] * 1e3:.4g} ms"
+    if not several and not stats.memory_weight_s:
+        out += f"; the ILP's estimate of the step {stats.objective_s * 1e3:.4g} ms"
     return out
 
 
 def _alike(st: StagePlan) -> str:
     """A stage whose programs took alike ones' plans (`alike_programs`) says whose."""
-    of = [p.search_stats["plan_of"] for p in (st.forward, st.backward) if p and "plan_of" in p.search_stats]
+    of = [p.search_stats.plan_of for p in (st.forward, st.backward) if p and p.search_stats.plan_of]
     return f"; the plans of {' and '.join(of)}, alike programs searched once" if of else ""
 
 

@@ -60,7 +60,7 @@ def fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pla
         nonlocal out_of_time
         _stop_if_interrupted(tried, fits)
         out_of_time = deadline is not None and deadline.left() <= 0
-        return out_of_time or tried[-1].search_stats["status"] == "interrupted"
+        return out_of_time or tried[-1].search_stats.status == "interrupted"
 
     lo, hi, step = _leading(unlimited, args), None, 1  # the plan with k = lo does not fit
     if len(candidates) > PROBE_ALL and lo < len(candidates) and not stop():
@@ -186,7 +186,7 @@ def _fitting(plan: Plan, limit: int) -> float | None:
 
 def _stop_if_interrupted(tried: list[Plan], fits) -> None:
     """Ctrl-C during the search: stop, with no plan to return unless one fits already."""
-    if tried[-1].search_stats["status"] == "interrupted" and not any(fits(p) for p in tried):
+    if tried[-1].search_stats.status == "interrupted" and not any(fits(p) for p in tried):
         raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 
+from rhino_jax.core.diagnostics import SearchDiagnostics
 from rhino_jax.core.plan import Plan, PlanCost, PlannedCollective
 from rhino_jax.core.specs import ShardingSpec
 
@@ -86,7 +87,7 @@ def _seen_as_constant(graph: Graph, u: Unit, pos: int) -> bool:
     return node.op == "chlo.scan" and pos >= len(node.operands) // 2
 
 
-def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, stats,
+def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, stats: SearchDiagnostics,
               prices: Prices) -> Plan:
     chosen: dict[int, Strategy] = {}
     for g, j in zip(groups, choice):
@@ -187,7 +188,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
     memory = plan_memory(graph, specs, topo, read_specs, out_specs)
     strided = [v for v, spec in specs.items() if spec.strides]
     examples = dict.fromkeys(f"{graph.values[v].shape} {specs[v]}" for v in strided)
-    stats = dict(stats, strided_values=len(strided), strided_examples=tuple(examples)[:3])
+    stats = dataclasses.replace(stats, strided_values=len(strided), strided_examples=tuple(examples)[:3])
     return Plan(
         mesh_axes=dict(zip(topo.axis_names, topo.axis_sizes)),
         cluster=cluster.name,
@@ -205,6 +206,6 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
         cost=PlanCost(compute, comm, compute + comm - hidden, memory, hidden, off_chain),
         collectives=tuple(planned),
         fallback_ops=tuple(fallback),
-        search_stats=dict(ops=len(graph.nodes), **stats),
+        search_stats=stats,
         backend=cluster.backend,
     )

@@ -21,6 +21,7 @@ from typing import TypeVar
 import numpy as np
 
 from rhino_jax.errors import ConstraintError, MemoryLimitError, SolverError, SolverTimeLimitWarning
+from rhino_jax.core.diagnostics import IlpStage, SearchDiagnostics
 from rhino_jax.core.plan import Plan
 
 from ..hlo_passes.graph import Graph
@@ -161,15 +162,15 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     priced = ilp_problem(units, groups, group_of, producer_unit, prices, hub_of, building)
     problem = with_preferences(priced, [seen(units, g.members, g.choice, graph, sizes) for g in groups])
     bb = _once({} if built is None else built, "backbone", lambda: backbone(graph))  # the graph's, not the mesh's
-    stats = dict(bb.stats(len(graph.nodes)), units=len(units), groups=len(groups), edges=len(problem.edges),
-                 hubs=len(hub_of), **({"constraints": constrained} if constrained else {}))
     segments = group_segments(units, groups, group_of, bb, producer_unit)
     loops = [(group_of[a], group_of[b]) for a, b in ties]
-    repeats, stats["tied_segments"] = tie_repeats(units, groups, segments, graph, producer_unit)
+    repeats, tied_segments = tie_repeats(units, groups, segments, graph, producer_unit)
     building()
+    similar_segments: int | None = None
 
     def similar() -> levels.Tying:  # only when the exact tying is too large to solve whole
-        alike, stats["similar_segments"] = tie_repeats(units, groups, segments, graph, producer_unit, exact=False)
+        nonlocal similar_segments
+        alike, similar_segments = tie_repeats(units, groups, segments, graph, producer_unit, exact=False)
         return levels.tying(problem, _merge_classes(alike, loops), segments)
 
     # untied, a loop's entry and exit still one class: O3's ILP, and what explain solves again (`repin`)
@@ -178,33 +179,36 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     solvers = levels.Levels(
         similar,
         levels.tying(problem, _merge_classes(repeats, loops), segments),
-        untied, variables if stats["tied_segments"] else 0, opt_level == "O3", backend,
+        untied, variables if tied_segments else 0, opt_level == "O3", backend,
         starts=lambda windowed: _starts(windowed, coarse, graph, topo, cluster, units, groups, deadline,
                                         coarse_options),
         price=lambda choice: ilp.evaluate(priced, choice))  # the step, less the ranks of tied strategies (`ties`)
-    stats["build_s"] = time.perf_counter() - t0
+    build_s = time.perf_counter() - t0
     progress.say("rhino_jax: %d ops → %d cones (%d critical nodes, %d segments, %d tied) in %.2f s",
-                 len(graph.nodes), len(groups), stats["critical_nodes"], stats["subgraphs"],
-                 stats["tied_segments"], stats["build_s"])
+                 len(graph.nodes), len(groups), len(bb.critical), bb.num_segments, tied_segments, build_s)
 
     held = functools.cache(lambda: held_bytes(graph, units, groups, sizes))
 
-    def stats_of(solution: ilp.Solution, info: dict, ilp_groups: int, forced: list[int], weight_s: float) -> dict:
-        return dict(stats, **info, ilp_groups=ilp_groups, ilp_vars=solution.num_vars,
-                    ilp_constraints=solution.num_constraints, solve_s=sum(st[3] for st in info["stages"]),
-                    backend=solution.backend, status=solution.status, gap=solution.gap,
-                    objective_s=solution.objective_s, relaxation_exact=solution.relaxation_exact,
-                    not_replicated=tuple(units[groups[g].root].name for g in forced), memory_weight_s=weight_s)
+    def stats_of(solution: ilp.Solution, stages: tuple[IlpStage, ...], solved_windows: int, ilp_groups: int,
+                 forced: list[int], weight_s: float) -> SearchDiagnostics:
+        return SearchDiagnostics(
+            ops=len(graph.nodes), critical_nodes=len(bb.critical), segments=bb.num_segments,
+            tied_segments=tied_segments, similar_segments=similar_segments, groups=len(groups), hubs=len(hub_of),
+            constraints=constrained, ilp_groups=ilp_groups, ilp_vars=solution.num_vars,
+            ilp_constraints=solution.num_constraints, solver=solution.backend, status=solution.status,
+            gap=solution.gap, objective_s=solution.objective_s, windows=solved_windows, build_s=build_s,
+            solve_s=sum(st.solve_s for st in stages), ilp_stages=stages,
+            not_replicated=tuple(units[groups[g].root].name for g in forced), memory_weight_s=weight_s)
 
     def kept_ilp(choice: list[int], forbidden: list[np.ndarray], forced: list[int], weight_s: float) -> Repin:
         """The plan's ILP, kept to be solved again with one argument pinned (`repin`)."""
         def make(chosen: list[int], solution: ilp.Solution) -> Plan:
             if not weight_s:  # the step without the tie ranks (else the objective prices memory too)
                 solution = dataclasses.replace(solution, objective_s=ilp.evaluate(priced, chosen))
-            info = {"stages": [(len(groups), solution.status, solution.objective_s, solution.solve_s)],
-                    "stage_names": ["one argument pinned, from the plan"]}
+            stages = (IlpStage("one argument pinned, from the plan", len(groups), solution.status,
+                               solution.objective_s, solution.solve_s),)
             return make_plan(graph, topo, cluster, units, groups, chosen, fallback, opt_level,
-                             stats_of(solution, info, len(groups), forced, weight_s), prices)
+                             stats_of(solution, stages, 0, len(groups), forced, weight_s), prices)
         weighed = functools.cache(lambda: untied().weighed(weight_s, held())) if weight_s else untied
         return Repin(weighed, tuple(forbidden), tuple(choice), units, groups, group_of, producer_unit, sizes, backend,
                      make)
@@ -219,27 +223,28 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
                      "best plan so far)", len(solvers.stages[-1][0].problem.costs),
                      f", {len(forced)} arguments not replicated" if forced else "", max(deadline.left(), 0.0))
         answered = interrupt.pressed()  # a Ctrl-C before this solve: told already, this plan is greedy
-        choice, solution, info = solvers.solve(deadline, forbidden, weight_s, held() if weight_s else None)
+        choice, solution, stages, solved_windows = solvers.solve(deadline, forbidden, weight_s,
+                                                                 held() if weight_s else None)
         progress.say("rhino_jax: ILP %s in %.2f s%s: the ILP's estimate of the step %.4g ms", solution.status,
                      solution.solve_s, " (its LP relaxation was integral)" if solution.relaxation_exact else "",
                      solution.objective_s * 1e3)
-        st = stats_of(solution, info, len(solvers.stages[-1][0].problem.costs), forced, weight_s)
+        st = stats_of(solution, stages, solved_windows, len(solvers.stages[-1][0].problem.costs), forced, weight_s)
         try:
             plan = make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st, prices)
         except KeyboardInterrupt:  # while the plan is assembled: assembled again, as the plan so far
             interrupt.press()
-            st["status"] = "interrupted"
+            st = dataclasses.replace(st, status="interrupted")
             plan = make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, st, prices)
         if variables <= KEPT_VARS:  # explain's alternatives solve it again
             plan = dataclasses.replace(plan, repin=kept_ilp(choice, forbidden, forced, weight_s))
         gap = "no bound (solved by windows)" if np.isnan(solution.gap) else f"a gap of {solution.gap:.1%}"
-        if st["status"] == "interrupted" and not answered:
+        if st.status == "interrupted" and not answered:
             interrupt.warn(f"strategy search ({solution.solve_s:.1f} s of solving, {gap})", stacklevel=4)
-        if st["status"] == "feasible":
+        if st.status == "feasible":
             warnings.warn(f"strategy solver stopped at its {deadline.seconds:g} s time limit with {gap}; the plan is "
                           "feasible but may not be optimal (raise solver_time_limit_s for a better one)",
                           SolverTimeLimitWarning, stacklevel=4)
-        plan = dataclasses.replace(plan, interrupted=st["status"] == "interrupted" or interrupt.pressed())
+        plan = dataclasses.replace(plan, interrupted=st.status == "interrupted" or interrupt.pressed())
         if with_choice:
             made.append((plan, [groups[group_of[m]].choice[choice[group_of[m]]][m] for m in range(built)]))
         return plan
@@ -247,7 +252,7 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     built, made = len(units) - len(hub_of), []
     plan = plan_with([])
     if memory_limit_bytes is not None and plan.cost.memory_bytes > memory_limit_bytes:
-        if plan.search_stats["status"] == "interrupted":
+        if plan.search_stats.status == "interrupted":
             raise KeyboardInterrupt("the search was interrupted before it found a plan within memory_limit_bytes")
         least = least_arguments(graph, units, producer_unit, sizes)
         if least > memory_limit_bytes:  # no plan can fit: say so now rather than after every solve

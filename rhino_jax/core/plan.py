@@ -6,8 +6,9 @@ import os
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
+from .diagnostics import SearchDiagnostics
 from .plain_data import PlainDataError, from_plain, to_plain
-from .plan_file import PLAN_FORMAT, check_specs, not_readable, replace_file, spec_owner
+from .plan_file import PLAN_FORMAT, check_specs, not_readable, replace_file, spec_owner, upgraded
 from .plan_target import PlanTarget, PlanTargetError
 from .specs import ShardingSpec
 
@@ -196,7 +197,7 @@ class Plan:
     fallback_ops: tuple[str, ...] = ()  # ops without a sharding rule, kept replicated
     # what the search measured on the way (its ILPs' sizes, status and times; the candidates it
     # weighed): diagnostics for the report, nothing that running the plan reads
-    search_stats: dict = field(default_factory=dict)
+    search_stats: SearchDiagnostics = field(default_factory=SearchDiagnostics)
     execution: Execution = field(default_factory=Execution)
     backend: str = "gpu"  # the XLA backend the cluster stands for (`cluster.Combiner`)
     # With `parallelize(mesh=None)`: every mesh shape searched, best predicted first (the chosen
@@ -280,7 +281,7 @@ class Plan:
             why = not_readable(data)
             if why:
                 raise ValueError(why)
-            plan = from_plain(Plan, {k: v for k, v in data.items() if k != "rhino_jax_plan"})
+            plan = from_plain(Plan, {k: v for k, v in upgraded(data).items() if k != "rhino_jax_plan"})
             check_specs(plan)
             return plan
         except PlainDataError as e:
@@ -310,7 +311,7 @@ class Plan:
         every program of the step."""
         out: dict[str, int] = {}
         for plan in [self, *self.program_plans().values()]:
-            for c, n in plan.search_stats.get("constraints", {}).items():
+            for c, n in plan.search_stats.constraints.items():
                 out[c] = out.get(c, 0) + n
         return out
 

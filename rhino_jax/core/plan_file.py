@@ -18,8 +18,10 @@ from .plain_data import location
 
 # The `rhino_jax_plan` entry of a plan file: bumped when the layout of the file changes (2: targets
 # record the platform and process layout, not device ids; 3: how the programs run is the plan's
-# `execution`, no longer among its search statistics).
-PLAN_FORMAT = 3
+# `execution`, no longer among its search statistics; 4: the search statistics are typed,
+# `SearchDiagnostics`, no longer a free-form object).
+PLAN_FORMAT = 4
+OLDEST_FORMAT = 3  # the oldest format this rhino_jax loads (`upgraded`)
 
 
 def check_writable(path: str | os.PathLike) -> None:
@@ -67,7 +69,7 @@ def not_readable(data) -> str | None:
         return (f"not a rhino_jax plan file: it holds {held} a \"rhino_jax_plan\" format entry; give a file written "
                 "by Plan.save or python -m rhino_jax plan")
     found = data["rhino_jax_plan"]
-    if type(found) is int and found == PLAN_FORMAT:
+    if type(found) is int and OLDEST_FORMAT <= found <= PLAN_FORMAT:
         return None
     if type(found) is not int:
         what = "no rhino_jax writes that; plan again with this one"
@@ -75,7 +77,97 @@ def not_readable(data) -> str | None:
         what = "a newer rhino_jax wrote it; upgrade rhino_jax to load it, or plan again with this one"
     else:
         what = "an older rhino_jax wrote it; plan again with this one"
-    return f"the plan file is of format {json.dumps(found)} where this rhino_jax reads format {PLAN_FORMAT}: {what}"
+    return (f"the plan file is of format {json.dumps(found)} where this rhino_jax reads formats {OLDEST_FORMAT} to "
+            f"{PLAN_FORMAT}: {what}")
+
+
+def upgraded(data: dict) -> dict:
+    """A readable plan file's data (`not_readable`) in the layout of `PLAN_FORMAT`: a plan of
+    format 3, and each plan it holds, with its free-form search statistics as the data of a
+    `SearchDiagnostics`."""
+    if data["rhino_jax_plan"] == PLAN_FORMAT:
+        return data
+    return _upgraded_plan(data)
+
+
+def _upgraded_plan(plan: dict, where: tuple[str | int, ...] = ()) -> dict:
+    """A format 3 plan's data, and that of each plan it holds (its stages', its programs'), with
+    `search_stats` as format 4 writes it; `where` leads to it in the file."""
+    if not isinstance(plan, dict):
+        return plan  # not a plan: loading it says what is wrong there
+    out = dict(plan)
+    if "search_stats" in plan:
+        out["search_stats"] = _format3_stats(plan["search_stats"], (*where, "search_stats"))
+    if isinstance(plan.get("stages"), list):
+        out["stages"] = [{**st, **{attr: _upgraded_plan(st[attr], (*where, "stages", i, attr))
+                                   for attr in ("forward", "backward") if st.get(attr) is not None}}
+                         if isinstance(st, dict) else st for i, st in enumerate(plan["stages"])]
+    if isinstance(plan.get("programs"), dict):
+        out["programs"] = {name: _upgraded_plan(p, (*where, "programs", name)) for name, p in plan["programs"].items()}
+    return out
+
+
+# Format 3's search statistics kept under the same name in format 4.
+_FORMAT3_KEPT = frozenset({
+    "ops", "critical_nodes", "tied_segments", "similar_segments", "groups", "hubs", "constraints", "ilp_groups",
+    "ilp_vars", "ilp_constraints", "status", "gap", "objective_s", "windows", "build_s", "solve_s", "not_replicated",
+    "memory_weight_s", "strided_values", "strided_examples", "plan_of", "pipeline_candidates", "compiled_candidates"})
+# What format 3's search statistics held that format 4's do not: the same figure again
+# ("instructions": the ops; "critical_proportion": a property; "compute_gradients": the search
+# statistics of the plan of that program, among the plan's programs), or what nothing read
+# ("units", "edges", "relaxation_exact", "stage_flops").
+_FORMAT3_LEFT_OUT = frozenset({"instructions", "critical_proportion", "compute_gradients", "units", "edges",
+                               "relaxation_exact", "stage_flops"})
+_FORMAT3_RENAMED = {"subgraphs": "segments", "backend": "solver"}
+_FORMAT3_STAGING = {"stage_cut_bytes": "cut_bytes", "stage_epsilon": "epsilon", "arguments_in_s": "arguments_in_s",
+                    "sums_out_s": "sums_out_s", "outputs_out_s": "outputs_out_s"}
+
+
+def _format3_stats(stats, where: tuple[str | int, ...]):
+    """Format 3's search statistics (a free-form object: a tuple written as {"__tuple__": [...]},
+    a float not finite as {"__float__": "nan"}, a candidate as {"__dataclass__": ..., "fields":
+    {...}}) as format 4 writes a `SearchDiagnostics`. A key format 3 never wrote is refused,
+    naming it; loading refuses a value of the wrong form."""
+    if not isinstance(stats, dict):
+        return stats
+    stats = _untagged(stats)
+    unknown = sorted(set(stats) - _FORMAT3_LEFT_OUT - set(_FORMAT3_RENAMED) - set(_FORMAT3_STAGING)
+                     - {"stages", "stage_names", "coshard_candidates"} - _FORMAT3_KEPT)
+    if unknown:
+        raise ValueError(f"{location((*where, unknown[0]))}: no rhino_jax of format 3 writes this search statistic; "
+                         "plan again")
+    out = {key: value for key, value in stats.items() if key in _FORMAT3_KEPT}
+    out.update((new, stats[old]) for old, new in _FORMAT3_RENAMED.items() if old in stats)
+    stages, names = stats.get("stages", []), stats.get("stage_names", [])
+    if stages or names:
+        if not (isinstance(stages, list) and isinstance(names, list) and len(stages) == len(names)
+                and all(isinstance(st, list) and len(st) == 4 for st in stages)):
+            raise ValueError(f"{location((*where, 'stages'))}: expected a list of [classes, status, objective_s, "
+                             "solve_s] and as many stage_names")
+        out["ilp_stages"] = [dict(name=name, classes=st[0], status=st[1], objective_s=st[2], solve_s=st[3])
+                             for name, st in zip(names, stages)]
+    if "coshard_candidates" in stats:
+        out["coshard_candidates"] = [dict(zip(("chunks", "step_s", "memory_bytes"), c)) if isinstance(c, list) else c
+                                     for c in stats["coshard_candidates"]]
+    if "stage_cut_bytes" in stats:
+        out["staging"] = {new: stats[old] for old, new in _FORMAT3_STAGING.items() if old in stats}
+    return out
+
+
+def _untagged(data):
+    """Free-form data of format 3 with its tags taken off: a tuple is a list, a float not finite
+    its string ("nan"), a dataclass its fields, as format 4 writes each typed."""
+    if isinstance(data, list):
+        return [_untagged(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if data.keys() == {"__tuple__"}:
+        return _untagged(data["__tuple__"])
+    if data.keys() == {"__float__"}:
+        return data["__float__"]
+    if data.keys() == {"__dataclass__", "fields"}:
+        return data["fields"]
+    return {k: _untagged(v) for k, v in data.items()}
 
 
 # The field of a plan's data that names the tensor of each spec of a field of specs.

@@ -9,6 +9,7 @@ from collections import Counter
 import jax
 from jax.sharding import Mesh
 
+from rhino_jax.core.diagnostics import Staging
 from rhino_jax.core.plan import Execution, Plan, PlanCost, StagePlan, program_name
 from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.hlo_passes import stages as stage_programs
@@ -234,12 +235,12 @@ class PipelinedLowered(SeveralProgramsLowered):
         return sum(ag.values[ag.args[i].value].nbytes // layouts[i][1].shard_factor(axes)
                    for i, at in self._home.items() if at == s and i < len(layouts) and i not in read)
 
-    def _summary(self, chain: Execution, staged: dict) -> Plan:
+    def _summary(self, chain: Execution, staged: Staging) -> Plan:
         """The step's plan: its arguments and results where the stages take and return them, the
         pipeline's cost (the schedule's time for the stages' programs, the moves once per step,
         then apply-gradients' programs, wave by wave, each wave as long as its slowest stage),
         and apply-gradients' searches as its search line; how it runs, the chain's places
-        (`chain`) and the schedule. `staged`: the stager's bytes cut and FLOPs per stage."""
+        (`chain`) and the schedule. `staged`: the stager's figures, its moves not yet priced."""
         fwd, bwd = [s.forward_s for s in self.stages], [s.backward_s for s in self.stages]
         transfer_s = _transfer_s(self.transfers)
         pipeline_s = self.schedule.makespan(fwd, bwd, transfer_s) + sum(self.moves_s)
@@ -251,9 +252,10 @@ class PipelinedLowered(SeveralProgramsLowered):
                             for s, st in enumerate(self.stages)), total("hidden_s"))
         whole, ag, n = self._step.whole, self._step.apply_graph, len(self._step.compute_graph.args)
         plans = [plan for _, _, plan in self._applies]
-        stats = dict(_searches({program_name("A", prog.stage, prog.wave): plan.search_stats
-                                for prog, _, plan in self._applies}), **staged,
-                     arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1], outputs_out_s=self.moves_s[2])
+        staging = dataclasses.replace(staged, arguments_in_s=self.moves_s[0], sums_out_s=self.moves_s[1],
+                                      outputs_out_s=self.moves_s[2])
+        stats = dataclasses.replace(_searches({program_name("A", prog.stage, prog.wave): plan.search_stats
+                                               for prog, _, plan in self._applies}), staging=staging)
         rows = self.schedule.rows() if self.schedule.name == "op_order" or self.shared else ()
         execution = dataclasses.replace(chain, micro_batches=self.k, pipeline=len(self.stage_meshes),
                                         schedule=self.schedule.name, schedule_rows=rows, applies=self.apply_tasks,

@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 
+from rhino_jax.core.diagnostics import SearchDiagnostics
 from rhino_jax.core.plan import ApplyTask, Plan
 from rhino_jax.core.specs import ShardingSpec
 from rhino_jax.hlo_passes import stages as stage_programs
@@ -167,23 +168,18 @@ def _apply_tasks(applies: list[Planned], home: dict[int, int], n: int) -> tuple[
                  for prog, _, _ in applies)
 
 
-def _searches(named: dict[str, dict]) -> dict:
+def _searches(named: dict[str, SearchDiagnostics]) -> SearchDiagnostics:
     """apply-gradients' programs' searches (by program name) as one search line: sizes and times
     added up (each program's ILPs one after another, named by their program), the worst status
     (interrupted, then any other than optimal) with its figures, the largest gap."""
     stats = list(named.values())
-    worst = max(stats, key=lambda st: (st.get("status") == "interrupted", st.get("status") != "optimal"))
-    out = dict(worst)
-    for key in ("ops", "critical_nodes", "subgraphs", "groups", "tied_segments", "ilp_groups", "ilp_vars",
-                "ilp_constraints", "solve_s", "build_s"):
-        if all(key in st for st in stats):
-            out[key] = sum(st[key] for st in stats)
-    if "ops" in out:
-        out["critical_proportion"] = out.get("critical_nodes", 0) / max(out["ops"], 1)
-    gaps = [st.get("gap", 0.0) for st in stats]
-    out["gap"] = float("nan") if any(np.isnan(g) for g in gaps) else max(gaps)
-    out["not_replicated"] = tuple(x for st in stats for x in st.get("not_replicated", ()))
-    out["stages"] = [x for st in stats for x in st.get("stages", ())]
-    out["stage_names"] = [name if len(st.get("stage_names", ())) == 1 else f"{name} {x}"
-                          for name, st in named.items() for x in st.get("stage_names", ())]
-    return out
+    worst = max(stats, key=lambda st: (st.status == "interrupted", st.status != "optimal"))
+    gaps = [st.gap for st in stats]
+    added = {key: sum(getattr(st, key) for st in stats)
+             for key in ("ops", "critical_nodes", "segments", "groups", "tied_segments", "ilp_groups", "ilp_vars",
+                         "ilp_constraints", "solve_s", "build_s")}
+    return dataclasses.replace(
+        worst, **added, gap=float("nan") if any(np.isnan(g) for g in gaps) else max(gaps),
+        not_replicated=tuple(x for st in stats for x in st.not_replicated),
+        ilp_stages=tuple(dataclasses.replace(stage, name=name if len(st.ilp_stages) == 1 else f"{name} {stage.name}")
+                         for name, st in named.items() for stage in st.ilp_stages))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
+from rhino_jax.core.diagnostics import Staging
 from rhino_jax.core.plan import Execution, Plan, place_name
 from rhino_jax.core.plan_target import PlanTargetError
 from rhino_jax.hlo_passes import stages as stage_programs
@@ -24,9 +25,10 @@ STAGER_SHARE = 0.05  # the stager's weight in the time limit, per op of the step
 
 
 def place_ops(cg: Graph, p: int, options: Options, budget: Budget
-              ) -> tuple[dict[int, tuple[str, int]], Execution, dict]:
+              ) -> tuple[dict[int, tuple[str, int]], Execution, Staging]:
     """Where each op of compute-gradients runs, ("F" | "B", place), the places of the chain (the
-    `Execution`'s places and passes) and the stager's figures: the forward ops divided into p stages (balanced FLOPs, least bytes cut, the user's `op_assign`s
+    `Execution`'s places and passes) and the stager's figures (its moves not yet priced): the
+    forward ops divided into p stages (balanced FLOPs, least bytes cut, the user's `op_assign`s
     kept), a multi-forward step's passes over them, an interlaced pipeline's places on every
     device between them; each backward op after its forward ones (`hlo_passes.stages.assign`)."""
     ops = len(cg.nodes)
@@ -52,8 +54,7 @@ def place_ops(cg: Graph, p: int, options: Options, budget: Budget
                                   first_backward=(found.count - 1) * p)
     _check_every_stage_works(place, p, shared, [c for c in options.constraints if isinstance(c, OpAssign)],
                              found.count)
-    figures = {"stage_cut_bytes": staging.cut_bytes, "stage_flops": staging.stage_compute,
-               **({"stage_epsilon": epsilon} if epsilon > EPSILON else {})}
+    figures = Staging(staging.cut_bytes, epsilon if epsilon > EPSILON else None)
     chain = Execution(shared_places=tuple(shared), passes=found.count,
                       repeated_layers=tuple(found.layers) if found.count > 1 else ())
     return place, chain, figures
@@ -148,21 +149,20 @@ def _stage_counts(mesh: Mesh, p: int) -> str:
     return counts + rows
 
 
-def _saved_placement(plan: Plan, cg, p: int) -> tuple[dict[int, tuple[str, int]], Execution, dict]:
+def _saved_placement(plan: Plan, cg, p: int) -> tuple[dict[int, tuple[str, int]], Execution, Staging]:
     """A saved plan's stage of each op of compute-gradients, the places of its chain and the
     stager's figures, once they are shown to fit this step's compute-gradients and p stages (and
     the places of every device between them)."""
     place, e = plan.placement, plan.execution
     wrong = [(n, at) for n, at in place.items()
              if at[0] not in ("F", "B") or not 0 <= at[1] < p * e.passes + len(e.shared_places)]
-    figures = {key: plan.search_stats.get(key) for key in ("stage_cut_bytes", "stage_flops")}
-    if set(place) != {n.id for n in cg.nodes} or wrong or None in figures.values():
+    figures = plan.search_stats.staging
+    if set(place) != {n.id for n in cg.nodes} or wrong or figures is None:
         raise PlanTargetError(f"the plan places {len(place)} ops in {p} stages (e.g. {wrong[:1] or 'none misplaced'}), "
                               f"compute-gradients cut from this step has {len(cg.nodes)} ops: it was saved by another "
                               "version of rhino_jax or edited; plan again")
-    relaxed = plan.search_stats.get("stage_epsilon")
     chain = Execution(shared_places=e.shared_places, passes=e.passes, repeated_layers=e.repeated_layers)
-    return place, chain, dict(figures, **({"stage_epsilon": relaxed} if relaxed is not None else {}))
+    return place, chain, figures
 
 
 def _loss_sum(cg) -> int:

@@ -27,12 +27,6 @@ class Backbone:
     def num_segments(self) -> int:
         return len(self.critical) + 1
 
-    def stats(self, num_ops: int) -> dict:
-        """Rhino's Table 5: instructions, critical nodes, their proportion, subgraphs."""
-        return dict(instructions=num_ops, critical_nodes=len(self.critical),
-                    critical_proportion=len(self.critical) / max(1, num_ops),
-                    subgraphs=self.num_segments)
-
 
 def backbone(graph: Graph) -> Backbone:
     producer = {r: n.id for n in graph.nodes for r in n.results}

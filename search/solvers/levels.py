@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rhino_jax.core.diagnostics import IlpStage
 from rhino_jax.errors import SolverError
 
 from .. import interrupt
@@ -196,21 +197,21 @@ class Levels:
         return min(found, key=lambda c: ilp.evaluate(stage, c), default=None)
 
     def solve(self, deadline: Deadline, forbidden: Sequence[np.ndarray], weight_s: float = 0.0,
-              held: Sequence[np.ndarray] | None = None) -> tuple[list[int], ilp.Solution, dict]:
-        """(each group's strategy, the last stage's solution, what the stages did: "stages", one
-        (classes, status, objective_s, solve_s) per stage run, "stage_names", what each solved
-        (`names`), and "windows", how many windows the last one solved). The stages left when
-        the `deadline` passes are skipped (status "feasible"). Ctrl-C ends it with the plan of
-        the last stage solved (a stage's solver returns its best so far; before any, a greedy
-        plan), status "interrupted"."""
+              held: Sequence[np.ndarray] | None = None) -> tuple[list[int], ilp.Solution, tuple[IlpStage, ...], int]:
+        """(each group's strategy, the last stage's solution, each stage run as the plan's search
+        statistics list it, how many windows the last one solved). The stages left when the
+        `deadline` passes are skipped (status "feasible"). Ctrl-C ends it with the plan of the
+        last stage solved (a stage's solver returns its best so far; before any, a greedy plan),
+        status "interrupted"."""
         choice: list[int] | None = None
         solution: ilp.Solution | None = None
-        info: dict = {"stages": [], "stage_names": []}
+        run: list[IlpStage] = []
+        solved_windows = 0
         for k, (tied, _) in enumerate(self.stages):
             if deadline.left() <= 0 and solution is not None:  # out of time: the last stage's plan, as stopped at the limit
-                return choice, dataclasses.replace(solution, status="feasible"), info
+                return choice, dataclasses.replace(solution, status="feasible"), tuple(run), solved_windows
             if solution is not None and solution.status == "interrupted":  # Ctrl-C: the last stage's plan
-                return choice, solution, info
+                return choice, solution, tuple(run), solved_windows
             try:
                 solver = self._solver(k, weight_s, held)
             except KeyboardInterrupt:  # while building a stage's model: the last stage's plan, or a greedy one
@@ -222,13 +223,13 @@ class Levels:
                     solution = ilp.Solution(greedy, ilp.evaluate(stage, greedy), float("nan"), "interrupted",
                                             time.perf_counter() - start, self.backend, 0, 0)
                     choice = [greedy[c] for c in tied.index]
-                return choice, dataclasses.replace(solution, status="interrupted"), info
+                return choice, dataclasses.replace(solution, status="interrupted"), tuple(run), solved_windows
             solution = solver.solve(max(1e-3, deadline.left()), tied.classes(forbidden),
                                     incumbent=self._start(tied, forbidden) if choice is None else tied.of_groups(choice))
             choice = [solution.choice[c] for c in tied.index]
             if self.price is not None and not weight_s:  # else its objective also prices memory
                 solution = dataclasses.replace(solution, objective_s=self.price(choice))
-            info["stages"].append((len(tied.problem.costs), solution.status, solution.objective_s, solution.solve_s))
-            info["stage_names"].append(self.names[k])
-            info["windows"] = len(getattr(solver, "windows", ()))
-        return choice, solution, info
+            run.append(IlpStage(self.names[k], len(tied.problem.costs), solution.status, solution.objective_s,
+                                solution.solve_s))
+            solved_windows = len(getattr(solver, "windows", ()))
+        return choice, solution, tuple(run), solved_windows

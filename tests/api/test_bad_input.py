@@ -76,7 +76,7 @@ def test_solver_time_limit_gives_feasible_plan_and_warns_with_gap(solves_out_of_
     args = mlp_example((256,) * 9, 64, abstract=True)
     with pytest.warns(rj.SolverTimeLimitWarning, match="gap of"):
         lowered = rj.parallelize(step, mesh=mesh, solver="SCIP").lower(*args)
-    assert lowered.plan.search_stats["status"] == "feasible"
+    assert lowered.plan.search_stats.status == "feasible"
     assert lowered.plan.cost.total_s > 0
 
 

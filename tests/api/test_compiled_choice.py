@@ -45,7 +45,7 @@ def test_the_faster_compiled_of_two_plans_is_kept_whatever_their_order(tmp_path)
     candidates = [given[slower], given[faster]]  # compiled: weighed as they are
     kept = fastest_compiled(candidates)
     assert kept is candidates[1] and kept.plan.arg_specs == plans[faster].arg_specs
-    listed = kept.plan.search_stats["compiled_candidates"]
+    listed = kept.plan.search_stats.compiled_candidates
     assert [c.kept for c in listed] == [False, True]
     assert [c.compiled_s for c in listed] == pytest.approx([seconds[slower], seconds[faster]])
     assert all(c.compile_s is not None and c.compile_s >= 0 for c in listed), "what each compile took"
@@ -55,7 +55,7 @@ def test_the_faster_compiled_of_two_plans_is_kept_whatever_their_order(tmp_path)
     for i, plan in enumerate((kept.plan, plans[0])):  # the second lowered as users do, its candidates its search's
         plan.save(tmp_path / f"{i}.json")
         loaded = rj.Plan.load(tmp_path / f"{i}.json")
-        assert loaded == plan and loaded.search_stats["compiled_candidates"] == plan.search_stats["compiled_candidates"]
+        assert loaded == plan and loaded.search_stats.compiled_candidates == plan.search_stats.compiled_candidates
 
 
 @pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
@@ -69,7 +69,7 @@ def test_a_program_over_the_limit_is_not_kept():
         c.memory_limit_bytes = (sizes[0] + sizes[1]) // 2
     kept = fastest_compiled(candidates)
     assert kept is candidates[1]
-    assert [c.fits for c in kept.plan.search_stats["compiled_candidates"]] == [False, True]
+    assert [c.fits for c in kept.plan.search_stats.compiled_candidates] == [False, True]
 
 
 def test_on_cpus_nothing_is_compiled_at_lower_though_the_search_weighed_other_plans():
@@ -80,4 +80,4 @@ def test_on_cpus_nothing_is_compiled_at_lower_though_the_search_weighed_other_pl
     cluster = get_cluster("8x-h100")
     assert plan_on(inputs.graph, MeshTopology.from_mesh(mesh, cluster), cluster, inputs.options).alternatives, \
         "the search weighed other layouts"
-    assert lowered._compiled is None and "compiled_candidates" not in lowered.plan.search_stats
+    assert lowered._compiled is None and not lowered.plan.search_stats.compiled_candidates

@@ -70,8 +70,8 @@ def test_auto_picks_chunks_that_fit_the_memory_limit(small):
     limit = int(free.cost.memory_bytes * 0.9)
     lowered = _lower(step, args, rj.coshard(ATTENTION), memory_limit_bytes=limit)
     plan = lowered.plan
-    tried = plan.search_stats["coshard_candidates"]
-    assert [n for n, _, _ in tried][0] > 1, "the plan without chunks exceeds the limit and is not among those kept"
+    tried = plan.search_stats.coshard_candidates
+    assert [c.chunks for c in tried][0] > 1, "the plan without chunks exceeds the limit and is not among those kept"
     assert plan.cost.memory_bytes <= limit and plan.execution.coshard
     assert_same_adam_step(reference, lowered.compile()(*args), LR)
 

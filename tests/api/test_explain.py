@@ -256,13 +256,13 @@ def test_the_report_says_the_solver_times_the_progress_line_says():
         plan = rj.parallelize(gpt.make_gpt_train_step(gpt.GPT_TINY), mesh=rj.device_mesh((8,), ("data",)),
                               progress=False).lower(*gpt.gpt_example(gpt.GPT_TINY)).plan
     s = plan.search_stats
-    assert len(s["stages"]) == len(s["stage_names"]) >= 2  # repeats tied, then untied
+    assert len(s.ilp_stages) >= 2 and all(stage.name for stage in s.ilp_stages)  # repeats tied, then untied
     assert re.fullmatch(r"rhino_jax: plan (found|kept): predicted (\S+) ms", messages[-1]).group(2) == \
         f"{plan.cost.total_s * 1e3:.4g}"
     solve = next(m for m in reversed(messages) if m.startswith("rhino_jax: ILP "))
     seconds, predicted = re.search(r"ILP \S+ in ([\d.]+) s.*: the ILP's estimate of the step (\S+) ms", solve).groups()
     line = next(line for line in plan.report().splitlines() if line.startswith("search "))
-    assert f"in {s['solve_s']:.2f} s (" in line and f"then {s['stage_names'][-1]} {seconds} s)" in line
+    assert f"in {s.solve_s:.2f} s (" in line and f"then {s.ilp_stages[-1].name} {seconds} s)" in line
     assert f"the ILP's estimate of the step {predicted} ms" in line
 
 

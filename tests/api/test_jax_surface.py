@@ -206,7 +206,7 @@ def test_a_plan_whose_search_was_interrupted_is_kept_until_the_cache_is_cleared(
     def interrupted(*a, **k):
         searches.append(1)
         plan = real_plan_on(*a, **k)
-        return dataclasses.replace(plan, interrupted=True, search_stats=dict(plan.search_stats, status="interrupted"))
+        return dataclasses.replace(plan, interrupted=True, search_stats=dataclasses.replace(plan.search_stats, status="interrupted"))
 
     monkeypatch.setattr(coshard_search, "plan_on", interrupted)
     step = rj.parallelize(_step, mesh=_mesh())

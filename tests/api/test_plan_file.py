@@ -4,6 +4,7 @@ import dataclasses
 import errno
 import json
 import os
+import pathlib
 import re
 
 import jax
@@ -12,7 +13,9 @@ import pytest
 import rhino_jax as rj
 from rhino_jax.hlo_passes.lowering import lower_on_mesh, step_target
 from rhino_jax.models import make_mlp_train_step, mlp_example
+from rhino_jax.core.diagnostics import CompiledCandidate, CoshardCandidate, IlpStage
 from rhino_jax.core.plan import PLAN_FORMAT, Plan
+from rhino_jax.core.plan_file import OLDEST_FORMAT
 from rhino_jax.core.plan_target import PlanTargetError
 from rhino_jax.search.staging import stager
 
@@ -107,19 +110,100 @@ def test_a_file_that_is_not_a_plan_says_so(text, message, tmp_path):
         rj.Plan.load(tmp_path / "plan.json")
 
 
+READS = f"where this rhino_jax reads formats {OLDEST_FORMAT} to {PLAN_FORMAT}"
+
+
 @pytest.mark.parametrize("found,message", [
-    (f'"{PLAN_FORMAT}"', f'format "{PLAN_FORMAT}" where this rhino_jax reads format {PLAN_FORMAT}: no rhino_jax writes '
-                         "that; plan again"),
-    (f"{PLAN_FORMAT - 1}", f"format {PLAN_FORMAT - 1} where this rhino_jax reads format {PLAN_FORMAT}: an older "
-                           "rhino_jax wrote it; plan again"),
-    (f"{PLAN_FORMAT + 1}", f"format {PLAN_FORMAT + 1} where this rhino_jax reads format {PLAN_FORMAT}: a newer "
-                           "rhino_jax wrote it; upgrade rhino_jax to load it, or plan again"),
+    (f'"{PLAN_FORMAT}"', f'format "{PLAN_FORMAT}" {READS}: no rhino_jax writes that; plan again'),
+    (f"{OLDEST_FORMAT - 1}", f"format {OLDEST_FORMAT - 1} {READS}: an older rhino_jax wrote it; plan again"),
+    (f"{PLAN_FORMAT + 1}", f"format {PLAN_FORMAT + 1} {READS}: a newer rhino_jax wrote it; upgrade rhino_jax to load "
+                           "it, or plan again"),
 ], ids=["string", "older", "newer"])
 def test_a_plan_file_of_another_format_names_both_formats_and_what_to_do(found, message, tmp_path):
     (tmp_path / "plan.json").write_text(f'{{"rhino_jax_plan": {found}, "mesh_axes": {{}}}}')
     with pytest.raises(ValueError) as refused:
         rj.Plan.load(tmp_path / "plan.json")
     assert str(refused.value) == f"{tmp_path / 'plan.json'}: the plan file is of {message} with this one"
+
+
+# Plans of an MLP saved by the rhino_jax that wrote format 3 (search statistics as a free-form
+# object), each beside the report that rhino_jax printed of it: pipeline="auto" over 2
+# micro-batches (widths (16, 32, 32, 16), the SPMD candidate chosen), pipeline=2 over 2
+# micro-batches (`WIDTHS`), and a memory limit of 0.9 of the free plan's on the mesh (2, 4).
+FORMAT3 = pathlib.Path(__file__).parent / "plans_format3"
+
+
+@pytest.mark.parametrize("name", ["pipeline_auto", "pipeline_2", "memory_limit"])
+def test_a_plan_file_of_format_3_loads_and_reports_as_it_did(name, tmp_path):
+    plan = rj.Plan.load(FORMAT3 / f"{name}.json")
+    assert plan.report() == (FORMAT3 / f"{name}.report").read_text()
+    s = plan.search_stats
+    assert s.status in ("optimal", "near-optimal") and s.ilp_vars > 0
+    assert all(p.search_stats.status for p in plan.program_plans().values())  # the plans it holds, too
+    if name == "memory_limit":
+        assert s.not_replicated == ("arg[0][1]['w']", "arg[1]['mu'][1]['w']", "arg[1]['nu'][1]['w']")
+    if name == "pipeline_auto":
+        assert [c.label for c in s.pipeline_candidates] == ["SPMD only, 2 micro-batches", "2 stages, 2 micro-batches"]
+        assert s.pipeline_candidates[1].step_s is None and "no division into 2 stages" in s.pipeline_candidates[1].why
+    if name == "pipeline_2":
+        assert s.staging.cut_bytes > 0 and s.staging.epsilon is None
+        assert [stage.name for stage in s.ilp_stages] == ["apply_gradients[0.0]", "apply_gradients[1.0]"]
+    assert _round_trip(plan, tmp_path) == plan  # saved again in this format
+
+
+def test_a_plan_file_of_format_3_pipelined_runs_its_saved_placement(monkeypatch):
+    """The stager's figures a pipelined plan of format 3 saved among its search statistics are
+    what a saved plan's placement is checked with (`pipelined.staging._saved_placement`)."""
+    plan = rj.Plan.load(FORMAT3 / "pipeline_2.json")
+    if plan.target.jax_version != jax.__version__:
+        pytest.skip(f"saved with jax {plan.target.jax_version}, whose program text this jax's may not match")
+    _no_search(monkeypatch)
+    step, args = make_mlp_train_step(), mlp_example(WIDTHS, 8, abstract=True)
+    again = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), plan=plan, num_micro_batches=2, pipeline=2)
+    assert again.lower(*args).plan.search_stats.staging.cut_bytes == plan.search_stats.staging.cut_bytes
+
+
+def _format3(edit) -> dict:
+    """The data of the format 3 plan of two stages, its search statistics changed by `edit`."""
+    data = json.loads((FORMAT3 / "pipeline_2.json").read_text())
+    edit(data["search_stats"])
+    return data
+
+
+def test_format_3_search_statistics_become_typed_fields(tmp_path):
+    """What format 3 tagged in its free-form object (a tuple, a float that is not finite, a
+    candidate's dataclass) and what format 4 names otherwise loads into its typed field."""
+    def edit(stats):
+        stats.update(gap={"__float__": "nan"}, status="windowed", stage_epsilon=0.5, similar_segments=3,
+                     coshard_candidates=[[1, 0.002, 1000], [2, 0.003, 800]],
+                     compiled_candidates={"__tuple__": [
+                         {"__dataclass__": "rhino_jax.compiled_choice:CompiledCandidate",
+                          "fields": {"predicted_s": 0.001, "compiled_s": 0.002, "memory_bytes": 10, "fits": True,
+                                     "kept": True}},
+                         {"__dataclass__": "rhino_jax.compiled_choice:CompiledCandidate",
+                          "fields": {"predicted_s": "inf"}}]})
+    (tmp_path / "plan.json").write_text(json.dumps(_format3(edit)))
+    s = rj.Plan.load(tmp_path / "plan.json").search_stats
+    assert s.gap != s.gap and s.status == "windowed" and s.similar_segments == 3 and s.staging.epsilon == 0.5
+    assert (s.segments, s.solver) == (2, "HIGHS")  # format 3's "subgraphs" and "backend"
+    assert s.ilp_stages[0] == IlpStage("apply_gradients[0.0]", 86, "optimal", 5.206878573470086e-05,
+                                       0.005510426000910229)
+    assert s.coshard_candidates == (CoshardCandidate(1, 0.002, 1000), CoshardCandidate(2, 0.003, 800))
+    assert s.compiled_candidates == (CompiledCandidate(0.001, 0.002, 10, True, True),
+                                     CompiledCandidate(float("inf")))
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda stats: stats.update(colour=1), r"search_stats.colour: no rhino_jax of format 3 writes this search "
+                                           "statistic"),
+    (lambda stats: stats.pop("stage_names"), r"search_stats.stages: expected a list of \[classes, status, "
+                                             r"objective_s, solve_s\] and as many stage_names"),
+    (lambda stats: stats.update(ilp_vars="many"), r"search_stats.ilp_vars: expected an integer"),
+], ids=["unknown key", "stages unnamed", "wrong type"])
+def test_format_3_search_statistics_that_format_3_never_wrote_are_refused(edit, message, tmp_path):
+    (tmp_path / "plan.json").write_text(json.dumps(_format3(edit)))
+    with pytest.raises(ValueError, match=message):
+        rj.Plan.load(tmp_path / "plan.json")
 
 
 def _edited(plan, tmp_path, edit):
@@ -198,7 +282,8 @@ def test_a_save_that_fails_leaves_the_plan_file_that_was_there(failure, tmp_path
         monkeypatch.setattr(os, "fsync", full)
         other, raised = dataclasses.replace(plan, cluster="another"), OSError
     else:  # a search statistic JSON cannot hold: found only while the plan is serialised
-        other, raised = dataclasses.replace(plan, search_stats=dict(plan.search_stats, bad=object())), TypeError
+        other, raised = dataclasses.replace(plan, search_stats=dataclasses.replace(plan.search_stats,
+                                                                                   gap=object())), TypeError
     with pytest.raises(raised):
         other.save(path)
     assert path.read_bytes() == before

@@ -74,7 +74,7 @@ def test_parallel_matches_jit(name):
     limit = sharding_memory_limit(unlimited.cost.memory_bytes, args, 8)
     lowered = rj.parallelize(step, mesh=mesh, opt_level="O2", memory_limit_bytes=limit).lower(*args)
     assert lowered.plan.cost.memory_bytes <= limit < unlimited.cost.memory_bytes
-    assert lowered.plan.search_stats["not_replicated"]
+    assert lowered.plan.search_stats.not_replicated
     compiled = lowered.compile()
     assert compiled.collectives.count() > 0
     assert_same_numbers(reference, compiled(*args))

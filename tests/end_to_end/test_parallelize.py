@@ -31,7 +31,7 @@ def test_transformer_adam_step_matches_one_device(shape, names, tiny_gpt):
     result = parallel(*on_host(args))
     assert_same_numbers(reference, result)
     plan = parallel.lower(*args).plan
-    assert plan.search_stats["status"] == "optimal"
+    assert plan.search_stats.status == "optimal"
     assert "predicted step" in plan.report()
 
 

@@ -68,10 +68,10 @@ def test_alike_stages_are_searched_once(monkeypatch):
                              num_micro_batches=4).lower(*args)
     programs = 2 * 4 + len(lowered.plan.programs)  # forward and backward per stage, then apply-gradients'
     assert len(searched) < programs
-    reused = {name: plan for name, plan in lowered.plan.program_plans().items() if "plan_of" in plan.search_stats}
+    reused = {name: plan for name, plan in lowered.plan.program_plans().items() if plan.search_stats.plan_of}
     assert len(reused) == programs - len(searched)
     for name, plan in reused.items():
-        original = lowered.plan.program_plans()[plan.search_stats["plan_of"]]
+        original = lowered.plan.program_plans()[plan.search_stats.plan_of]
         assert plan.value_specs == original.value_specs and plan.arg_paths != original.arg_paths
     assert "alike programs searched once" in lowered.plan.report()
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
@@ -86,7 +86,7 @@ def test_a_constraint_naming_one_stages_layer_makes_it_searched_on_its_own(monke
     def reused(constraints) -> set[str]:
         lowered = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline=4, num_micro_batches=4,
                                  constraints=constraints).lower(*args)
-        return {n for n, plan in lowered.plan.program_plans().items() if "plan_of" in plan.search_stats}
+        return {n for n, plan in lowered.plan.program_plans().items() if plan.search_stats.plan_of}
     free = reused([])
     constrained = reused([rj.op_trans("*['layers'][3]*", replicate=True)])
     assert {n for n in free if n.startswith(("forward", "backward"))} \
@@ -214,7 +214,7 @@ def test_a_unet_with_skip_connections_keeps_its_numbers():
     batch = {"x": w(16, 16), "y": w(16, 8)}
     lowered = rj.parallelize(_unet_step, mesh=rj.device_mesh((8,), ("data",)), pipeline=2,
                              num_micro_batches=2).lower(params, batch)
-    assert lowered.plan.search_stats["stage_cut_bytes"] > 0
+    assert lowered.plan.search_stats.staging.cut_bytes > 0
     assert_same_numbers(jax.jit(_unet_step)(params, batch), lowered.compile()(params, batch))
 
 
@@ -222,7 +222,7 @@ def test_auto_compares_spmd_and_pipelines_and_runs_the_fastest():
     step, args = _case("gpt")
     lowered = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), pipeline="auto",
                              num_micro_batches=2).lower(*args)
-    table = lowered.plan.search_stats["pipeline_candidates"]
+    table = lowered.plan.search_stats.pipeline_candidates
     assert {c.label.split(",")[0] for c in table} == {"SPMD only", "2 stages"}  # no more stages than micro-batches
     best = table[0].step_s
     assert all(c.step_s is None or best <= c.step_s for c in table)
@@ -255,7 +255,7 @@ def test_auto_takes_the_fastest_plan_that_fits_the_memory_limit():
             return SimpleNamespace(plan=Plan(**_EMPTY, cost=PlanCost(step_s, 0.0, step_s, memory)))
 
     chosen = controller.choose(Fake(), (), None)
-    table = chosen.plan.search_stats["pipeline_candidates"]
+    table = chosen.plan.search_stats.pipeline_candidates
     assert table[0].label.startswith("4 stages") and chosen.plan.cost.total_s == 2.0
     assert [c.why.startswith("needs 40.0 GiB/device") for c in table] == [False, False, True]
     Fake.options = Options(memory_limit_bytes=8 << 30)
@@ -336,9 +336,9 @@ def test_the_optimizer_runs_on_the_stage_of_the_parameters_it_updates():
         for p, m in zip(jax.tree.leaves(params_in), jax.tree.leaves(state_in[moment])):
             assert devices(p) == devices(m)
     assert jax.tree.leaves((params_in, state_in)) == jax.tree.leaves((params_out, state_out))  # fed back as taken
-    s = plan.search_stats
+    s = plan.search_stats.staging
     all_params_s = sum(x.nbytes for x in jax.tree.leaves(args[0])) / by_host.inter_host_bandwidth
-    assert s["arguments_in_s"] + s["sums_out_s"] < 0.01 * all_params_s
+    assert s.arguments_in_s + s.sums_out_s < 0.01 * all_params_s
     assert "apply-gradients on the stages" in plan.report()
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
 

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from rhino_jax.core.diagnostics import SearchDiagnostics
 from rhino_jax.errors import SolverError, SolverTimeLimitWarning
 from rhino_jax.search.solvers import ilp
 from rhino_jax.search.memory_limit import fit_memory
@@ -67,7 +68,7 @@ def _shrinking_plans(n: int = 64):
     def plan_with(forced):
         solved.append(len(forced))
         return SimpleNamespace(cost=SimpleNamespace(memory_bytes=1000 - len(forced), total_s=len(forced)),
-                               mesh_axes={"x": 8}, search_stats={"status": "optimal"},
+                               mesh_axes={"x": 8}, search_stats=SearchDiagnostics(status="optimal"),
                                arg_specs=[sharded if i < len(forced) else replicated for i in range(n)])
     return plan_with, solved
 
@@ -138,7 +139,8 @@ def test_memory_priced_in_the_objective_is_searched_down_to_the_lowest_price_tha
     def plan_with(forced, weight_s=0.0):
         memory = 2000 / (1 + 64 * weight_s / base)  # 31 bytes at w = base, 400 at base / 16
         return SimpleNamespace(cost=SimpleNamespace(memory_bytes=memory, total_s=1 + weight_s / base),
-                               mesh_axes={"x": 8}, search_stats={"status": "optimal"}, arg_specs=[replicated] * 4)
+                               mesh_axes={"x": 8}, search_stats=SearchDiagnostics(status="optimal"),
+                               arg_specs=[replicated] * 4)
     best = fit_memory(plan_with, list(range(4)), list(range(4)), plan_with([]), 500, graph=None, least=0)
     assert best.cost.memory_bytes <= 500 and best.cost.total_s == pytest.approx(1 + 1 / 16)
 

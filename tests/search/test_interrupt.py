@@ -108,7 +108,7 @@ def test_ctrl_c_before_a_plan_stops_the_search_and_leaves_nothing(monkeypatch):
     _no_solver_left()
     monkeypatch.undo()
     plan = parallel.lower(*args).plan  # nothing was kept: a full search
-    assert not plan.interrupted and plan.search_stats["status"] == "optimal"
+    assert not plan.interrupted and plan.search_stats.status == "optimal"
 
 
 @pytest.mark.parametrize("backend", ["HIGHS", "SCIP"])
@@ -119,7 +119,7 @@ def test_ctrl_c_during_the_solve_gives_the_plan_so_far(ctrl_c, tmp_path, backend
     with pytest.warns(SolverInterruptedWarning, match="interrupted .*Ctrl-C.*best found so far, not optimal"):
         lowered = rj.parallelize(step, mesh=mesh, solver=backend).lower(*args)
     plan = lowered.plan
-    assert plan.interrupted and plan.search_stats["status"] == "interrupted"
+    assert plan.interrupted and plan.search_stats.status == "interrupted"
     report = plan.report()
     assert "Ctrl-C stopped the search" in report and f"{backend} interrupted" in report
     assert "time limit" not in report
@@ -158,8 +158,8 @@ def test_ctrl_c_before_o3_keeps_the_o2_plan(monkeypatch):
     with pytest.warns(SolverInterruptedWarning):
         lowered = rj.parallelize(step, mesh=mesh, opt_level="O3").lower(*args)
     plan = lowered.plan
-    assert plan.interrupted and plan.search_stats["status"] == "interrupted"
-    assert [s[1] for s in plan.search_stats["stages"]] == ["optimal"]  # O2's stage only
+    assert plan.interrupted and plan.search_stats.status == "interrupted"
+    assert [s.status for s in plan.search_stats.ilp_stages] == ["optimal"]  # O2's stage only
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
 
 
@@ -230,7 +230,7 @@ def test_ctrl_c_in_pipeline_auto_keeps_the_candidates_lowered(monkeypatch):
         lowered = rj.parallelize(step, mesh=mesh, pipeline="auto").lower(*args)
     plan = lowered.plan
     assert len(calls) == 2 and plan.interrupted and not plan.stages
-    assert [c.label for c in plan.search_stats["pipeline_candidates"]] == ["SPMD only, 1 micro-batch"]
+    assert [c.label for c in plan.search_stats.pipeline_candidates] == ["SPMD only, 1 micro-batch"]
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
 
 

@@ -35,7 +35,7 @@ def test_limit_shards_only_the_largest_weights():
     lowered = _lower(args, memory_limit_bytes=limit)
     plan = lowered.plan
     assert plan.cost.memory_bytes <= limit
-    forced = plan.search_stats["not_replicated"]
+    forced = plan.search_stats.not_replicated
     assert forced and "memory limit" in plan.report()
     big = [p for p, shape, _ in _state(plan) if 1024 in shape and len(shape) == 2]
     # Only 1 MiB weights (or their Adam moments) are forced off replication. The ILP may shard
@@ -52,7 +52,7 @@ def test_limit_keeps_the_numbers():
     mesh = rj.device_mesh((8,), ("data",))
     free = rj.parallelize(step, mesh=mesh).lower(*args).plan
     limited = rj.parallelize(step, mesh=mesh, memory_limit_bytes=free.cost.memory_bytes * 9 // 10)
-    assert limited.lower(*args).plan.search_stats["not_replicated"]
+    assert limited.lower(*args).plan.search_stats.not_replicated
     assert_same_numbers(reference, limited(*args))
 
 

@@ -39,7 +39,7 @@ def test_search_logs_its_levels_and_an_interrupted_plan_still_runs(ctrl_c, caplo
     messages = [r.getMessage() for r in caplog.records]
     assert any("cones" in m and "critical nodes" in m for m in messages)
     assert any("solving the ILP" in m for m in messages)
-    assert lowered.plan.search_stats["status"] == "interrupted"
+    assert lowered.plan.search_stats.status == "interrupted"
     assert "interrupted" in lowered.plan.report()
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*args))
 

@@ -34,8 +34,7 @@ def test_critical_nodes_are_the_dots_of_the_backbone():
     dots = [n for n in graph.nodes if n.op == "stablehlo.dot_general"]
     assert layers <= len(bb.critical) < len(dots)
     assert list(bb.critical) == sorted(bb.critical, key=lambda c: bb.earliest[c])
-    stats = bb.stats(len(graph.nodes))
-    assert stats["subgraphs"] == len(bb.critical) + 1 and 0 < stats["critical_proportion"] < 1
+    assert bb.num_segments == len(bb.critical) + 1 and 0 < len(bb.critical) / len(graph.nodes) < 1
     # Segments follow data flow: a node is never in an earlier segment than the data it reads.
     producer = {r: n.id for n in graph.nodes for r in n.results}
     assert all(bb.segment[n.id] >= bb.segment[producer[o]] for n in graph.nodes for o in n.operands
@@ -65,11 +64,11 @@ def test_o2_ties_repeated_layers_and_stays_close_to_o3():
     args = gpt.gpt_example(DEEP_TINY, abstract=True)
     o2 = rj.parallelize(step, mesh=mesh, opt_level="O2").lower(*args).plan
     o3 = rj.parallelize(step, mesh=mesh, opt_level="O3").lower(*args).plan
-    assert o2.search_stats["tied_segments"] > 0
-    assert o2.search_stats["ilp_groups"] < o3.search_stats["ilp_groups"]
+    assert o2.search_stats.tied_segments > 0
+    assert o2.search_stats.ilp_groups < o3.search_stats.ilp_groups
     # O2 restricts O3's ILP, so its objective cannot be lower (the plans' reported costs charge
     # a value once per layout and may differ from the objectives by a hair).
-    assert o3.search_stats["objective_s"] <= o2.search_stats["objective_s"] * (1 + 1e-9)
+    assert o3.search_stats.objective_s <= o2.search_stats.objective_s * (1 + 1e-9)
     assert o2.cost.total_s <= o3.cost.total_s * 1.03
 
 
@@ -119,9 +118,9 @@ def test_o2_unties_identical_layers_when_tying_saves_little():
     o2 = rj.parallelize(step, mesh=mesh, opt_level="O2", cluster="m8-v100").lower(*args)
     o3 = rj.parallelize(step, mesh=mesh, opt_level="O3", cluster="m8-v100").lower(*args).plan
     stats = o2.plan.search_stats
-    assert stats["tied_segments"] > 0
-    (_, _, tied_s, _), *_, (groups, _, untied_s, _) = stats["stages"]
-    assert groups == o3.search_stats["ilp_groups"] and untied_s < tied_s
+    assert stats.tied_segments > 0
+    tied, *_, untied = stats.ilp_stages
+    assert untied.classes == o3.search_stats.ilp_groups and untied.objective_s < tied.objective_s
     assert o2.plan.cost.total_s == pytest.approx(o3.cost.total_s)
     spec = dict(zip(o2.plan.arg_paths, o2.plan.arg_specs))
     hidden = [tuple(spec[f"arg[0][{i}].weight"].dims) for i in (1, 2)]

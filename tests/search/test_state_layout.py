@@ -192,7 +192,7 @@ def test_one_step_gets_one_plan_whatever_the_time_limit(opt_level):
     step, args = _adamw_setup(AttentionLM(), vocab=64)
     plans = [rj.parallelize(step, mesh=_mesh(), opt_level=opt_level, solver_time_limit_s=limit).lower(*args).plan
              for limit in (30.0, 600.0, 30.0)]
-    assert all(p.search_stats["status"] == "optimal" for p in plans)
+    assert all(p.search_stats.status == "optimal" for p in plans)
     first = _layout(plans[0])
     assert all(_layout(p) == first for p in plans[1:])
 

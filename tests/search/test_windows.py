@@ -87,18 +87,19 @@ def test_o2_too_large_for_one_ilp_runs_windows_then_the_whole_ilp_in_the_time_le
     allowed = [np.zeros(len(c), dtype=bool) for c in problem.costs]
     solvers = levels.Levels(lambda: tied, tied, lambda: tied, 0, False, "HIGHS")
     assert [whole for _, whole in solvers.stages] == [False, True]
-    _, solution, info = solvers.solve(levels.Deadline.after(60.0), allowed)
-    (_, first, by_windows, _), (_, last, best, _) = info["stages"]
-    assert (first, last) == ("windowed", "optimal") and best <= by_windows + 1e-12
+    _, solution, stages, _ = solvers.solve(levels.Deadline.after(60.0), allowed)
+    first, last = stages
+    by_windows, best = first.objective_s, last.objective_s
+    assert (first.status, last.status) == ("windowed", "optimal") and best <= by_windows + 1e-12
     assert solution.objective_s == pytest.approx(ilp.solve(problem).objective_s)
 
     windowed = []
     solve = windows.Windowed.solve
     monkeypatch.setattr(windows.Windowed, "solve", lambda self, *a, **k: windowed.append(1) or solve(self, *a, **k))
     out_of_time_after_windows = SimpleNamespace(seconds=1.0, left=lambda: 0.0 if windowed else 60.0)
-    _, solution, info = levels.Levels(lambda: tied, tied, lambda: tied, 0, False, "HIGHS").solve(
+    _, solution, stages, _ = levels.Levels(lambda: tied, tied, lambda: tied, 0, False, "HIGHS").solve(
         out_of_time_after_windows, allowed)
-    assert solution.status == "feasible" and len(info["stages"]) == 1
+    assert solution.status == "feasible" and len(stages) == 1
     assert solution.objective_s == pytest.approx(by_windows)
 
 
@@ -131,19 +132,19 @@ def test_distinct_layers_are_planned_by_windows_as_o3_plans_them(windowed):
     o2 = lowered.plan
     o3 = rj.parallelize(step, mesh=lowered.mesh, opt_level="O3").lower(*args).plan
     # Attention repeats exactly, the FFNs only in kind: more segments are alike than identical.
-    assert o2.search_stats["similar_segments"] > o2.search_stats["tied_segments"]
-    assert o2.search_stats["status"] == "windowed" and o2.search_stats["windows"] > 1
-    first, exact = o2.search_stats["stages"]  # layers alike tied, then windows over the exact problem
-    assert first[0] < exact[0] and exact[2] <= first[2] + 1e-12
+    assert o2.search_stats.similar_segments > o2.search_stats.tied_segments
+    assert o2.search_stats.status == "windowed" and o2.search_stats.windows > 1
+    first, exact = o2.search_stats.ilp_stages  # layers alike tied, then windows over the exact problem
+    assert first.classes < exact.classes and exact.objective_s <= first.objective_s + 1e-12
     assert o2.cost.total_s <= o3.cost.total_s * 1.03
     # O3 starts from O2's plan and never ends worse.
-    assert o3.search_stats["objective_s"] <= o2.search_stats["objective_s"] * (1 + 1e-9)
+    assert o3.search_stats.objective_s <= o2.search_stats.objective_s * (1 + 1e-9)
     assert "windows" in o2.report()
 
 
 def test_windowed_plan_matches_one_device(windowed):
     step, args, lowered = windowed
-    assert lowered.plan.search_stats["status"] == "windowed"
+    assert lowered.plan.search_stats.status == "windowed"
     assert_same_numbers(jax.jit(step)(*args), lowered.compile()(*on_host(args)))
 
 
@@ -154,6 +155,6 @@ def test_o3_out_of_time_keeps_o2s_plan(solves_out_of_time):
     mesh = rj.device_mesh((8,), ("data",))
     with pytest.warns(rj.SolverTimeLimitWarning):
         o3 = rj.parallelize(step, mesh=mesh, opt_level="O3").lower(*args).plan
-    assert o3.search_stats["status"] == "feasible"
-    assert len(o3.search_stats["stages"]) == 1
-    assert o3.search_stats["objective_s"] == pytest.approx(o3.search_stats["stages"][0][2])
+    assert o3.search_stats.status == "feasible"
+    assert len(o3.search_stats.ilp_stages) == 1
+    assert o3.search_stats.objective_s == pytest.approx(o3.search_stats.ilp_stages[0].objective_s)
