@@ -7,13 +7,14 @@ import pathlib
 
 import numpy as np
 
+from benchmarks import pyplot
 from benchmarks.run_report import _compiler, _h100_ms, _is_rhino
 
 
 def plot(rows, layer_rows, out: pathlib.Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
     paper = [r for r in rows if r.get("kind") == "paper" and r.get("step_ms") and r["status"] in ("ok", "time limit")]
     # One bar pair per (model, method, mesh): M8 from the CPU row, H100 from the GPU row where there is one.
     entries: dict[tuple, dict] = {}

@@ -23,7 +23,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 import rhino_jax as rj  # noqa: E402
-from benchmarks import RESULTS  # noqa: E402
+from benchmarks import RESULTS, pyplot  # noqa: E402
 from rhino_jax.models import gpt  # noqa: E402
 
 
@@ -48,13 +48,9 @@ def plan_once(layers: int, opt_level: str, mesh, distinct: bool) -> dict:
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for level, marker in (("O2", "o"), ("O3", "s")):
         rs = [r for r in rows if r["opt"] == level]
