@@ -23,7 +23,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from rhino_jax.hlo_passes.lowering import import_step, lower_on_mesh, step_target
 from rhino_jax.search import progress as search_progress
 from rhino_jax.search.gc_pause import few_full_collections
-from rhino_jax.search.cost.cluster import get_cluster
+from rhino_jax.search.cost.cluster import MeshTopology, get_cluster
+from rhino_jax.search.cost.gemm_workspace import with_gemm_workspaces
 from rhino_jax.search.space.constraints import CoShard, OpAssign, check_matched, check_parts
 from rhino_jax.core.plan import Plan
 
@@ -184,7 +185,8 @@ class Parallelized:
                                         output_shardings=jax.tree.unflatten(out_tree, named(p.output_specs)),
                                         target=target, search_inputs=inputs, alternatives=()),
                     graph, mesh, step, key, limit, cluster)
-            for p in (plan, *plan.alternatives)])
+            for p in (plan, *plan.alternatives)],
+            finish=lambda p: with_gemm_workspaces(p, graph, MeshTopology.from_mesh(mesh, cluster), mesh.devices.flat[0]))
 
     def __call__(self, *args, **kwargs):
         dyn_args, dyn_kwargs, static = self.arguments.split(args, kwargs)

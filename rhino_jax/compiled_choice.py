@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rhino_jax.core.diagnostics import CompiledCandidate
+from rhino_jax.core.plan import Plan
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.search import progress
 from rhino_jax.search.cost.gemm_workspace import GPU_PLATFORMS
@@ -45,12 +47,13 @@ class _Compiled:
         return self.nbytes <= self.lowered.memory_limit_bytes
 
 
-def fastest_compiled(candidates: list[Lowered]) -> Lowered:
+def fastest_compiled(candidates: list[Lowered], finish: Callable[[Plan], Plan] = lambda plan: plan) -> Lowered:
     """The first of `candidates` (the search's plan, then its alternatives, best predicted first)
     for CPUs or when it is alone; for GPUs, the one whose compiled program runs fastest among
     those that fit (none fitting: the first), compiled already, its plan's `search_stats`
     listing each candidate (`compiled_candidates`, in the search's order, with what each compile
-    took: `lower()`'s time less theirs is the search's and the lowering's)."""
+    took: `lower()`'s time less theirs is the search's and the lowering's). `finish`: what an
+    alternative's plan lacks until it is kept (the first's has it already)."""
     first = candidates[0]
     if len(candidates) == 1 or first.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
         return first
@@ -64,6 +67,8 @@ def fastest_compiled(candidates: list[Lowered]) -> Lowered:
     progress.say("rhino_jax: kept the plan %d of %d: %.4g ms as its schedule runs", tried.index(kept) + 1, len(tried),
                  kept.seconds * 1e3)
     chosen = kept.lowered
+    if chosen is not first:
+        chosen.plan = finish(chosen.plan)
     listed = tuple(CompiledCandidate(c.plan.cost.total_s) if t is None else
                    CompiledCandidate(c.plan.cost.total_s, t.seconds, t.nbytes, t.fits(), t is kept, t.compile_s)
                    for c, t in zip(candidates, tried))

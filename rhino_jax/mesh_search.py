@@ -85,10 +85,12 @@ def plan_on(graph: Graph, topo: MeshTopology, cluster: Cluster, options: Options
 
 def finished(plan: Plan, graph: Graph, topo: MeshTopology, mesh: Mesh | None) -> Plan:
     """A searched plan as `plan_on` returns it: each collective's share of the communication,
-    and on a mesh at hand the GEMM temporaries in its memory; its alternatives alike."""
+    and on a mesh at hand the GEMM temporaries in its memory. Its alternatives get the shares
+    alone: which of them is kept only their compiled programs tell (`compiled_choice`), and that
+    one is given its temporaries then (each distinct GEMM is a compile of its own)."""
     plan = replace(plan, collectives=tuple(replace(c, combined_s=s)
                                            for c, s in zip(plan.collectives, shares(plan.collectives, topo))),
-                   alternatives=tuple(finished(p, graph, topo, mesh) for p in plan.alternatives))
+                   alternatives=tuple(finished(p, graph, topo, None) for p in plan.alternatives))
     return plan if mesh is None else with_gemm_workspaces(plan, graph, topo, mesh.devices.flat[0])
 
 
