@@ -28,8 +28,9 @@ def _gpus():
 
 @functools.cache
 def _two_plans():
-    """The step's plans on described H100s searched without a limit and under 10 MiB."""
-    return _lowered(_gpus()).plan, _lowered(_gpus(), memory_limit_bytes=10 << 20).plan
+    """The step's plans on described H100s: the search's, and one with the parameters split over
+    the 8 devices (`op_trans`), which holds less (no memory limit: each compiles once, untied)."""
+    return _lowered(_gpus()).plan, _lowered(_gpus(), constraints=[rj.op_trans("arg[0]*", parts=(8,))]).plan
 
 
 @pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
