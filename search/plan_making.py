@@ -13,7 +13,7 @@ from ..hlo_passes.graph import Graph
 from .cost import overlap
 from .cost.cluster import MeshTopology
 from .cost.collectives import reshard_path
-from .cost.combining import combined_ops, combined_time
+from .cost.combining import combined_ops, combined_time, op_kernels_s
 from .cost.memory import plan_memory
 from .pricing import Prices
 from .space.strategies import Strategy
@@ -97,6 +97,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
         specs.update(zip(units[i].results, s.results))
     compute = sum(s.compute_s for s in chosen.values())  # and the layout copies of the reshards, below
     planned: list[PlannedCollective] = []
+    sides: list[str | None] = []  # each planned collective's value's side of the chain (`combining_sides`)
     read_specs: dict[tuple[int, int], ShardingSpec] = {}
     # Layouts each resharded value already takes, with the layouts on the way to each, by the
     # conditional branches the reshard runs in: a value is resharded once per layout read, and a
@@ -114,6 +115,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
             side: str | None = None) -> int:
         planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind,
                                          together, needs, trip, trips, branch, topo.link(c.axes)[0], dtype))
+        sides.append(side)
         events.append(overlap.Event(index=len(planned) - 1, how=overlap.how_it_runs(together, side), trips=trips,
                                     trip=trip))
         return 1 << (len(planned) - 1)
@@ -170,7 +172,10 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
         for r in u.results:
             after[r] = needs
     # behind compute as XLA's scheduler runs them (a collective of a branch not taken counted too)
-    step = overlap.replay(*overlap.issued(events, combined_ops(planned, topo))) if cluster.overlap else float("inf")
+    ops = combined_ops(planned, topo)
+    kernels = [op_kernels_s(planned, group, sides, topo) for group, _ in ops]
+    compute += sum(kernels)
+    step = overlap.replay(*overlap.issued(events, ops, kernels)) if cluster.overlap else float("inf")
     planned = _taken_branches(planned, graph)
     comm, off_chain = combined_time(planned, topo)
     hidden = min(comm, max(0.0, compute + comm - step))

@@ -5,7 +5,8 @@ A collective on a value off the compute chain (`combining.combining_sides`) is c
 with the others of its family: it pays its bandwidth and only its share of a launch, and the
 family's one launch is charged once by the ILP (`ilp.Problem.fixed`). Everything else pays its
 own launch and latency (`combining.combined_alone`). A layout copy XLA adds to a collective
-(`Collective.copy_time`) is memory traffic, never hidden behind compute.
+(`Collective.copy_time`), and the kernels it adds around a combined op (`combining.member_kernels_s`),
+are compute, never hidden behind it.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from rhino_jax.core.specs import ShardingSpec
 from ..hlo_passes.graph import Graph
 from .cost.cluster import MeshTopology
 from .cost.collectives import Collective, reshard
-from .cost.combining import Families, combined_alone, combining_sides, families
+from .cost.combining import Families, combined_alone, combining_sides, families, member_kernels_s
 from .solvers.ilp import classes
 from .space.strategies import Strategy
 
@@ -79,6 +80,8 @@ class Prices:
         for c in collectives:
             combined = self.combined(c, side)
             time += c.time(self.topo, combined) * self.topo.exposed(combined) + c.copy_time(self.topo)
+            if combined:
+                time += member_kernels_s(c.kind, c.bytes, side, self.topo)
         return time, self.families.of(collectives, self.topo.combiner, side, trips)
 
     def own(self, m: int, s: Strategy) -> float:

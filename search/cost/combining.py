@@ -188,6 +188,30 @@ def combined_kinds(planned: Sequence[Planned], backend: str) -> dict[str, tuple[
     return out
 
 
+def member_kernels_s(kind: str, nbytes: int, side: str | None, topo: MeshTopology) -> float:
+    """Seconds of compute a collective of `kind` and `nbytes` on a value at `side` adds as a
+    member of a combined op, where the backend runs that op on one contiguous buffer
+    (`Combiner.contiguous_all_reduce`): the kernel that slices it out of the result, and its part
+    of the concatenation into it, each reading and writing its bytes. The concatenation's own
+    launch is its op's (`op_kernels_s`). None for the all-reduces of DERIVED values where the
+    backend reassociates them: their sum is one all-reduce of one buffer (`combined_alone`)."""
+    combiner = topo.combiner
+    if not (combiner.contiguous_all_reduce and combiner.compiled_kind(kind) == "all-reduce") \
+            or (side == DERIVED and combiner.reassociates):
+        return 0.0
+    return topo.kernel_launch_s + 4 * nbytes / topo.memory_bandwidth
+
+
+def op_kernels_s(planned: Sequence[Planned], group: list[int], sides: Sequence[str | None],
+                 topo: MeshTopology) -> float:
+    """Seconds of compute XLA adds around one combined op (`member_kernels_s`; `sides`: each
+    planned collective's value's side of the chain): none for a collective alone."""
+    if len(group) < 2:
+        return 0.0
+    members = sum(member_kernels_s(planned[i].kind, planned[i].bytes, sides[i], topo) for i in group)
+    return members + (topo.kernel_launch_s if members else 0.0)
+
+
 def combined_ops(planned: Sequence[Planned], topo: MeshTopology) -> list[tuple[list[int], float]]:
     """The combined ops (`combine`), each with its time as one collective of its members' bytes."""
     return [(group, _merged(planned, group, topo.combiner).time(topo))

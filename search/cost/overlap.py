@@ -57,20 +57,28 @@ def how_it_runs(combinable: bool, side: str | None) -> str:
     return AHEAD if side == HEAD else BEHIND
 
 
-def issued(events: Sequence[Event], ops: Sequence[tuple[Sequence[int], float]]
+def issued(events: Sequence[Event], ops: Sequence[tuple[Sequence[int], float]], kernels: Sequence[float] = ()
            ) -> tuple[list[Event], list[float]]:
     """The events, and each collective's seconds, as XLA issues the combined `ops` (members'
     indices, the op's time): an op runs at its last member's event, or at its first where that
-    runs `AHEAD`, with the whole op's time; its other members' events go."""
+    runs `AHEAD`, with the whole op's time; its other members' events go. `kernels`: per op, the
+    compute XLA adds around it (`combining.op_kernels_s`), run just before it is issued."""
     position = {e.index: k for k, e in enumerate(events) if e.index >= 0}
     seconds = [0.0] * (max(position, default=-1) + 1)
-    issuers = set()
-    for group, time in ops:
+    before: dict[int, float] = {}
+    for n, (group, time) in enumerate(ops):
         at = [position[i] for i in group]
         k = min(at) if events[min(at)].how == AHEAD else max(at)
-        issuers.add(k)
+        before[k] = kernels[n] if n < len(kernels) else 0.0
         seconds[events[k].index] = time
-    return [e for k, e in enumerate(events) if e.index < 0 or k in issuers], seconds
+    out: list[Event] = []
+    for k, e in enumerate(events):
+        if e.index >= 0 and k not in before:
+            continue
+        if before.get(k):
+            out.append(Event(before[k], trips=e.trips))  # a body's ops are per trip: each trip runs one
+        out.append(e)
+    return out, seconds
 
 
 def replay(events: Sequence[Event], durations: Sequence[float]) -> float:

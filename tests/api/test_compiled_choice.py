@@ -73,6 +73,26 @@ def test_a_program_over_the_limit_is_not_kept():
     assert [c.fits for c in kept.plan.search_stats.compiled_candidates] == [False, True]
 
 
+@pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
+def test_gradients_are_reduce_scattered_where_a_combined_all_reduce_costs_a_kernel_per_gradient():
+    """GPU XLA runs the gradients' combined all-reduce on one buffer: a kernel concatenates them
+    into it and one per gradient slices each out (this step's 40 gradients: 76 µs of launches in
+    0.87 ms). The search charges those kernels, so its plan reduce-scatters the gradients and
+    gathers the updates instead, and runs faster than data parallel compiled by `jax.jit`."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    plan, mesh = _two_plans()[0], _gpus()
+    kinds = plan.collective_summary("gpu")
+    assert kinds.get("reduce-scatter", (0, 0))[0] and not kinds.get("all-reduce", (0, 0))[0], kinds
+    step, shapes = llama_step(SHAPE, seq=128)
+    whole, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    data_parallel = jax.jit(step, in_shardings=(whole, whole, rows), out_shardings=(whole, whole, whole),
+                            donate_argnums=(0, 1)).lower(*shapes(16)).compile()
+    ours = min(c.compiled_s for c in plan.search_stats.compiled_candidates if c.compiled_s is not None)
+    assert ours < price_compiled(data_parallel, "8x-h100").overlapped_s
+
+
 def test_on_cpus_nothing_is_compiled_at_lower_though_the_search_weighed_other_plans():
     """CPU programs run their collectives synchronously: the search's replay is what runs."""
     mesh = rj.device_mesh((8,), ("data",))

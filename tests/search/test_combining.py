@@ -14,7 +14,8 @@ from rhino_jax.core.plan import PlannedCollective
 from rhino_jax.search import pricing
 from rhino_jax.search.solvers import ilp
 from rhino_jax.search.cost.cluster import MeshTopology, combiner_for, get_cluster
-from rhino_jax.search.cost.combining import DERIVED, HEAD, TAIL, combine, combining_sides, families
+from rhino_jax.search.cost.combining import (DERIVED, HEAD, TAIL, combine, combining_sides, families,
+                                             member_kernels_s, op_kernels_s)
 
 from benchmarks.fixtures.third_party_models import linen_gpt
 from helpers import assert_same_adam_step, assert_same_numbers, on_host
@@ -79,6 +80,23 @@ def test_a_global_norms_partial_all_reduces_are_one_family_on_the_gpu_only():
     assert [key[0] for key in derived] == ["all-reduce", "all-gather", "reduce-scatter"]
     cpu = families(dataclasses.replace(topo, combiner=CPU)).index
     assert not [key for key in cpu if key[2] == DERIVED]
+
+
+def test_a_combined_gpu_all_reduce_costs_a_slice_per_member_and_one_concatenation():
+    """GPU XLA runs a combined all-reduce on one buffer: a kernel concatenates its members into
+    it and one per member slices each out, each reading and writing the member's bytes. Tuples
+    elsewhere: reduce-scatters, and all-reduces on the CPU; a DERIVED sum reassociated into one
+    all-reduce; a collective alone."""
+    topo = MeshTopology(("d",), (8,), (1e11,), (1e-6,), 1e-5, combiner=GPU, memory_bandwidth=1e12,
+                        kernel_launch_s=2e-6)
+    planned = [_planned("all-reduce", 1000), _planned("all-reduce", 3000), _planned("reduce-scatter", 8000)]
+    sides = [TAIL, TAIL, TAIL]
+    assert op_kernels_s(planned, [0, 1], sides, topo) == pytest.approx(3 * 2e-6 + 4 * 4000 / 1e12)
+    assert member_kernels_s("all-reduce", 1000, TAIL, topo) == pytest.approx(2e-6 + 4 * 1000 / 1e12)
+    assert op_kernels_s(planned, [0], sides, topo) == 0.0
+    assert op_kernels_s(planned, [0, 1], [DERIVED, DERIVED], topo) == 0.0
+    assert member_kernels_s("reduce-scatter", 8000, TAIL, topo) == 0.0
+    assert op_kernels_s(planned, [0, 1], sides, dataclasses.replace(topo, combiner=CPU)) == 0.0
 
 
 def test_the_count_threshold_splits_a_family():

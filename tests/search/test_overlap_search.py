@@ -47,6 +47,15 @@ def test_a_combined_reduction_is_issued_at_its_last_member():
     assert replay(events, [3.0, 3.0]) == 23  # issued member by member, the first hid behind 10
 
 
+def test_the_kernels_xla_adds_around_a_combined_op_run_on_the_compute_stream_before_it():
+    # the op's concatenation and slices (2 s) run just before it is issued: 2 s more compute,
+    # and the op starts 2 s later
+    events = [_k(10), _c(0, BEHIND), _k(10), _c(1, BEHIND), _k(1)]
+    kept, seconds = issued(events, [([0, 1], 6.0)], [2.0])
+    assert kept == [_k(10), _k(10), _k(2.0), _c(1, BEHIND), _k(1)]
+    assert replay(kept, seconds) == 28  # 5 of its 6 exposed at the end, after 23 of compute
+
+
 def test_a_combined_gather_run_ahead_is_issued_before_its_first_reader():
     events = [_k(4), _c(0, AHEAD), _k(10), _c(1, AHEAD), _k(10)]
     kept, seconds = issued(events, [([0, 1], 6.0)])
