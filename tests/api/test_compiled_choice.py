@@ -3,7 +3,10 @@
 compiles it and priced as its schedule runs; on CPUs nothing is compiled at `lower()`."""
 import functools
 
+import jax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import rhino_jax as rj
 from benchmarks.fixtures.llama import Shape, llama_step
@@ -79,9 +82,6 @@ def test_gradients_are_reduce_scattered_where_a_combined_all_reduce_costs_a_kern
     into it and one per gradient slices each out (this step's 40 gradients: 76 µs of launches in
     0.87 ms). The search charges those kernels, so its plan reduce-scatters the gradients and
     gathers the updates instead, and runs faster than data parallel compiled by `jax.jit`."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     plan, mesh = _two_plans()[0], _gpus()
     kinds = plan.collective_summary("gpu")
     assert kinds.get("reduce-scatter", (0, 0))[0] and not kinds.get("all-reduce", (0, 0))[0], kinds
