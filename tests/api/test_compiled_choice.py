@@ -1,6 +1,7 @@
 """Of the plans a search weighed, the one whose compiled program runs fastest is kept
 (`rhino_jax.compiled_choice`): for described H100s each candidate is compiled as `compile()`
 compiles it and priced as its schedule runs; on CPUs nothing is compiled at `lower()`."""
+import dataclasses
 import functools
 
 import jax
@@ -30,13 +31,24 @@ def _gpus():
 
 
 @functools.cache
+def _searched():
+    """The step's plan on described H100s, as the search makes it."""
+    return _lowered(_gpus()).plan
+
+
+@functools.cache
 def _two_plans():
     """The step's plans on described H100s: the search's, and one with the parameters split over
-    the 8 devices (`op_trans`), which holds less (no memory limit: each compiles once, untied)."""
-    return _lowered(_gpus()).plan, _lowered(_gpus(), constraints=[rj.op_trans("arg[0]*", parts=(8,))]).plan
+    the 8 devices (`op_trans`), which holds less (no memory limit: each compiles once, untied).
+    Its tests run in one pytest-xdist worker (`_TWO_PLANS`, `--dist loadgroup`)."""
+    return _searched(), _lowered(_gpus(), constraints=[rj.op_trans("arg[0]*", parts=(8,))]).plan
+
+
+_TWO_PLANS = pytest.mark.xdist_group("two_plans")
 
 
 @pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
+@_TWO_PLANS
 def test_the_faster_compiled_of_two_plans_is_kept_whatever_their_order(tmp_path):
     """Two plans of one step on described H100s (`_two_plans`): given slower first, the faster program is kept, as compiled, with both listed in its report
     and its saved file."""
@@ -63,6 +75,7 @@ def test_the_faster_compiled_of_two_plans_is_kept_whatever_their_order(tmp_path)
 
 
 @pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
+@_TWO_PLANS
 def test_a_program_over_the_limit_is_not_kept():
     """Of two programs compiled, the one over the devices' memory is not kept, though listed
     first (the limit is set after they were compiled, so that no remedy brings the larger under)."""
@@ -77,12 +90,13 @@ def test_a_program_over_the_limit_is_not_kept():
 
 
 @pytest.mark.skipif(_plugin_skip() is not None, reason=_plugin_skip() or "")
+@_TWO_PLANS
 def test_gradients_are_reduce_scattered_where_a_combined_all_reduce_costs_a_kernel_per_gradient():
     """GPU XLA runs the gradients' combined all-reduce on one buffer: a kernel concatenates them
     into it and one per gradient slices each out (this step's 40 gradients: 76 µs of launches in
     0.87 ms). The search charges those kernels, so its plan reduce-scatters the gradients and
     gathers the updates instead, and runs faster than data parallel compiled by `jax.jit`."""
-    plan, mesh = _two_plans()[0], _gpus()
+    plan, mesh = _searched(), _gpus()
     kinds = plan.collective_summary("gpu")
     assert kinds.get("reduce-scatter", (0, 0))[0] and not kinds.get("all-reduce", (0, 0))[0], kinds
     step, shapes = llama_step(SHAPE, seq=128)
@@ -102,3 +116,20 @@ def test_on_cpus_nothing_is_compiled_at_lower_though_the_search_weighed_other_pl
     assert plan_on(inputs.graph, MeshTopology.from_mesh(mesh, cluster), cluster, inputs.options).alternatives, \
         "the search weighed other layouts"
     assert lowered._compiled is None and not lowered.plan.search_stats.compiled_candidates
+
+
+def test_a_plan_priced_alike_to_one_kept_is_not_weighed_beside_it():
+    """Two overlap rounds' plans that differ only where nothing is priced (here one value's
+    layout), of the same step, memory and collectives, are one program to XLA: one of them is
+    weighed. A plan priced otherwise is weighed beside it."""
+    from rhino_jax.models import make_mlp_train_step, mlp_example
+    from rhino_jax.search.planner import _other_layouts
+
+    step, args = make_mlp_train_step(), mlp_example((64, 256, 64), 1024, abstract=True)
+    plan = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), cluster="8x-h100").lower(*args).plan
+    value, spec = next(iter(plan.value_specs.items()))
+    other = next(s for s in plan.value_specs.values() if s != spec)
+    twin = dataclasses.replace(plan, value_specs={**plan.value_specs, value: other})
+    slower = dataclasses.replace(twin, cost=dataclasses.replace(plan.cost, total_s=plan.cost.total_s * 1.01))
+    assert _other_layouts(plan, [plan, twin]) == ()
+    assert [p.cost for p in _other_layouts(plan, [plan, twin, slower])] == [slower.cost]
