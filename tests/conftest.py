@@ -1,8 +1,17 @@
 """8 emulated CPU devices for every test; set before jax is imported anywhere. Fixtures several
-test files share. How many processes `pytest -n auto` (pytest-xdist) runs the suite in.
+test files share. How many processes `pytest -n auto` (pytest-xdist) runs the suite in, and
+how it hands them the tests.
 
 The tests sit in folders by the stage they test (hlo_passes/, search/, runtime/, api/,
-end_to_end/); this folder goes on sys.path so that every one of them imports `helpers`."""
+end_to_end/); this folder goes on sys.path so that every one of them imports `helpers`.
+
+The README runs them with `--dist loadgroup`: a worker is handed one test, or one group of tests
+marked `xdist_group` (those that share a compiled plan), whenever it has two or fewer left, so
+tests of a hundredth of a second and of two minutes (a GPU compile) even out between the workers;
+xdist's default, `load`, hands out long runs of tests ahead: in a run on 2 cores the workers
+spent 8 % of it idle. xdist tells its scheduler a test's group by appending it to the test's
+node id, which pytest 9.2 keeps in a structured form that xdist 3.8 does not set: there
+`_group_ids` sets it."""
 import os
 import sys
 
@@ -65,3 +74,22 @@ def pytest_xdist_auto_num_workers(config):
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, int(memory_gib // WORKER_GIB), 8))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """`_group_ids` after xdist's own hook, in a worker of `--dist loadgroup`."""
+    if getattr(config.option, "loadgroup", False):
+        _group_ids(items)
+
+
+def _group_ids(items) -> None:
+    """Each test marked `xdist_group` whose node id does not name its group yet gets it appended
+    (`id@group`, groups joined by "_"), as pytest-xdist appends it where pytest lets it set the
+    node id (before 9.2): without it the groups' tests are handed out one by one, and a plan two
+    tests share may be made in both workers (a 90 s fixture, twice, in a run on 2 cores)."""
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")

@@ -49,15 +49,25 @@ def _within(predicted: float, compiled: float, tolerance: float, slack: float = 
 
 @functools.cache
 def _planned(model: str, mesh: str):
-    """(case, mesh, lowered, compiled): one search and compile per configuration for both tests."""
+    """(case, mesh, lowered, compiled): one search and compile per configuration, for every test
+    of it. Tests that share one run in one pytest-xdist worker (`_shared`, `--dist loadgroup`)."""
     case, devices = _case(model), _mesh(mesh)
     lowered = rj.parallelize(case.step, mesh=devices).lower(*case.args)
     return case, devices, lowered, lowered.compile()
 
 
+def _group(model: str, mesh: str):
+    """The tests of a configuration that more than one test plans (`_planned`), in one worker."""
+    return pytest.mark.xdist_group(f"{model}-{mesh}")
+
+
+def _shared(model: str, mesh: str):
+    return pytest.param(model, mesh, marks=_group(model, mesh))
+
+
 @pytest.mark.parametrize("model, mesh", [
-    ("gpt", "2x8"), ("linen_gpt", "2x4"), ("linen_bf16", "2x8"), ("vit", "8"),
-    ("nnx_llama", "2x4"), ("nnx_llama_bf16", "2x8"), ("linen_moe", "8"),
+    ("gpt", "2x8"), _shared("linen_gpt", "2x4"), ("linen_bf16", "2x8"), ("vit", "8"),
+    _shared("nnx_llama", "2x4"), ("nnx_llama_bf16", "2x8"), _shared("linen_moe", "8"),
 ])
 def test_predicted_collectives_and_memory_match_the_gpu_compile(model, mesh):
     _, _, lowered, compiled = _planned(model, mesh)
@@ -79,7 +89,7 @@ def test_predicted_collectives_and_memory_match_the_gpu_compile(model, mesh):
 _PER_TOKEN_GATHER = pytest.mark.xfail(strict=True, reason="a per-token all-gather waited for, 0.6 % over FSDP")
 
 
-@pytest.mark.parametrize("model, mesh", [("linen_gpt", "2x4"), ("nnx_llama", "2x4"),
+@pytest.mark.parametrize("model, mesh", [_shared("linen_gpt", "2x4"), _shared("nnx_llama", "2x4"),
                                          pytest.param("nnx_llama_bf16", "8", marks=_PER_TOKEN_GATHER),
                                          ("linen_clip_adamw", "8"), ("linen_clip_adamw", "2x4")])
 def test_the_plan_is_no_slower_than_data_parallel_or_fsdp_on_the_gpu_compile(model, mesh):
@@ -139,6 +149,7 @@ def test_the_predicted_memory_counts_the_split_k_temporaries_of_gemms():
     assert 0.85 <= ratio <= 1.15, f"compiled / predicted memory {ratio:.2f}"
 
 
+@_group("linen_moe", "8")
 def test_a_cumsum_for_gpus_keeps_its_rows_split_and_is_not_a_loop():
     """For a GPU jax lowers jnp.cumsum to a chlo.scan (the CPU gets a reduce_window): it has a
     rule too, so an MoE router's slot count keeps its split rows, and XLA's GPU partitioner moves
@@ -274,7 +285,7 @@ def test_a_plan_past_the_limit_keeps_the_latency_hiding_scheduler_held_to_it_whe
 def deep_step():
     """A 6-layer Llama-like step planned on (8,) under 100 MiB per device (its XLA schedule
     takes 98.8 MiB; tied to the program's order 35.6), compiled under 95 MiB: (the plan, the
-    compiled step, what compile() said)."""
+    compiled step, what compile() said). Its tests run in one worker (`_DEEP`)."""
     import warnings
 
     from benchmarks.fixtures.llama import Shape, llama_step
@@ -288,12 +299,17 @@ def deep_step():
     return lowered.plan, compiled, [str(w.message) for w in said if w.category is rj.CompiledMemoryWarning]
 
 
+_DEEP = pytest.mark.xdist_group("deep_step")
+
+
+@_DEEP
 def test_a_deep_step_over_the_limit_in_xlas_schedule_is_tied_to_the_programs_order(deep_step):
     _, compiled, said = deep_step
     assert len(said) == 1 and "kept: tied to the program's order" in said[0], said
     assert compiled.memory.total <= 95 << 20
 
 
+@_DEEP
 def test_a_deep_steps_tied_program_gathers_its_layers_apart(deep_step):
     """Tied to the program's order, XLA gathers each layer's weights apart, while the layer
     before computes: the forward's, and those the plan reads whole at `jax.checkpoint`'s barrier
@@ -309,6 +325,7 @@ def test_a_deep_steps_tied_program_gathers_its_layers_apart(deep_step):
     assert max(gathers) < 1.5 * layer, (max(gathers), layer)
 
 
+@_DEEP
 def test_a_deep_steps_memory_is_counted_as_xla_holds_it(deep_step):
     """Tied to the program's order, the 6-layer step of `deep_step` within 15 % of XLA's count.
     XLA's partitioner sums a weight gradient's partial products in the GEMM that makes them (a
