@@ -91,5 +91,5 @@ def _group_ids(items) -> None:
     for item in items:
         groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                          for m in item.iter_markers("xdist_group")})
-        if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+        if groups and "@" not in item.nodeid and hasattr(getattr(item, "_id", None), "parse"):
             item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")
