@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -129,8 +130,8 @@ def _priced_alike(a: Plan, b: Plan) -> bool:
     ops nothing prices (a broadcast scalar made whole or split where it is read split). Where seen,
     XLA's partitioner made one program of both (a Flax LM clipped by its global norm on 8 described
     H100s: two compiles of 12 s, the same memory and step to the nanosecond)."""
-    return (abs(a.cost.total_s - b.cost.total_s) <= SAME_STEP * max(a.cost.total_s, b.cost.total_s)
-            and abs(a.cost.compute_s - b.cost.compute_s) <= SAME_STEP * max(a.cost.compute_s, b.cost.compute_s)
+    return (math.isclose(a.cost.total_s, b.cost.total_s, rel_tol=SAME_STEP)
+            and math.isclose(a.cost.compute_s, b.cost.compute_s, rel_tol=SAME_STEP)
             and a.cost.memory_bytes == b.cost.memory_bytes
             and collections.Counter(a.collectives) == collections.Counter(b.collectives))
 

@@ -11,7 +11,7 @@ tests of a hundredth of a second and of two minutes (a GPU compile) even out bet
 xdist's default, `load`, hands out long runs of tests ahead: in a run on 2 cores the workers
 spent 8 % of it idle. xdist tells its scheduler a test's group by appending it to the test's
 node id, which pytest 9.2 keeps in a structured form that xdist 3.8 does not set: there
-`_group_ids` sets it."""
+`pytest_collection_modifyitems` below sets it."""
 import os
 import sys
 
@@ -78,16 +78,13 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """`_group_ids` after xdist's own hook, in a worker of `--dist loadgroup`."""
-    if getattr(config.option, "loadgroup", False):
-        _group_ids(items)
-
-
-def _group_ids(items) -> None:
-    """Each test marked `xdist_group` whose node id does not name its group yet gets it appended
-    (`id@group`, groups joined by "_"), as pytest-xdist appends it where pytest lets it set the
-    node id (before 9.2): without it the groups' tests are handed out one by one, and a plan two
-    tests share may be made in both workers (a 90 s fixture, twice, in a run on 2 cores)."""
+    """In a worker of `--dist loadgroup`, after xdist's own hook: each test marked `xdist_group`
+    whose node id does not name its group yet gets it appended (`id@group`, groups joined by
+    "_"), as pytest-xdist appends it where pytest lets it set the node id (before 9.2). Without it
+    the groups' tests are handed out one by one, and a plan two tests share may be made in both
+    workers (a 90 s fixture, twice, in a run on 2 cores)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
     for item in items:
         groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                          for m in item.iter_markers("xdist_group")})
