@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rhino_jax.core.ops import FUSED_READERS, FUSIBLE
 from rhino_jax.core.specs import ShardingSpec
 
 from ...hlo_passes.graph import Graph, Node, Value
@@ -105,108 +104,10 @@ class _Assigned:
         return [_spec(d, self) for d in self.space.results]
 
 
-
-
-def memory_traffic(graph: Graph) -> dict[int, int]:
-    """Bytes each node moves to and from device memory once XLA has fused it: a fused op reads
-    only operands made outside the fusion and writes only results read outside it."""
-    producer = {r: n.op for n in graph.nodes for r in n.results}
-    fused_only = {v: True for v in range(len(graph.values))}
-    for n in graph.nodes:
-        for o in n.operands:
-            fused_only[o] = fused_only[o] and n.op in FUSED_READERS
-    for o in graph.outputs:
-        fused_only[o] = False
-    traffic = {}
-    for n in graph.nodes:
-        if _bitcast(n, graph):
-            traffic[n.id] = 0
-            continue
-        if n.op in _IN_PLACE:  # touches only the piece it reads or writes
-            piece = graph.values[n.results[0] if n.op == "stablehlo.dynamic_slice" else n.operands[1]].nbytes
-            traffic[n.id] = 2 * piece
-            continue
-        reads = [o for o in dict.fromkeys(n.operands)
-                 if not (n.op in FUSED_READERS and producer.get(o) in FUSIBLE)]
-        writes = [r for r in n.results if not (n.op in FUSIBLE and fused_only[r])]
-        traffic[n.id] = sum(graph.values[v].nbytes for v in reads + writes)
-    return traffic
-
-
-def kernel_launches(graph: Graph) -> dict[int, int]:
-    """Kernels each node launches once XLA has fused the step: ops joined by a fused read (a
-    fusible producer read by a fusible op or a reduction) run as one kernel, which XLA's
-    multi-output fusion writes all at once (an Adam update's three results), while a scalar or a
-    broadcast read by many is copied into each reader's kernel; the last node of each group in
-    program order launches it. A group of views, constants and scalar arithmetic alone (a
-    broadcast, a bitcast, a sharding constraint, a step count's power) launches none: XLA folds it
-    into its readers."""
-    parent = list(range(len(graph.nodes)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    made_by = {r: n.id for n in graph.nodes for r in n.results}
-    for n in graph.nodes:
-        if n.op in FUSED_READERS:
-            for o in n.operands:
-                p = made_by.get(o)
-                if p is not None and graph.nodes[p].op in FUSIBLE and not _copied(graph.nodes[p], graph):
-                    parent[root(p)] = root(n.id)
-    groups: dict[int, list[Node]] = {}
-    for n in graph.nodes:
-        groups.setdefault(root(n.id), []).append(n)
-    out = dict.fromkeys((n.id for n in graph.nodes), 0)
-    for members in groups.values():
-        if any(not (m.op in _FOLDED or _bitcast(m, graph) or _scalar(m, graph)) for m in members):
-            out[max(m.id for m in members)] = 1
-    return out
-
-
-def _scalar(node: Node, graph: Graph) -> bool:
-    """Arithmetic on scalars alone (a learning rate's schedule, Adam's bias correction), which XLA
-    computes inside each kernel that reads its result."""
-    return all(not graph.values[v].shape for v in node.operands + node.results)
-
-
-def _copied(node: Node, graph: Graph) -> bool:
-    """A value XLA makes again inside each kernel that reads it rather than joining their kernels:
-    a scalar, a constant, an iota, a broadcast of a scalar."""
-    if not graph.values[node.results[0]].shape or node.op in ("stablehlo.constant", "stablehlo.iota"):
-        return True
-    return node.op == "stablehlo.broadcast_in_dim" and not graph.values[node.operands[0]].shape
-
-
-# Ops that launch no kernel of their own: XLA folds them into the kernels that read them (a
-# broadcast, a slice read in place), or they only name a layout, a value or the end of a body.
-_FOLDED = {"stablehlo.constant", "stablehlo.iota", "stablehlo.broadcast_in_dim", "stablehlo.slice",
-           "stablehlo.dynamic_slice", "sdy.sharding_constraint", "stablehlo.optimization_barrier",
-           "stablehlo.get_tuple_element", "stablehlo.tuple", "stablehlo.return"}
-
-
-# A dynamic slice reads only its piece, and XLA updates a buffer in place (a scanned layer's
-# parameters read from their stack, its saved activations written into theirs, once per trip).
-_IN_PLACE = {"stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice"}
-
-
-def _bitcast(node: Node, graph: Graph) -> bool:
-    """A reshape or broadcast that only drops or adds size-1 dims (a scanned layer's slice of its
-    stack, and the piece it writes back) keeps every element where it is: XLA makes it a bitcast."""
-    if node.op not in ("stablehlo.reshape", "stablehlo.broadcast_in_dim"):
-        return False
-    src, dst = graph.values[node.operands[0]].shape, graph.values[node.results[0]].shape
-    if node.op == "stablehlo.broadcast_in_dim" and list(node.attrs["dims"]) != sorted(node.attrs["dims"]):
-        return False  # it transposes
-    return tuple(d for d in src if d != 1) == tuple(d for d in dst if d != 1)
-
-
 def compute_time(node: Node, values: tuple[Value, ...], traffic: int, split: float,
                  cluster: Cluster, launches: int = 0) -> float:
     """Roofline of the local piece (FLOPs at the dtype's rate or its memory traffic at memory
-    bandwidth), and the kernels it launches (`kernel_launches`), which no split makes shorter."""
+    bandwidth), and the kernels it launches (`fusion.kernel_launches`), which no split makes shorter."""
     out = values[node.results[0]] if node.results else None
     dtype = out.dtype if out is not None else "float32"
     roofline = max(node.flops / cluster.flops(dtype), traffic / cluster.memory_bandwidth) / split

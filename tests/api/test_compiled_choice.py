@@ -133,3 +133,38 @@ def test_a_plan_priced_alike_to_one_kept_is_not_weighed_beside_it():
     slower = dataclasses.replace(twin, cost=dataclasses.replace(plan.cost, total_s=plan.cost.total_s * 1.01))
     assert _other_layouts(plan, [plan, twin]) == ()
     assert [p.cost for p in _other_layouts(plan, [plan, twin, slower])] == [slower.cost]
+
+
+def test_a_plan_predicted_far_slower_than_one_compiled_that_fits_is_not_compiled(monkeypatch):
+    """Compiling is what costs (seconds to minutes a plan): a plan predicted more than
+    `SURE_GAP` slower than the fastest compiled one that fits is not compiled; one within it is,
+    though predicted above that program's compiled step (the replay can overestimate it), and a
+    program over the devices' memory bars nothing."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rhino_jax import compiled_choice
+    from rhino_jax.models import make_mlp_train_step, mlp_example
+
+    step, args = make_mlp_train_step(), mlp_example((64, 256, 64), 1024, abstract=True)
+    plan = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), cluster="8x-h100").lower(*args).plan
+    gpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]))
+
+    def candidate(predicted_ms: float, compiled_ms: float, nbytes: int):
+        cost = dataclasses.replace(plan.cost, total_s=predicted_ms * 1e-3)
+        return SimpleNamespace(plan=dataclasses.replace(plan, cost=cost), mesh=gpu, memory_limit_bytes=100,
+                               _compiled=SimpleNamespace(plan=None), _said=(), compiled=(compiled_ms * 1e-3, nbytes))
+
+    compiled = []
+    monkeypatch.setattr(compiled_choice, "_compile", lambda c, i, n: compiled.append(i) or compiled_choice._Compiled(
+        c, *c.compiled, (), 0.0))
+    gap = 1 + compiled_choice.SURE_GAP
+    # over the memory: bars nothing; fits, compiled at 0.8 ms where 1.0 was predicted; within the
+    # gap of 1.0 (above 0.8), compiled, slower; past it, not compiled (had it been, the fastest)
+    candidates = [candidate(0.9, 0.7, 200), candidate(1.0, 0.8, 50), candidate(0.99 * gap, 0.85, 50),
+                  candidate(1.01 * gap, 0.1, 50)]
+    kept = compiled_choice.fastest_compiled(candidates)
+    assert compiled == [0, 1, 2]
+    assert kept is candidates[1]
+    assert [c.compiled_s is None for c in kept.plan.search_stats.compiled_candidates] == [False, False, False, True]

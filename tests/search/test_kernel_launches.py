@@ -1,6 +1,7 @@
 """The kernels the search counts once XLA has fused a step, and what it charges for them."""
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -8,7 +9,7 @@ import rhino_jax as rj
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.search.cost.cluster import get_cluster
-from rhino_jax.search.space.strategies import kernel_launches
+from rhino_jax.search.cost.fusion import kernel_launches, memory_traffic
 
 
 def _graph(fn, *args):
@@ -60,6 +61,57 @@ def test_matmuls_launch_one_kernel_each_and_broadcasts_none():
     assert launches["dot_general"] == 2
     assert launches.get("broadcast_in_dim", 0) == 0 and launches.get("constant", 0) == 0
     assert sum(launches.values()) == 3
+
+
+def test_a_kernel_never_both_feeds_a_matmul_and_reads_its_product():
+    """Two residual layers, y = x + x @ w1, z = y + y @ w2: the first add feeds the second
+    matmul, whose product the second add reads, so the adds are two kernels (as XLA compiles a
+    residual stream: a fusion per layer), not one kernel with a matmul inside it."""
+    w1, w2 = np.ones((64, 64), np.float32), np.ones((64, 64), np.float32)
+
+    def step(x):
+        y = x + x @ w1
+        return y + y @ w2
+
+    launches = _launches(step, np.ones((8, 64), np.float32))
+    assert {k: n for k, n in launches.items() if n} == {"dot_general": 2, "add": 2}
+
+
+def test_a_reduction_read_back_whole_is_read_by_the_next_kernel():
+    """x minus its row means: the means are one kernel, and the subtraction, which needs every
+    mean, the next one. It reads x again, and the means, from memory: 3 times x's bytes and
+    twice the means', where one kernel would move x's twice."""
+    x = np.ones((64, 256), np.float32)
+    graph = _graph(lambda x: (x - x.mean(axis=-1, keepdims=True)) * 2.0, x)
+    launches, traffic = kernel_launches(graph), memory_traffic(graph)
+    assert sum(launches.values()) == 2
+    assert sum(traffic.values()) == 3 * x.nbytes + 2 * 64 * 4
+
+
+def test_on_ampere_and_later_a_row_reduction_and_its_readers_are_one_kernel():
+    """XLA's Triton fusions on the GPUs the presets describe: x minus its row means is one
+    kernel, reading x once and writing the result; a reduction along another dimension (column
+    means) is still read by the next kernel."""
+    x = np.ones((64, 256), np.float32)
+    rows = _graph(lambda x: (x - x.mean(axis=-1, keepdims=True)) * 2.0, x)
+    assert sum(kernel_launches(rows, rows_fused=True).values()) == 1
+    assert sum(memory_traffic(rows, rows_fused=True).values()) == 2 * x.nbytes
+    columns = _graph(lambda x: (x - x.mean(axis=0, keepdims=True)) * 2.0, x)
+    assert sum(kernel_launches(columns, rows_fused=True).values()) == 2
+
+
+def test_a_layer_norm_whose_two_means_are_combined_stays_two_kernels_on_ampere():
+    """Flax's layer norm of a residual stream's sum takes the mean and the mean of squares in
+    one pass, with the sum, and combines them into the variance before reading it back: XLA
+    keeps that kernel and the normalization's apart (two, as in a compiled Flax GPT), where a
+    lone row mean would fuse with its readers."""
+    def layer_norm(x, y):
+        x = x + y
+        mean, mean2 = x.mean(axis=-1, keepdims=True), (x * x).mean(axis=-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(mean2 - mean * mean + 1e-6)
+
+    x = np.ones((64, 256), np.float32)
+    assert sum(kernel_launches(_graph(layer_norm, x, x), rows_fused=True).values()) == 2
 
 
 def test_the_search_charges_each_kernel_a_launch():
