@@ -105,11 +105,11 @@ def _predicted_seconds(model: str, config, cluster, per_op_s: float = 0.0) -> tu
     """Single-device compute time of the step as rhino_jax's cost model sums it, and the node
     count. `per_op_s` adds the fixed time per op that the roofline leaves out (reported only)."""
     from rhino_jax.core.ops import FUSIBLE
-    from rhino_jax.search.cost.fusion import memory_traffic
+    from rhino_jax.search.cost.fusion import fused_kernels, memory_traffic
     from rhino_jax.search.space.strategies import compute_time
     module = load_zoo()[model]
     graph = _graph(module.make_train_step(config), module.example(config, abstract=True))
-    traffic = memory_traffic(graph)
+    traffic = memory_traffic(graph, fused_kernels(graph))
     total = sum(compute_time(n, graph.values, traffic[n.id], 1, cluster) for n in graph.nodes)
     kernels = sum(1 for n in graph.nodes if n.op not in FUSIBLE)
     return total + per_op_s * kernels, kernels

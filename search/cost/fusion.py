@@ -25,6 +25,7 @@ compiled programs.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from rhino_jax.core.ops import FUSED_READERS, FUSIBLE
 
@@ -41,12 +42,19 @@ _FOLDED = {"stablehlo.constant", "stablehlo.iota", "stablehlo.broadcast_in_dim",
 _IN_PLACE = {"stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice"}
 
 
-def fused_kernels(graph: Graph, rows_fused: bool = False) -> list[int]:
-    """The kernel of each node (by node id; kernels numbered from 0), as XLA fuses: a fusible op
-    joins the kernel of the fusible op or reduction that reads it (`_fusion_edge`), which XLA's
-    multi-output fusion writes all at once (an Adam update's three results), unless that would
-    put into one kernel ops that a kernel outside it runs between: a kernel cannot both feed a
-    matmul and read its product. A scalar, or a broadcast of one, read by many is made again in
+@dataclass(frozen=True)
+class Kernels:
+    """A step's nodes as XLA fuses them (`fused_kernels`): what launches and traffic are read from."""
+
+    of: tuple[int, ...]  # node id → its kernel (numbered from 0)
+    rows: frozenset[int]  # the row reductions fused with their readers (`_lone_row_reductions`)
+
+
+def fused_kernels(graph: Graph, rows_fused: bool = False) -> Kernels:
+    """The kernel of each node, as XLA fuses: a fusible op joins the kernel of the fusible op or
+    reduction that reads it (`_fusion_edge`), which XLA's multi-output fusion writes all at once
+    (an Adam update's three results), unless that would put into one kernel ops that a kernel
+    outside it runs between: a kernel cannot both feed a matmul and read its product. A scalar, or a broadcast of one, read by many is made again in
     each reader's kernel (`_copied`) and joins none. Each op's wave counts the kernel boundaries
     on the longest path before it (a read that is not fused: a matmul's operand, a reduction's
     result); a fusible op whose readers all fuse it waits for the earliest of them (a moment's
@@ -81,7 +89,7 @@ def fused_kernels(graph: Graph, rows_fused: bool = False) -> list[int]:
         if edge and wave[p] == wave[n]:
             parent[root(p)] = root(n)
     numbered: dict[int, int] = {}
-    return [numbered.setdefault(root(n.id), len(numbered)) for n in graph.nodes]
+    return Kernels(tuple(numbered.setdefault(root(n.id), len(numbered)) for n in graph.nodes), rows)
 
 
 def _fusion_edge(producer: Node, reader: Node, graph: Graph, rows: frozenset[int] = frozenset()) -> bool:
@@ -125,13 +133,13 @@ def _elements(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-def kernel_launches(graph: Graph, rows_fused: bool = False) -> dict[int, int]:
-    """Kernels each node launches (`fused_kernels`): the last node of each kernel in program
+def kernel_launches(graph: Graph, kernels: Kernels) -> dict[int, int]:
+    """Kernels each node launches: the last node of each kernel in program
     order launches it. A kernel of views, constants and scalar arithmetic alone (a broadcast, a
     bitcast, a sharding constraint, a step count's power) launches none: XLA folds it into its
     readers."""
     members: dict[int, list[Node]] = {}
-    for n, k in zip(graph.nodes, fused_kernels(graph, rows_fused)):
+    for n, k in zip(graph.nodes, kernels.of):
         members.setdefault(k, []).append(n)
     out = dict.fromkeys((n.id for n in graph.nodes), 0)
     for nodes in members.values():
@@ -140,12 +148,11 @@ def kernel_launches(graph: Graph, rows_fused: bool = False) -> dict[int, int]:
     return out
 
 
-def memory_traffic(graph: Graph, rows_fused: bool = False) -> dict[int, int]:
-    """Bytes each node moves to and from device memory once XLA has fused it (`fused_kernels`):
+def memory_traffic(graph: Graph, kernels: Kernels) -> dict[int, int]:
+    """Bytes each node moves to and from device memory once XLA has fused it into `kernels`:
     a kernel reads each value made outside it once (at its first reader) and writes only results
     read outside it (a value copied into each reader, `_copied`, is made again there: neither)."""
-    kernel = fused_kernels(graph, rows_fused)
-    rows = _lone_row_reductions(graph) if rows_fused else frozenset()
+    kernel, rows = kernels.of, kernels.rows
     made_by = {r: n for n in graph.nodes for r in n.results}
 
     def inside(producer: Node | None, reader: Node) -> bool:

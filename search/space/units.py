@@ -13,7 +13,7 @@ from rhino_jax.core.specs import ShardingSpec
 
 from ...hlo_passes.graph import Graph, Pin, slots
 from ..cost.cluster import Cluster, MeshTopology
-from ..cost.fusion import kernel_launches, memory_traffic
+from ..cost.fusion import fused_kernels, kernel_launches, memory_traffic
 from . import carried
 from .strategies import Strategy, node_strategies, tensor_specs
 from .strides import candidates as stride_candidates
@@ -119,7 +119,8 @@ def build_units(graph: Graph, topo: MeshTopology, cluster: Cluster, strided: boo
         producer_unit[arg.value] = len(units)
         units.append(Unit("arg", arg.index, operands, (arg.value,), strategies, arg.path))
     rows_fused = cluster.backend == "gpu" and bool(cluster.gpu)  # Triton's fusions: Ampere and later
-    traffic, launches = memory_traffic(graph, rows_fused), kernel_launches(graph, rows_fused)
+    kernels = fused_kernels(graph, rows_fused)
+    traffic, launches = memory_traffic(graph, kernels), kernel_launches(graph, kernels)
     facts = stride_candidates(graph, topo) if strided else {}
     known: dict[tuple, tuple[list[Strategy], bool]] = {}  # identical ops (repeated layers)
     consumers = graph.consumers()

@@ -9,7 +9,7 @@ import rhino_jax as rj
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.lowering import lower_on_mesh
 from rhino_jax.search.cost.cluster import get_cluster
-from rhino_jax.search.cost.fusion import kernel_launches, memory_traffic
+from rhino_jax.search.cost.fusion import fused_kernels, kernel_launches, memory_traffic
 
 
 def _graph(fn, *args):
@@ -20,7 +20,7 @@ def _graph(fn, *args):
 def _launches(fn, *args) -> dict[str, int]:
     """op kind → kernels its nodes launch."""
     graph = _graph(fn, *args)
-    launches, out = kernel_launches(graph), {}
+    launches, out = kernel_launches(graph, fused_kernels(graph)), {}
     for node in graph.nodes:
         kind = node.op.split(".")[-1]
         out[kind] = out.get(kind, 0) + launches[node.id]
@@ -83,7 +83,8 @@ def test_a_reduction_read_back_whole_is_read_by_the_next_kernel():
     twice the means', where one kernel would move x's twice."""
     x = np.ones((64, 256), np.float32)
     graph = _graph(lambda x: (x - x.mean(axis=-1, keepdims=True)) * 2.0, x)
-    launches, traffic = kernel_launches(graph), memory_traffic(graph)
+    kernels = fused_kernels(graph)
+    launches, traffic = kernel_launches(graph, kernels), memory_traffic(graph, kernels)
     assert sum(launches.values()) == 2
     assert sum(traffic.values()) == 3 * x.nbytes + 2 * 64 * 4
 
@@ -94,10 +95,11 @@ def test_on_ampere_and_later_a_row_reduction_and_its_readers_are_one_kernel():
     means) is still read by the next kernel."""
     x = np.ones((64, 256), np.float32)
     rows = _graph(lambda x: (x - x.mean(axis=-1, keepdims=True)) * 2.0, x)
-    assert sum(kernel_launches(rows, rows_fused=True).values()) == 1
-    assert sum(memory_traffic(rows, rows_fused=True).values()) == 2 * x.nbytes
+    fused = fused_kernels(rows, rows_fused=True)
+    assert sum(kernel_launches(rows, fused).values()) == 1
+    assert sum(memory_traffic(rows, fused).values()) == 2 * x.nbytes
     columns = _graph(lambda x: (x - x.mean(axis=0, keepdims=True)) * 2.0, x)
-    assert sum(kernel_launches(columns, rows_fused=True).values()) == 2
+    assert sum(kernel_launches(columns, fused_kernels(columns, rows_fused=True)).values()) == 2
 
 
 def test_a_layer_norm_whose_two_means_are_combined_stays_two_kernels_on_ampere():
@@ -111,7 +113,8 @@ def test_a_layer_norm_whose_two_means_are_combined_stays_two_kernels_on_ampere()
         return (x - mean) * jax.lax.rsqrt(mean2 - mean * mean + 1e-6)
 
     x = np.ones((64, 256), np.float32)
-    assert sum(kernel_launches(_graph(layer_norm, x, x), rows_fused=True).values()) == 2
+    graph = _graph(layer_norm, x, x)
+    assert sum(kernel_launches(graph, fused_kernels(graph, rows_fused=True)).values()) == 2
 
 
 def test_the_search_charges_each_kernel_a_launch():
@@ -127,7 +130,7 @@ def test_the_search_charges_each_kernel_a_launch():
     plans = [rj.parallelize(step, mesh=mesh, cluster=c).lower(*args).plan for c in (free, charged)]
     assert plans[0].arg_specs == plans[1].arg_specs
     graph = plans[0].search_inputs.graph
-    launches = kernel_launches(graph)
+    launches = kernel_launches(graph, fused_kernels(graph))
     kernels = sum(launches[node.id] * node.trips for node in graph.nodes)
     assert kernels >= 2
     assert abs(plans[1].cost.compute_s - plans[0].cost.compute_s - kernels * 5e-6) < 1e-9
