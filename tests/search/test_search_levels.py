@@ -72,6 +72,34 @@ def test_o2_ties_repeated_layers_and_stays_close_to_o3():
     assert o2.cost.total_s <= o3.cost.total_s * 1.03
 
 
+def test_a_step_with_no_matmul_ties_the_updates_of_identical_parameters():
+    """An optimizer's update alone (an apply-gradients program has no compute-heavy op, so no
+    critical node): its segments are the parts that share no tensor, one per parameter, and the
+    parts of parameters alike share their ILP variables, as layers do; the numbers are one
+    device's."""
+    import optax
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+
+    def apply(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    rng = np.random.default_rng(0)
+    params = {f"layer{i}": {"w": rng.normal(size=(64, 32)).astype(np.float32),
+                            "b": rng.normal(size=(32,)).astype(np.float32)} for i in range(4)}
+    grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
+    args = (params, opt.init(params), grads)
+    mesh = rj.device_mesh((8,), ("data",))
+    bb = backbone(_graph(apply, args, mesh))
+    assert not bb.critical and bb.num_segments == 1
+    o2 = rj.parallelize(apply, mesh=mesh, opt_level="O2").lower(*args)
+    o3 = rj.parallelize(apply, mesh=mesh, opt_level="O3").lower(*args).plan
+    assert o2.plan.search_stats.segments >= 8 and o2.plan.search_stats.tied_segments >= 6  # 3 copies of w's and b's
+    assert o2.plan.search_stats.ilp_groups < o3.search_stats.ilp_groups
+    assert o3.search_stats.objective_s <= o2.plan.search_stats.objective_s * (1 + 1e-9)
+    assert_same_numbers(jax.jit(apply)(*args), on_host(o2.compile()(*args)))
+
+
 @pytest.fixture(scope="module")
 def deep_tiny():
     """DEEP_TINY's step, its arguments and its one-device result, made once for both meshes: each
