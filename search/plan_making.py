@@ -175,8 +175,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
     ops = combined_ops(planned, topo)
     kernels = [op_kernels_s(planned, group, sides, topo) for group, _ in ops]
     compute += sum(kernels)
-    replayed = overlap.replayed(*overlap.issued(events, ops, kernels)) if cluster.overlap else None
-    step = replayed.step_s if replayed else float("inf")
+    step = overlap.replay(*overlap.issued(events, ops, kernels)) if cluster.overlap else float("inf")
     planned = _taken_branches(planned, graph)
     comm, off_chain = combined_time(planned, topo)
     hidden = min(comm, max(0.0, compute + comm - step))
@@ -209,8 +208,7 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
         value_specs=specs,
         read_specs=read_specs,
         read_paths=read_paths,
-        cost=PlanCost(compute, comm, compute + comm - hidden, memory, hidden, off_chain,
-                      *(replayed.hidden.get(how) if replayed else None for how in (overlap.AHEAD, overlap.BEHIND))),
+        cost=PlanCost(compute, comm, compute + comm - hidden, memory, hidden, off_chain),
         collectives=tuple(planned),
         fallback_ops=tuple(fallback),
         search_stats=stats,

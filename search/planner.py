@@ -57,33 +57,32 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
     """The plan of `_search`. With compute/communication overlap (`Cluster.overlap`), the ILP
     prices collectives off the compute chain at the share overlap leaves exposed, which holds
     only where there is compute to hide them behind: the plan's step is replayed as XLA's
-    scheduler runs it (`overlap.replay`), and when it hides less than the ILP assumed of the
-    collectives that run ahead of their readers, or of those behind their makers, the search
-    runs again with the share the plan hid of each (`_next_round`; a way none of its
-    collectives ran keeps its share: the replay said nothing of it). Once it hides what it
-    assumed, or in the last of `OVERLAP_ROUNDS`, it runs with none: that plan is always among
-    those replayed. The best plan at its replayed cost wins; those of other layouts ride with it
-    (`Plan.alternatives`), for a caller that can compile them to choose by their programs, which
-    the replay only estimates. `time_limit_s` covers it all (`levels.Deadline`).
+    scheduler runs it (`overlap.replay`), and when it hides less than the ILP assumed, the search
+    runs again with the share the plan hid (once it hides what it assumed, or in the last of
+    `OVERLAP_ROUNDS`, with none: that plan is always among those replayed), and the best plan
+    at its replayed cost wins; those of other layouts ride with it (`Plan.alternatives`), for a
+    caller that can compile them to choose by their programs, which the replay only estimates.
+    `time_limit_s` covers it all (`levels.Deadline`).
     Ctrl-C: before the first plan, KeyboardInterrupt; after it, the best plan so far,
     `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
     options = dict(options, built={})  # what every round builds alike: the units, the graph's backbone
     with interrupt.session(), few_full_collections():
         plan = _found(_search(graph, topo, cluster, deadline=deadline, **options))
-        tried, priced = [plan], topo
+        tried, overlap = [plan], topo.overlap
         try:
             # a plan with nothing off the chain is priced alike at any share: the rounds end
-            while priced.overlap and plan.cost.off_chain_comm_s and not interrupt.pressed() and deadline.left() > 0:
+            while overlap and plan.cost.off_chain_comm_s and not interrupt.pressed() and deadline.left() > 0:
+                usable = min(topo.overlap, plan.cost.hidden_s / plan.cost.off_chain_comm_s)
                 # it hid what it was priced to hide, or the rounds are spent: last, the plan of a
                 # search that hides nothing, replayed too (where the replay finds little to hide
                 # behind, it can be the faster)
-                priced = _next_round(topo, priced, plan) if len(tried) < OVERLAP_ROUNDS - 1 else topo.without_overlap()
-                progress.say("rhino_jax: overlap: the plan hides %.3g s of %.3g s of communication off the chain "
-                             "(%s); searching again with %s", plan.cost.hidden_s, plan.cost.off_chain_comm_s,
-                             _shares(plan.cost.hidden_ahead, plan.cost.hidden_behind),
-                             _shares(priced.hidden_ahead, priced.hidden_behind) if priced.overlap else "none hidden")
-                plan = _found(_search(graph, priced, cluster, deadline=deadline, **options))
+                overlap = usable if usable < overlap * 0.99 and len(tried) < OVERLAP_ROUNDS - 1 else 0.0
+                progress.say("rhino_jax: overlap: the plan hides %.3g s of %.3g s of communication off the chain; "
+                             "searching again with overlap %.3g", plan.cost.hidden_s,
+                             plan.cost.off_chain_comm_s, overlap)
+                plan = _found(_search(graph, dataclasses.replace(topo, overlap=overlap), cluster, deadline=deadline,
+                                      **options))
                 tried.append(plan)
         except KeyboardInterrupt:  # before the next round's plan: the plans so far
             interrupt.press()
@@ -93,23 +92,6 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
             _found(best, "kept")
         return dataclasses.replace(best, alternatives=_other_layouts(best, tried),
                                    interrupted=best.interrupted or interrupt.pressed())
-
-
-def _next_round(topo: MeshTopology, priced: MeshTopology, plan: Plan) -> MeshTopology:
-    """The mesh priced as `plan`'s replay hid each way's collectives where it hid less than
-    `priced` assumed (a way none of its collectives ran keeps its share), or, where it hid what
-    it was priced to hide, with none hidden: the next round, or the last."""
-    was = [topo.overlap if share is None else share for share in (priced.hidden_ahead, priced.hidden_behind)]
-    measured = (plan.cost.hidden_ahead, plan.cost.hidden_behind)
-    if all(m is None or m >= w * 0.99 for m, w in zip(measured, was)):
-        return topo.without_overlap()
-    ahead, behind = (w if m is None else min(w, m) for m, w in zip(measured, was))
-    return dataclasses.replace(priced, hidden_ahead=ahead, hidden_behind=behind)
-
-
-def _shares(ahead: float | None, behind: float | None) -> str:
-    """What a round hid, or prices as hidden, of each way, for the progress line."""
-    return ", ".join(f"{share:.0%} {way}" for share, way in ((ahead, "ahead"), (behind, "behind")) if share is not None)
 
 
 def _found(plan: Plan, what: str = "found") -> Plan:
@@ -181,7 +163,7 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     sizes = topo.sizes
 
     prices = Prices(graph, topo, [u.results for u in units],
-                    _once({} if built is None else built, ("prices", topo.without_overlap(), graph.pins),
+                    _once({} if built is None else built, ("prices", dataclasses.replace(topo, overlap=0.0), graph.pins),
                           dict))
 
     def unit_key(m: int) -> tuple:  # units that share a strategy list have the same strategies
@@ -304,7 +286,7 @@ def _units(built: dict, graph: Graph, topo: MeshTopology, cluster: Cluster, stri
     depend on how much of them compute hides, only their prices do). Each search gets its own
     copy of every unit, whose strategies it may restrict (pins, constraints, the coarse plan's
     neighbourhood) and to which it adds hubs; the strategy lists stay shared."""
-    units, producer_unit, fallback, ties = _once(built, (topo.without_overlap(), graph.pins, strided),
+    units, producer_unit, fallback, ties = _once(built, (dataclasses.replace(topo, overlap=0.0), graph.pins, strided),
                                                  lambda: build_units(graph, topo, cluster, strided, check))
     return [Unit(**vars(u)) for u in units], dict(producer_unit), list(fallback), list(ties)  # shallow copies
 
@@ -339,7 +321,7 @@ def _never_fits(graph: Graph, topo: MeshTopology, cluster: Cluster, deadline: le
                                           options["built"], functools.partial(deadline.check, "it built the ILP"))
         return least_arguments(graph, units, producer_unit, topo.sizes)
     # the same at every overlap share: found once per search
-    key = ("least arguments", topo.without_overlap(), graph.pins, options["strided"],
+    key = ("least arguments", dataclasses.replace(topo, overlap=0.0), graph.pins, options["strided"],
            options["constraints"])
     return _once({} if options["built"] is None else options["built"], key, least) > limit
 

@@ -10,6 +10,7 @@ are compute, never hidden behind it.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,7 +20,7 @@ from rhino_jax.core.specs import ShardingSpec
 from ..hlo_passes.graph import Graph
 from .cost.cluster import MeshTopology
 from .cost.collectives import Collective, reshard
-from .cost.combining import HEAD, Families, combined_alone, combining_sides, families, member_kernels_s
+from .cost.combining import Families, combined_alone, combining_sides, families, member_kernels_s
 from .solvers.ilp import classes
 from .space.strategies import Strategy
 
@@ -39,7 +40,7 @@ class Prices:
             shared["sides"] = combining_sides(graph)
         self.sides = shared["sides"]
         self._moves: dict[tuple, list[Collective]] = shared.setdefault("moves", {})
-        self._path_topo = topo.without_overlap()  # one path cache for every share
+        self._path_topo = dataclasses.replace(topo, overlap=0.0)  # one path cache for every share
         self.families: Families = families(topo, sorted({v.trips for v in graph.values}))
         self._unit_side = [self.side_of(rs) for rs in unit_results]
         self._unit_trips = [graph.values[rs[0]].trips if rs else 1 for rs in unit_results]
@@ -78,7 +79,7 @@ class Prices:
         time = 0.0
         for c in collectives:
             combined = self.combined(c, side)
-            time += c.time(self.topo, combined) * self.topo.exposed(combined, side == HEAD) + c.copy_time(self.topo)
+            time += c.time(self.topo, combined) * self.topo.exposed(combined) + c.copy_time(self.topo)
             if combined:
                 time += member_kernels_s(c.kind, c.bytes, side, self.topo)
         return time, self.families.of(collectives, self.topo.combiner, side, trips)

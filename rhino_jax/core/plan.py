@@ -29,13 +29,9 @@ class PlanCost:
     total_s: float
     memory_bytes: int
     hidden_s: float = 0.0
-    # the communication off the compute chain, which the search priced at the cluster's overlap
+    # the communication off the compute chain, which the search priced at the cluster's overlap:
+    # what it hid of this is the share the next overlap round prices at (`search.planner.search`)
     off_chain_comm_s: float = 0.0
-    # of the collectives off the chain that run ahead of their readers (parameters' gathers) and
-    # of those that run behind their makers (gradients' reductions), the share the replay hid (None:
-    # none ran so): what the next overlap round prices each at (`search.planner.search`)
-    hidden_ahead: float | None = None
-    hidden_behind: float | None = None
 
 
 @dataclass(frozen=True)

@@ -269,23 +269,10 @@ class MeshTopology:
     host_devices: int = 0
     memory_bandwidth: float = 1e12  # the cluster's: what a copy XLA adds around a collective costs
     kernel_launch_s: float = 0.0  # the cluster's: what each kernel XLA adds around a collective costs
-    # The share an overlap round's replay measured its plan's collectives off the chain hid, per
-    # way they run: ahead of their readers (parameters' gathers) and behind their makers
-    # (gradients' reductions). None: not measured, `overlap` (`search.planner.search`).
-    hidden_ahead: float | None = None
-    hidden_behind: float | None = None
 
-    def exposed(self, off_chain: bool, ahead: bool = False) -> float:
-        """The share of a collective's time the step waits for: off the chain, what is not hidden
-        of those that run as it does (`ahead` of its reader, or behind its maker)."""
-        if not off_chain:
-            return 1.0
-        hidden = self.hidden_ahead if ahead else self.hidden_behind
-        return 1.0 - (self.overlap if hidden is None else hidden)
-
-    def without_overlap(self) -> "MeshTopology":
-        """This mesh with nothing hidden: the key of what does not depend on what overlap hides."""
-        return dataclasses.replace(self, overlap=0.0, hidden_ahead=None, hidden_behind=None)
+    def exposed(self, off_chain: bool) -> float:
+        """The share of a collective's time the step waits for: off the chain, what overlap leaves."""
+        return 1.0 - self.overlap if off_chain else 1.0
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -138,7 +138,7 @@ def families(topo: MeshTopology, trips: Sequence[int] = (1,)) -> Families:
                 for side, n in itertools.product((HEAD, TAIL, DERIVED), sorted(set(trips))):
                     if not combined_alone(kind, side, topo.combiner):
                         index[kind, frozenset(axes), side, n] = len(fixed)
-                        fixed.append(n * Collective(kind, axes, 0).time(topo) * topo.exposed(True, side == HEAD))
+                        fixed.append(n * Collective(kind, axes, 0).time(topo) * topo.exposed(True))
     return Families(index, tuple(fixed))
 
 

@@ -81,28 +81,12 @@ def issued(events: Sequence[Event], ops: Sequence[tuple[Sequence[int], float]], 
     return out, seconds
 
 
-@dataclass(frozen=True)
-class Replayed:
-    """A step replayed: its time, and per way a collective off the chain runs (`AHEAD`,
-    `BEHIND`), the share of those collectives' time compute hid (absent: none ran that way)."""
-
-    step_s: float
-    hidden: dict[str, float]
-
-
 def replay(events: Sequence[Event], durations: Sequence[float]) -> float:
-    """The step's time (`replayed`)."""
-    return replayed(events, durations).step_s
-
-
-def replayed(events: Sequence[Event], durations: Sequence[float]) -> Replayed:
-    """The step: compute events one after another, each collective (of `durations[index]`
+    """The step's time: compute events one after another, each collective (of `durations[index]`
     seconds) on one link, started and waited for as its `how` says; a loop's body (a run of
     events of the same `trips`) trip by trip, each trip's compute a share of its events' and its
     collectives done by the trip's end (the module's docstring). A collective of a value made
-    outside the loop and read in its body runs once, before the loop. What compute waits for is
-    charged to the collective it waits on: where it runs, or at a trip's or the step's end, to
-    the last on the link."""
+    outside the loop and read in its body runs once, before the loop."""
     streams = _Streams()
     i = 0
     while i < len(events):
@@ -118,13 +102,7 @@ def replayed(events: Sequence[Event], durations: Sequence[float]) -> Replayed:
                 streams.run(e, durations[e.index], 0.0)
         _run_body(streams, body, trips, durations)
         i = end
-    streams.wait(streams.link)
-    busy: dict[str, float] = {}
-    for e in events:
-        if e.index >= 0 and e.how != CHAIN:
-            busy[e.how] = busy.get(e.how, 0.0) + durations[e.index]
-    return Replayed(streams.compute, {how: 1.0 - min(streams.waited.get(how, 0.0) / t, 1.0)
-                                      for how, t in busy.items() if t > 0})
+    return max(streams.compute, streams.link)
 
 
 def _run_body(streams: _Streams, body: Sequence[Event], trips: int, durations: Sequence[float]) -> None:
@@ -145,31 +123,20 @@ def _run_body(streams: _Streams, body: Sequence[Event], trips: int, durations: S
             waited = streams.compute - begun - at
         streams.compute = begun + done + waited
         if trips > 1:  # a trip ends once its collectives are done
-            streams.wait(link_done)
+            streams.compute = max(streams.compute, link_done)
 
 
 class _Streams:
-    """Where the compute stream and the link are, in seconds from the step's start, and what
-    compute waited for, per way the collective it waited on runs."""
+    """Where the compute stream and the link are, in seconds from the step's start."""
 
     def __init__(self) -> None:
         self.compute = self.link = 0.0
-        self.last = CHAIN  # how the last collective on the link runs
-        self.waited: dict[str, float] = {}
 
     def run(self, e: Event, seconds: float, earliest: float) -> float:
         """Collective `e` of `seconds` on the link, started no earlier than `earliest` (its
         trip's start); returns when it ends."""
         start = max(self.link, earliest) if e.how == AHEAD else max(self.compute, self.link)
-        if e.how != BEHIND:  # waited for: what the link runs before it is charged to that
-            self.wait(start)
-        self.link, self.last = start + seconds, e.how
+        self.link = start + seconds
         if e.how != BEHIND:
-            self.wait(self.link)
+            self.compute = max(self.compute, self.link)
         return self.link
-
-    def wait(self, until: float) -> None:
-        """Compute waits until `until` for the last collective on the link."""
-        if until > self.compute:
-            self.waited[self.last] = self.waited.get(self.last, 0.0) + until - self.compute
-            self.compute = until

@@ -65,17 +65,9 @@ def _shared(model: str, mesh: str):
     return pytest.param(model, mesh, marks=_group(model, mesh))
 
 
-# The MoE's plan on (8,) gathers a [16, 128, 8] value in each of its two MoE layers (`moe/squeeze`),
-# which the search sees on the compute chain and counts as an op each; XLA gathers them as booleans
-# and, finding them independent, combines the two into one op: 3 all-gathers predicted, 2 compiled
-# (their bytes within 1 %).
-_CHAIN_GATHERS_COMBINED = pytest.mark.xfail(strict=True, reason="two chain all-gathers XLA combines, counted apart")
-
-
 @pytest.mark.parametrize("model, mesh", [
     ("gpt", "2x8"), _shared("linen_gpt", "2x4"), ("linen_bf16", "2x8"), ("vit", "8"),
-    _shared("nnx_llama", "2x4"), ("nnx_llama_bf16", "2x8"),
-    pytest.param("linen_moe", "8", marks=[_group("linen_moe", "8"), _CHAIN_GATHERS_COMBINED]),
+    _shared("nnx_llama", "2x4"), ("nnx_llama_bf16", "2x8"), _shared("linen_moe", "8"),
 ])
 def test_predicted_collectives_and_memory_match_the_gpu_compile(model, mesh):
     _, _, lowered, compiled = _planned(model, mesh)
@@ -204,19 +196,16 @@ def test_a_scanned_attentions_hoisted_mask_is_not_carried_at_the_global_batch(me
     assert 0.85 <= ratio <= 1.15, f"compiled / predicted memory {ratio:.2f}"
 
 
-@pytest.mark.parametrize("micro_batches, batch, limit_mib", [(1, 16, 18), (2, 32, 20)])
+@pytest.mark.parametrize("micro_batches, batch, limit_mib", [(1, 16, 22), (2, 32, 20)])
 def test_a_plan_xlas_gpu_schedule_takes_past_the_limit_is_tied_to_its_order(micro_batches, batch, limit_mib):
     """XLA's GPU schedulers reorder a step past its planned memory: they gather split weights
     early and run weight-gradient GEMMs late, beside the optimizer update, keeping their inputs
     live across layers. This 4-layer Llama-style step (its gradients reduce-scattered, its
-    updates gathered) compiles to 23.5 MiB per device, past the 18 MiB limit it was planned
+    updates gathered) compiles to 23.5 MiB per device, past the 22 MiB limit it was planned
     under. There compile() ties the program to its order (`hlo_passes.program_order`), which
     brings it to 10.6 MiB with the latency-hiding scheduler kept, and says so; asked for the
-    scheduler, it keeps it too. (The search's other plan, its parameters also gathered ahead,
-    takes 20.0 MiB as XLA schedules it and 7.0 MiB tied, at 1.03 ms against this one's 0.92
-    ms tied: under 22 MiB it is kept as scheduled, 0.81 ms, and nothing is compiled again.)
-    Under a limit no program meets (a third of it), it also drops the scheduler (10.2 MiB) and
-    says the step will not fit. On CPUs nothing is compiled twice
+    scheduler, it keeps it too. Under a limit no program meets (a third of it), it also drops
+    the scheduler (10.2 MiB) and says the step will not fit. On CPUs nothing is compiled twice
     (`test_memory_limit::test_a_cpu_compile_is_not_held_to_the_limit`)."""
     from benchmarks.fixtures.llama import Shape, llama_step
     from rhino_jax.runtime.compiled.memory import compiled_memory
@@ -251,14 +240,13 @@ def test_a_plan_xlas_gpu_schedule_takes_past_the_limit_is_tied_to_its_order(micr
 
 
 def test_a_plan_past_the_limit_keeps_the_latency_hiding_scheduler_held_to_it_where_that_is_fastest():
-    """Each remedy is priced from its compiled program as its schedule runs, and compile() keeps
-    the fastest that fits. The step above on H100s described with 40 MiB each (so that MiBs are
-    a share of the device XLA's slop factor can name), under 15 MiB, in the plan that gathers its
-    parameters ahead: as planned 20.0 MiB; tied to the program's order 7.0 MiB at +27 % step
-    time; XLA's latency-hiding scheduler held to the limit by its memory budget
-    (`xla_gpu_memory_limit_slop_factor`, aimed again once it overshot) 14.1 MiB at the same
-    step. The held program is kept: under the limit, no faster than the program as planned and
-    faster than the tied one."""
+    """Each remedy costs step time, priced from its compiled program as its schedule runs, and
+    compile() keeps the fastest that fits. The step above on H100s described with 40 MiB each (so
+    that MiBs are a share of the device XLA's slop factor can name), under 15 MiB: as planned
+    23.5 MiB; tied to the program's order 10.6 MiB at +15 % step time; XLA's latency-hiding
+    scheduler held to the limit by its memory budget (`xla_gpu_memory_limit_slop_factor`, aimed
+    again once it overshot) 13.8 MiB at +2 %. The held program is kept: under the limit, slower
+    than the program as planned and faster than the tied one."""
     import dataclasses
     import re
     import warnings
@@ -291,7 +279,7 @@ def test_a_plan_past_the_limit_keeps_the_latency_hiding_scheduler_held_to_it_whe
     planned = compile_module(lowered._step.lowered, lowered._rewritten(), ins, outs)
     tied = compile_module(lowered._step.lowered, tied_to_order(lowered._rewritten(), Weights.of(
         lowered.plan.arg_roles, lowered.plan.arg_specs)), ins, outs)
-    assert priced(planned) <= priced(compiled._executable) < priced(tied)
+    assert priced(planned) < priced(compiled._executable) < priced(tied)
 
 @pytest.fixture(scope="module")
 def deep_step():
