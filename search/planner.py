@@ -262,10 +262,10 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
                           SolverTimeLimitWarning, stacklevel=4)
         plan = dataclasses.replace(plan, interrupted=st.status == "interrupted" or interrupt.pressed())
         if with_choice:
-            made.append((plan, [groups[group_of[m]].choice[choice[group_of[m]]][m] for m in range(built)]))
+            made.append((plan, [groups[group_of[m]].choice[choice[group_of[m]]][m] for m in range(not_hubs)]))
         return plan
 
-    built, made = len(units) - len(hub_of), []
+    not_hubs, made = len(units) - len(hub_of), []  # the units before the hubs
     plan = plan_with([])
     if memory_limit_bytes is not None and plan.cost.memory_bytes > memory_limit_bytes:
         if plan.search_stats.status == "interrupted":
