@@ -19,11 +19,13 @@ import dataclasses
 import functools
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import scipy.sparse
+from scipy.sparse.csgraph import connected_components
 
 ROLES = ("parameter", "optimizer_state", "batch", "other")
 
@@ -149,6 +151,14 @@ class Graph:
 
         return feeds([leaf(a.path, "arg", a.value) for a in self.args],
                      [leaf(p, "out", v) for p, v in zip(self.output_paths, self.outputs)])
+
+    def parts(self, joined: Iterable[tuple[int, int]]) -> tuple[int, ...]:
+        """Each node's part: the nodes linked, directly or through others, by the `joined` pairs
+        of node ids, numbered in program order (the part of the first node is 0)."""
+        pairs = list(joined)
+        rows, cols = zip(*pairs) if pairs else ((), ())
+        linked = scipy.sparse.coo_matrix((np.ones(len(pairs)), (rows, cols)), shape=(len(self.nodes),) * 2)
+        return tuple(connected_components(linked, directed=False)[1].tolist())  # labelled from node 0 on
 
     def replace(self, **kw) -> "Graph":
         return dataclasses.replace(self, **kw)

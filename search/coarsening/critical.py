@@ -16,10 +16,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import numpy as np
-import scipy.sparse
-from scipy.sparse.csgraph import connected_components
-
 from rhino_jax.core.ops import COMPUTE_HEAVY
 
 from ...hlo_passes.graph import Graph
@@ -74,9 +70,6 @@ def with_parts(bb: Backbone, graph: Graph) -> Backbone:
     if bb.critical:
         return bb
     producer = {r: n.id for n in graph.nodes for r in n.results}
-    edges = [(n.id, producer[o]) for n in graph.nodes for o in n.operands
-             if o in producer and graph.values[o].shape]  # a scalar read joins nothing
-    rows, cols = zip(*edges) if edges else ((), ())
-    joined = scipy.sparse.coo_matrix((np.ones(len(edges)), (rows, cols)), shape=(len(graph.nodes),) * 2)
-    # numbered by their first node: program order
-    return dataclasses.replace(bb, segment=tuple(connected_components(joined, directed=False)[1].tolist()))
+    return dataclasses.replace(bb, segment=graph.parts(
+        (n.id, producer[o]) for n in graph.nodes for o in n.operands
+        if o in producer and graph.values[o].shape))  # a scalar read joins nothing

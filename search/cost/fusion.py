@@ -77,19 +77,7 @@ def fused_kernels(graph: Graph, rows_fused: bool = False) -> Kernels:
     for n in reversed(graph.nodes):  # as late as its readers allow, where every reader fuses it
         if n.id not in outputs and readers[n.id] and all(fused[n.id, m] for m in readers[n.id]):
             wave[n.id] = max(wave[n.id], min(wave[m] for m in readers[n.id]))
-    parent = list(range(len(graph.nodes)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for (p, n), edge in fused.items():
-        if edge and wave[p] == wave[n]:
-            parent[root(p)] = root(n)
-    numbered: dict[int, int] = {}
-    return Kernels(tuple(numbered.setdefault(root(n.id), len(numbered)) for n in graph.nodes), rows)
+    return Kernels(graph.parts((p, n) for (p, n), edge in fused.items() if edge and wave[p] == wave[n]), rows)
 
 
 def _fusion_edge(producer: Node, reader: Node, graph: Graph, rows: frozenset[int] = frozenset()) -> bool:
