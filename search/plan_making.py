@@ -108,25 +108,31 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
     # collectives (bit i: the i-th), so the combiner's replay knows which ones are independent.
     after: dict[int, int] = {}
     layout_after: dict[tuple[int, ShardingSpec], int] = {}
+    # What a reader of each value, and of each layout a value is resharded into, waits for on the
+    # link: the collectives that make it (its maker's own, or the reshard's last step).
+    made_by: dict[int, tuple[int, ...]] = {}
+    maker: dict[int, int] = {}  # value -> the unit that makes it
+    layout_made_by: dict[tuple[int, ShardingSpec], tuple[int, ...]] = {}
 
     events: list[overlap.Event] = []  # program order, for the overlapped step (`overlap.replay`)
 
     def add(c, u: Unit, dtype: str, together: bool, needs: int, trip: int = 0, trips: int = 1, branch=(),
-            side: str | None = None) -> int:
+            side: str | None = None, made_by_unit: int | None = None) -> int:
         planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind,
                                          together, needs, trip, trips, branch, topo.link(c.axes)[0], dtype))
         sides.append(side)
         events.append(overlap.Event(index=len(planned) - 1, how=overlap.how_it_runs(together, side), trips=trips,
-                                    trip=trip))
+                                    trip=trip, after=() if made_by_unit is None else (made_by_unit,)))
         return 1 << (len(planned) - 1)
 
     # Program order; arguments tied to an output read it at the end of the step.
     for i, s in sorted(chosen.items(), key=lambda item: (bool(units[item[0]].operands)
                                                           and units[item[0]].kind == "arg", item[0])):
         u = units[i]
-        needs = 0
+        needs, reads = 0, []
         for pos, v in enumerate(u.operands):
             needs |= after.get(v, 0) | layout_after.get((v, s.operands[pos]), 0)
+            reads += made_by.get(v, ()) + layout_made_by.get((v, s.operands[pos]), ())
             if graph.values[v].constant and graph.values[v].shape and not s.operands[pos].partial \
                     and u.kind in ("node", "slot") and not _seen_as_constant(graph, u, pos):
                 # built locally, but split like its reader: left unpinned, XLA's partitioner may
@@ -151,26 +157,33 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
             for spec in way:
                 mask |= layout_after.get((v, spec), 0)
             for step in path:
-                step_mask = 0
+                step_mask, first = 0, len(planned)
                 for c in step.collectives:
                     compute += c.copy_time(topo) * graph.values[v].trips
                     events.append(overlap.Event(c.copy_time(topo) * graph.values[v].trips, trips=graph.values[v].trips))
                     for trip in range(graph.values[v].trips):  # in a loop's body: each trip after the last
                         step_mask |= add(c, u, graph.values[v].dtype, prices.combined(c, prices.sides.get(v)),
-                                         mask | step_mask, trip, graph.values[v].trips, branch, prices.sides.get(v))
+                                         mask | step_mask, trip, graph.values[v].trips, branch, prices.sides.get(v),
+                                         maker.get(v))
                 mask |= step_mask
                 layout_after[v, step.spec] = mask
+                layout_made_by[v, step.spec] = tuple(range(first, len(planned)))
             needs |= mask
+            reads += layout_made_by.get((v, s.operands[pos]), ())
         side = prices.side_of(u.results)
         trips = graph.values[u.results[0]].trips if u.results else 1
-        events.append(overlap.Event(s.compute_s, trips=trips))
+        events.append(overlap.Event(s.compute_s, trips=trips, reads=tuple(dict.fromkeys(reads)), unit=i,
+                                    after=tuple(dict.fromkeys(maker[v] for v in u.operands if v in maker))))
         per_trip = max(1, len(s.collectives) // trips)
         dtype = graph.values[u.results[0]].dtype if u.results else ""
+        first = len(planned)
         for k, c in enumerate(s.collectives):  # in a loop's body listed once per trip (`carried.per_trip`)
             needs |= add(c, u, dtype, prices.combined(c, side), needs, k // per_trip, trips,
-                         read_branch(u, None, graph), side)
+                         read_branch(u, None, graph), side, i)
         for r in u.results:
             after[r] = needs
+            made_by[r] = tuple(range(first, len(planned)))
+            maker[r] = i
     # behind compute as XLA's scheduler runs them (a collective of a branch not taken counted too)
     ops = combined_ops(planned, topo)
     kernels = [op_kernels_s(planned, group, sides, topo) for group, _ in ops]
