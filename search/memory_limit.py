@@ -33,7 +33,7 @@ PROBE_ALL = 128  # more candidates than this: k = all is tried first (`fit_memor
 
 
 def fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Plan, limit: int,
-               graph: Graph, least: int, deadline: levels.Deadline | None = None) -> Plan:
+               graph: Graph, least: int, deadline: levels.Deadline | None = None, near: Plan | None = None) -> Plan:
     """The fastest plan within the limit among every plan solved on the way.
 
     First Rhino §4.4: forbid replicating the k largest parameters (and optimizer states), k found
@@ -46,6 +46,10 @@ def fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pla
     With more than `PROBE_ALL` candidates (a large model: the gallop would take 2 log2 of them),
     k = all is solved first: when even that does not fit, the gallop is skipped; when it fits,
     it bounds the gallop.
+    `near`: the plan this search kept under the same limit at another price of communication
+    (an earlier overlap round); its answer (its k, or its price of memory) is tried first and
+    kept where it fits, without the whole gallop: the answer rarely moves between rounds, and
+    the trials are most of a large model's search (a 70B Llama's pipeline stages: 8 to 14 each).
     `least`: a lower bound on every plan's memory, for the error. No trial starts after the
     `deadline`: the best plan that fits so far, else a SolverError that says so."""
     tried = [unlimited]
@@ -63,7 +67,16 @@ def fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pla
         return out_of_time or tried[-1].search_stats.status == "interrupted"
 
     lo, hi, step = _leading(unlimited, args), None, 1  # the plan with k = lo does not fit
-    if len(candidates) > PROBE_ALL and lo < len(candidates) and not stop():
+    k = len(near.search_stats.not_replicated) if near is not None else 0
+    if near is not None and near.search_stats.memory_weight_s:
+        lo = len(candidates)  # no k fitted before: straight to pricing memory, from that price
+    elif lo < k <= len(candidates) and not stop():  # the earlier answer: kept where it still fits
+        tried.append(_try(plan_with, candidates, k, limit))
+        if fits(tried[-1]):
+            lo, hi = k - 1, k
+        else:
+            lo = max(k, _leading(tried[-1], args))
+    elif len(candidates) > PROBE_ALL and lo < len(candidates) and not stop():
         tried.append(_try(plan_with, candidates, len(candidates), limit))
         if not fits(tried[-1]):
             lo = len(candidates)  # no k fits: straight to pricing memory
@@ -86,7 +99,7 @@ def fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pla
         else:
             lo = max(k, min(_leading(tried[-1], args), hi - 1))
     if hi is None and not stop():
-        _weigh_memory(plan_with, tried, limit, fits, stop)
+        _weigh_memory(plan_with, tried, limit, fits, stop, near.search_stats.memory_weight_s if near else 0.0)
     fitting = [p for p in tried if fits(p)]
     if not fitting and out_of_time:
         smallest = min(p.cost.memory_bytes for p in tried)
@@ -103,17 +116,24 @@ def fit_memory(plan_with, candidates: list[int], args: list[int], unlimited: Pla
     return min(fitting, key=lambda p: p.cost.total_s)
 
 
-def _weigh_memory(plan_with, tried: list[Plan], limit: int, fits, stop, steps: int = 8) -> None:
+def _weigh_memory(plan_with, tried: list[Plan], limit: int, fits, stop, near_s: float = 0.0,
+                  steps: int = 8) -> None:
     """Plans of the ILP with each byte a device holds on average (`memory.held_fractions`) priced
     at w seconds, added to `tried` (whose first is the unlimited plan): a monotone search over
     the price, the Lagrange multiplier of the limit. w gallops up (x4) from the unlimited plan's
     seconds per byte until a plan fits (down, when the first fits, until one does not: a price
     too high leaves memory unused and the step slower), then two bisections (geometric) towards
     the lowest price that fits, while `stop()` says go on. The average stands in for the peak,
-    which is not linear in the choices; each plan's own peak decides whether it fits."""
+    which is not linear in the choices; each plan's own peak decides whether it fits.
+    `near_s`: the price an earlier search kept (`fit_memory`'s `near`): tried first, and kept
+    where it fits."""
+    if near_s:
+        tried.append(_try_weight(plan_with, near_s, limit))
+        if fits(tried[-1]):
+            return
     unlimited = tried[0]
-    base = unlimited.cost.total_s / max(unlimited.cost.memory_bytes, 1)
-    low, high = 0.0, None
+    base = near_s * 4 if near_s else unlimited.cost.total_s / max(unlimited.cost.memory_bytes, 1)
+    low, high = near_s, None
     for i in range(steps):
         w = base * 4.0 ** i
         tried.append(_try_weight(plan_with, w, limit))

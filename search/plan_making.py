@@ -117,12 +117,12 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
     events: list[overlap.Event] = []  # program order, for the overlapped step (`overlap.replay`)
 
     def add(c, u: Unit, dtype: str, together: bool, needs: int, trip: int = 0, trips: int = 1, branch=(),
-            side: str | None = None, made_by_unit: int | None = None) -> int:
+            side: str | None = None, maker_unit: int | None = None) -> int:
         planned.append(PlannedCollective(c.kind, c.axes, c.bytes, c.time(topo), u.name or u.kind,
                                          together, needs, trip, trips, branch, topo.link(c.axes)[0], dtype))
         sides.append(side)
         events.append(overlap.Event(index=len(planned) - 1, how=overlap.how_it_runs(together, side), trips=trips,
-                                    trip=trip, after=() if made_by_unit is None else (made_by_unit,)))
+                                    trip=trip, after=() if maker_unit is None else (maker_unit,)))
         return 1 << (len(planned) - 1)
 
     # Program order; arguments tied to an output read it at the end of the step.

@@ -274,8 +274,11 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
         if least > memory_limit_bytes:  # no plan can fit: say so now rather than after every solve
             raise_memory_error([plan], memory_limit_bytes, graph, least)
         candidates = by_size(graph, units, groups, sizes)
+        fitted = ("fitted", memory_limit_bytes, topo.axis_names, topo.axis_sizes)  # by an earlier overlap round
         plan = fit_memory(plan_with, candidates, [units[groups[g].root].ref for g in candidates],
-                           plan, memory_limit_bytes, graph, least, deadline)
+                          plan, memory_limit_bytes, graph, least, deadline, (built or {}).get(fitted))
+        if built is not None:
+            built[fitted] = plan
     return (plan, next(ch for p, ch in made if p is plan)) if with_choice else plan
 
 

@@ -155,3 +155,30 @@ def test_a_cpu_compile_is_not_held_to_the_limit():
         warnings.simplefilter("error", rj.CompiledMemoryWarning)
         compiled = lowered.compile()
     assert compiled.memory.total > limit, "XLA's CPU program is over the limit"
+
+
+def test_a_later_overlap_round_starts_from_the_earlier_rounds_answer():
+    """`fit_memory` with `near` (the plan an earlier overlap round kept): its k is tried first and
+    kept where it fits, one solve instead of the gallop and bisection; where it no longer fits,
+    the gallop goes on from it."""
+    from rhino_jax.search.memory_limit import fit_memory
+    base = rj.parallelize(make_mlp_train_step(), mesh=rj.device_mesh((8,), ("data",))).lower(
+        *mlp_example((32, 64, 32), 64, abstract=True)).plan
+    solved = []
+
+    def plan_with(forced, weight_s=0.0):  # k arguments forced off replication: 10 bytes less, 1 s more each
+        solved.append(len(forced))
+        cost = dataclasses.replace(base.cost, memory_bytes=100 - 10 * len(forced), total_s=len(forced))
+        return dataclasses.replace(base, cost=cost,
+                                   search_stats=dataclasses.replace(base.search_stats,
+                                                                    not_replicated=tuple(map(str, forced))))
+
+    def fit(near=None):
+        solved.clear()
+        unlimited = plan_with([])
+        solved.clear()
+        return fit_memory(plan_with, list(range(12)), [], unlimited, 45, None, 0, near=near)
+    alone = fit()
+    assert len(alone.search_stats.not_replicated) == 6 and solved == [1, 3, 7, 5, 6]  # gallop, bisection
+    assert fit(near=alone) is not None and solved == [6]
+    assert len(fit(near=plan_with(range(5))).search_stats.not_replicated) == 6 and solved == [5, 6]
