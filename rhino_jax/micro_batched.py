@@ -51,16 +51,11 @@ class MicroBatchedLowered(SeveralProgramsLowered):
 
         budget = budget_of(options, len(compute_graph.nodes) + APPLY_WEIGHT * len(apply_graph.nodes))
 
-        def plan(name: str, module, graph: Graph, weight: float, opts: Options = options) -> Plan:
+        def plan(name: str, module, graph: Graph, weight: float) -> Plan:
             return program_plan(name, program_target(module, graph, mesh), given, lambda: plan_on(
-                graph, topo, cluster, within(opts, budget, weight * len(graph.nodes), name), mesh))
+                graph, topo, cluster, within(options, budget, weight * len(graph.nodes), name), mesh))
 
         compute_plan = plan("compute_gradients", parts.compute, compute_graph, 1)
-        limit, sums = options.memory_limit_bytes, _sums_bytes(compute_plan, compute_graph, options.accumulation_dtype)
-        if given is None and limit and compute_plan.cost.memory_bytes + sums > limit > sums:
-            # the running sums stand beside the program: planned again within what they leave
-            compute_plan = plan("compute_gradients", parts.compute, compute_graph, 1,
-                                dataclasses.replace(options, memory_limit_bytes=limit - sums))
         apply_graph = dataclasses.replace(apply_graph, pins=apply_graph.pins + _same_layouts(
             apply_graph, compute_graph, compute_plan))
         apply_plan = plan("apply_gradients", parts.apply, apply_graph, APPLY_WEIGHT)
@@ -91,14 +86,6 @@ def _same_layouts(apply_graph: Graph, compute_graph: Graph, compute_plan: Plan) 
     return tuple(pins)
 
 
-def _sums_bytes(compute: Plan, compute_graph: Graph, accumulate: str | None) -> int:
-    """Per device, the running sums of compute-gradients' outputs in their accumulation dtype,
-    held beside the program while it runs."""
-    return sum(summed_bytes(compute_graph.values[v].nbytes, compute_graph.values[v].dtype, accumulate)
-               // s.shard_factor(compute.mesh_axes)
-               for v, s in zip(compute_graph.outputs, compute.output_specs))
-
-
 def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mesh, trees,
              accumulate: str | None) -> Plan:
     """One Plan for the step: apply-gradients' (the step's arguments and outputs, the search
@@ -108,7 +95,9 @@ def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mes
     per-value layouts stay with the programs' plans (`programs`), not repeated here (a saved plan
     would hold them twice)."""
     c, a = compute.cost, apply.cost
-    sums = _sums_bytes(compute, compute_graph, accumulate)
+    sums = sum(summed_bytes(compute_graph.values[v].nbytes, compute_graph.values[v].dtype, accumulate)
+               // s.shard_factor(compute.mesh_axes)
+               for v, s in zip(compute_graph.outputs, compute.output_specs))
     cost = PlanCost(k * c.compute_s + a.compute_s, k * c.comm_s + a.comm_s, k * c.total_s + a.total_s,
                     max(c.memory_bytes + sums, a.memory_bytes), k * c.hidden_s + a.hidden_s)
     n = len(compute_graph.args)
