@@ -163,7 +163,7 @@ def _search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, deadline: lev
     sizes = topo.sizes
 
     prices = Prices(graph, topo, [u.results for u in units],
-                    _once({} if built is None else built, ("prices", dataclasses.replace(topo, overlap=0.0), graph.pins),
+                    _once({} if built is None else built, ("prices", topo.without_overlap(), graph.pins),
                           dict))
 
     def unit_key(m: int) -> tuple:  # units that share a strategy list have the same strategies
@@ -289,7 +289,7 @@ def _units(built: dict, graph: Graph, topo: MeshTopology, cluster: Cluster, stri
     depend on how much of them compute hides, only their prices do). Each search gets its own
     copy of every unit, whose strategies it may restrict (pins, constraints, the coarse plan's
     neighbourhood) and to which it adds hubs; the strategy lists stay shared."""
-    units, producer_unit, fallback, ties = _once(built, (dataclasses.replace(topo, overlap=0.0), graph.pins, strided),
+    units, producer_unit, fallback, ties = _once(built, (topo.without_overlap(), graph.pins, strided),
                                                  lambda: build_units(graph, topo, cluster, strided, check))
     return [Unit(**vars(u)) for u in units], dict(producer_unit), list(fallback), list(ties)  # shallow copies
 
@@ -324,7 +324,7 @@ def _never_fits(graph: Graph, topo: MeshTopology, cluster: Cluster, deadline: le
                                           options["built"], functools.partial(deadline.check, "it built the ILP"))
         return least_arguments(graph, units, producer_unit, topo.sizes)
     # the same at every overlap share: found once per search
-    key = ("least arguments", dataclasses.replace(topo, overlap=0.0), graph.pins, options["strided"],
+    key = ("least arguments", topo.without_overlap(), graph.pins, options["strided"],
            options["constraints"])
     return _once({} if options["built"] is None else options["built"], key, least) > limit
 

@@ -10,7 +10,6 @@ are compute, never hidden behind it.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,7 +39,7 @@ class Prices:
             shared["sides"] = combining_sides(graph)
         self.sides = shared["sides"]
         self._moves: dict[tuple, list[Collective]] = shared.setdefault("moves", {})
-        self._path_topo = dataclasses.replace(topo, overlap=0.0)  # one path cache for every share
+        self._path_topo = topo.without_overlap()  # one path cache for every share
         self.families: Families = families(topo, sorted({v.trips for v in graph.values}))
         self._unit_side = [self.side_of(rs) for rs in unit_results]
         self._unit_trips = [graph.values[rs[0]].trips if rs else 1 for rs in unit_results]

@@ -274,6 +274,10 @@ class MeshTopology:
         """The share of a collective's time the step waits for: off the chain, what overlap leaves."""
         return 1.0 - self.overlap if off_chain else 1.0
 
+    def without_overlap(self) -> "MeshTopology":
+        """This mesh with nothing hidden: the key of what does not depend on what overlap hides."""
+        return dataclasses.replace(self, overlap=0.0)
+
     @property
     def sizes(self) -> dict[str, int]:
         return dict(zip(self.axis_names, self.axis_sizes))
