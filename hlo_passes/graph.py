@@ -118,6 +118,10 @@ class Graph:
     # path in the tuple of arguments: "out[0]['w']" for the leaf at result[0]['w']
     output_paths: tuple[str, ...]
     pins: tuple[Pin, ...]
+    # Bytes the step holds beside this program the whole time in each output's layout, in
+    # multiples of the output's own (micro-batches' running sums: 1, or 2 for a bf16 gradient
+    # summed in f32; `micro_batched`): counted in the program's memory, as `Arg.held_beside` is.
+    outputs_held_beside: tuple[int, ...] = ()
 
     def consumers(self) -> dict[int, list[int]]:
         """value id -> ids of the nodes that read it (in program order, repeats kept once)."""

@@ -33,7 +33,7 @@ def alike_key(kind: str, program: str, graph: Graph, axes: dict[str, int], const
                   for c in constraints if isinstance(c, OpTrans))
     return (kind, program, tuple(axes.items()),
             tuple((p.value, p.dims) for p in graph.pins),
-            tuple((a.role, a.held_beside, a.donated_to) for a in graph.args), named)
+            tuple((a.role, a.held_beside, a.donated_to) for a in graph.args), graph.outputs_held_beside, named)
 
 
 def renamed(plan: Plan, searched: Graph, graph: Graph, name: str) -> Plan:

@@ -21,6 +21,7 @@ from rhino_jax.hlo_passes.lowering import program_target, step_target
 from rhino_jax.runtime.compiled.compiled_cost import price_compiled
 from rhino_jax.search import interrupt
 from rhino_jax.search.cost.cluster import MeshTopology, get_cluster
+from rhino_jax.search.cost.memory import beside_bytes
 
 from .arguments import Call, call_tree
 from .gpu_topology import refuse_described
@@ -28,7 +29,7 @@ from .mesh_search import plan_on
 from .options import Options, budget_of, device_memory, within
 from .several_programs import (APPLY_WEIGHT, SeveralPrograms, SeveralProgramsLowered, _compile, accumulated, add_up,
                                flat_call, micro_batches_of, named, priced_line, priced_s, program_plan, say_step,
-                               split_step, summed_bytes, with_index)
+                               searched_alone, split_step, summed_bytes, with_index)
 
 
 class MicroBatchedLowered(SeveralProgramsLowered):
@@ -42,7 +43,8 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         Auto twin, the programs' own)."""
         k = options.num_micro_batches
         step = split_step(call, mesh, k, options.constraints)
-        whole, parts, compute_graph, apply_graph = step.whole, step.parts, step.compute_graph, step.apply_graph
+        whole, parts, apply_graph = step.whole, step.parts, step.apply_graph
+        compute_graph = _with_sums_beside(step.compute_graph, options.accumulation_dtype)
         target = step_target(whole, mesh, step.donated)
         if given is not None:
             given.check_matches(target)
@@ -52,8 +54,8 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         budget = budget_of(options, len(compute_graph.nodes) + APPLY_WEIGHT * len(apply_graph.nodes))
 
         def plan(name: str, module, graph: Graph, weight: float) -> Plan:
-            return program_plan(name, program_target(module, graph, mesh), given, lambda: plan_on(
-                graph, topo, cluster, within(options, budget, weight * len(graph.nodes), name), mesh))
+            return program_plan(name, program_target(module, graph, mesh), given, lambda: searched_alone(
+                graph, plan_on(graph, topo, cluster, within(options, budget, weight * len(graph.nodes), name), mesh)))
 
         compute_plan = plan("compute_gradients", parts.compute, compute_graph, 1)
         apply_graph = dataclasses.replace(apply_graph, pins=apply_graph.pins + _same_layouts(
@@ -66,13 +68,22 @@ class MicroBatchedLowered(SeveralProgramsLowered):
         self._trees = (jax.tree.structure((call.args, call.kwargs)), whole.lowered.out_tree)
         self.programs = {"compute_gradients": compute_plan, "apply_gradients": apply_plan}
         self.accumulate = options.accumulation_dtype
-        summary = _summary(compute_plan, apply_plan, k, compute_graph, self.named_on, self._trees, self.accumulate)
+        summary = _summary(compute_plan, apply_plan, k, compute_graph, self.named_on, self._trees)
         self.plan = dataclasses.replace(summary,
                                         programs=self.programs, target=target)
         say_step(self.plan, f"{k} micro-batches")
 
     def _compile_with(self, compiler_options: dict | None) -> "MicroBatchedCompiled":
         return MicroBatchedCompiled(self, compiler_options)
+
+
+def _with_sums_beside(graph: Graph, accumulate: str | None) -> Graph:
+    """Compute-gradients' graph with the running sums its outputs are added to marked as held
+    beside them (`Graph.outputs_held_beside`, in the accumulation dtype): the sums stay live
+    while each micro-batch runs, so a memory limit on the program keeps the step within it."""
+    held = tuple(summed_bytes(v.nbytes, v.dtype, accumulate) // v.nbytes if v.nbytes else 1
+                 for v in (graph.values[o] for o in graph.outputs))
+    return dataclasses.replace(graph, outputs_held_beside=held)
 
 
 def _same_layouts(apply_graph: Graph, compute_graph: Graph, compute_plan: Plan) -> tuple[Pin, ...]:
@@ -86,18 +97,15 @@ def _same_layouts(apply_graph: Graph, compute_graph: Graph, compute_plan: Plan) 
     return tuple(pins)
 
 
-def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mesh, trees,
-             accumulate: str | None) -> Plan:
+def _summary(compute: Plan, apply: Plan, k: int, compute_graph: Graph, mesh: Mesh, trees) -> Plan:
     """One Plan for the step: apply-gradients' (the step's arguments and outputs, the search
     statistics: compute-gradients' stay with its plan, in `programs`), its cost k
     compute-gradients and one apply, the batch in compute-gradients' layout (per micro-batch);
-    compute-gradients' memory counts the running sums beside it, in their accumulation dtype. The
+    compute-gradients' memory counts the running sums beside it (`_with_sums_beside`). The
     per-value layouts stay with the programs' plans (`programs`), not repeated here (a saved plan
     would hold them twice)."""
     c, a = compute.cost, apply.cost
-    sums = sum(summed_bytes(compute_graph.values[v].nbytes, compute_graph.values[v].dtype, accumulate)
-               // s.shard_factor(compute.mesh_axes)
-               for v, s in zip(compute_graph.outputs, compute.output_specs))
+    sums = beside_bytes(compute_graph, compute.arg_specs, compute.output_specs, compute.mesh_axes)
     cost = PlanCost(k * c.compute_s + a.compute_s, k * c.comm_s + a.comm_s, k * c.total_s + a.total_s,
                     max(c.memory_bytes + sums, a.memory_bytes), k * c.hidden_s + a.hidden_s)
     n = len(compute_graph.args)

@@ -28,6 +28,7 @@ from rhino_jax.hlo_passes.module import copy_module
 from rhino_jax.runtime.executable import Weights, compile_program
 from rhino_jax.search import progress
 from rhino_jax.search.cost.cluster import Cluster
+from rhino_jax.search.cost.memory import beside_bytes
 from rhino_jax.search.space.constraints import check_matched
 
 from .arguments import Call, donated_leaves
@@ -296,6 +297,16 @@ def program_plan(name: str, target: PlanTarget, given: Plan | None, search: Call
     progress.say("rhino_jax: program %s (what its search predicts is one run of it, not the step)", name)
     with progress.part():  # explain prices no alternatives of a program: it keeps no ILP (`Plan.repin`)
         return dataclasses.replace(search(), target=target, repin=None)
+
+
+def searched_alone(graph: Graph, plan: Plan) -> Plan:
+    """The program's plan as searched, with its memory less what the step holds beside it
+    (`memory.beside_bytes`: the search weighed it), which the step's summary counts apart; a
+    saved plan holds this."""
+    beside = beside_bytes(graph, plan.arg_specs, plan.output_specs, plan.mesh_axes)
+    if not beside:
+        return plan
+    return dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, memory_bytes=plan.cost.memory_bytes - beside))
 
 
 def say_step(plan: Plan, how: str) -> None:

@@ -24,12 +24,13 @@ from ..arguments import Call, call_tree
 from ..errors import MemoryLimitError, SolverError, StagingError
 from ..mesh_search import plan_on
 from ..options import Options, budget_of, device_memory, within
-from ..several_programs import APPLY_WEIGHT, SeveralProgramsLowered, program_plan, say_step, split_step
+from ..several_programs import (APPLY_WEIGHT, SeveralProgramsLowered, program_plan, say_step, searched_alone,
+                                split_step)
 from .executor import PipelinedCompiled
 from .memory import _held_around, _held_bytes, _summed_bytes
 from .moves import _shardings, _step_moves, _transfer_s, _transfers
 from .programs import (Planned, _apply_homes, _apply_tasks, _compute_homes, _fed_back_names, _fed_back_pins,
-                       _held_layouts, _on_stage, _own, _searches, _state_copies, _taken_layout, _with_donation,
+                       _held_layouts, _on_stage, _searches, _state_copies, _taken_layout, _with_donation,
                        _with_state_beside)
 from .staging import STAGER_SHARE, _saved_placement, _schedule, place_ops, sub_meshes
 
@@ -89,8 +90,9 @@ class PipelinedLowered(SeveralProgramsLowered):
                     plan, searched_graph, graph, program_name(first.kind, first.stage, first.wave)))
             searched[key] = prog, graph, program_plan(
                 name, target, given,
-                lambda: _own(graph, plan_on(graph, topology[prog.stage], cluster,
-                                            within(opts, budget, weight, f"program {name}"), meshes[prog.stage])))
+                lambda: searched_alone(graph, plan_on(graph, topology[prog.stage], cluster,
+                                                      within(opts, budget, weight, f"program {name}"),
+                                                      meshes[prog.stage])))
             return searched[key]
 
         def search_apply(i: int) -> Planned:

@@ -15,7 +15,6 @@ from rhino_jax.hlo_passes import stages as stage_programs
 from rhino_jax.hlo_passes.graph import Graph, Pin
 from rhino_jax.hlo_passes.importer import import_module
 from rhino_jax.hlo_passes.split import on_mesh
-from rhino_jax.search.cost.memory import local_bytes
 
 # A program of the step, its graph and its plan.
 Planned = tuple[stage_programs.Program, Graph, Plan]
@@ -44,17 +43,6 @@ def _with_state_beside(graph: Graph, prog: stage_programs.Program, cg: Graph, co
         value = cg.values[cg.args[prog.args[a.index]].value]
         return dataclasses.replace(a, held_beside=copies.get((value.shape, value.dtype), 1))
     return dataclasses.replace(graph, args=tuple(marked(a) for a in graph.args))
-
-
-def _own(graph: Graph, plan: Plan) -> Plan:
-    """The program's plan as searched with its memory less the copies held beside its arguments
-    (`_with_state_beside`: the search weighed them), which the stage counts apart
-    (`StagePlan.beside_bytes`); a saved plan holds this."""
-    beside = sum(a.held_beside * local_bytes(graph, a.value, spec, plan.mesh_axes)
-                 for a, spec in zip(graph.args, plan.arg_specs))
-    if not beside:
-        return plan
-    return dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, memory_bytes=plan.cost.memory_bytes - beside))
 
 
 def _on_stage(prog: stage_programs.Program, axes: dict[str, int], paths, roles, output_paths

@@ -35,6 +35,16 @@ def local_bytes(graph: Graph, vid: int, spec: ShardingSpec | None, sizes: dict[s
     return full if spec is None else full // spec.shard_factor(sizes)
 
 
+def beside_bytes(graph: Graph, arg_specs: Sequence[ShardingSpec | None], out_specs: Sequence[ShardingSpec | None],
+                 sizes: dict[str, int]) -> int:
+    """Bytes per device the step holds beside the program the whole time, each in the layout of
+    what it is held beside: copies of arguments (`Arg.held_beside`: a pipeline stage's gradient
+    sum and moments) and of outputs (`Graph.outputs_held_beside`: micro-batches' running sums)."""
+    return (sum(a.held_beside * local_bytes(graph, a.value, spec, sizes) for a, spec in zip(graph.args, arg_specs))
+            + sum(h * local_bytes(graph, o, spec, sizes)
+                  for o, spec, h in zip(graph.outputs, out_specs, graph.outputs_held_beside)))
+
+
 def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], topo: MeshTopology,
                 reads: dict[tuple[int, int], ShardingSpec] | None = None,
                 out_specs: Sequence[ShardingSpec] | None = None, workspaces: dict[int, int] | None = None) -> int:
@@ -70,9 +80,11 @@ def plan_memory(graph: Graph, specs: dict[int, ShardingSpec], topo: MeshTopology
         first_read = _first_reads(graph)
         temporaries += [(n, max([n] + [first_read.get(r, n) for r in graph.nodes[n].results]), nbytes)
                         for n, nbytes in workspaces.items()]
-    args = sum((1 + a.held_beside) * local_bytes(graph, a.value, specs.get(a.value), sizes) for a in graph.args)
-    donated = {a.donated_to for a in graph.args if a.donated_to is not None}
     returned_specs = list(out_specs) if out_specs is not None else [specs.get(o) for o in graph.outputs]
+    arg_specs = [specs.get(a.value) for a in graph.args]
+    args = (sum(local_bytes(graph, a.value, spec, sizes) for a, spec in zip(graph.args, arg_specs))
+            + beside_bytes(graph, arg_specs, returned_specs, sizes))
+    donated = {a.donated_to for a in graph.args if a.donated_to is not None}
     rooms = []  # (bytes, step at which it is written) of each output buffer no argument holds
     for k, o in enumerate(graph.outputs):
         if k in donated or graph.values[o].constant:
@@ -221,7 +233,8 @@ def _lifetimes(graph: Graph, stored: list[bool], moves: dict[tuple[int, int], Sh
 def held_fractions(graph: Graph) -> dict[int, float]:
     """The fraction of the step each value holds a buffer of its own, whatever its layout:
     arguments all of it (and their copies held beside, `Arg.held_beside`), intermediates from
-    their producer to their last reader, values that stay inside fusions or are views none.
+    their producer to their last reader (and outputs' copies held beside all of it,
+    `Graph.outputs_held_beside`), values that stay inside fusions or are views none.
     Bytes times this fraction, summed, are the average memory of the step: a linear stand-in for
     its peak that the strategy ILP can price. A barrier's results count as buffers of their own
     here: the ILP prices each slot's layout alone, and a result laid out unlike its operand is
@@ -235,4 +248,6 @@ def held_fractions(graph: Graph) -> dict[int, float]:
         for r in n.results:
             if stored[r] and r in end and not graph.values[r].constant:
                 held[r] = (end[r] - n.id + 1) / steps
+    for o, h in zip(graph.outputs, graph.outputs_held_beside):
+        held[o] = held.get(o, 0.0) + h
     return held
