@@ -62,14 +62,32 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
     `OVERLAP_ROUNDS`, with none: that plan is always among those replayed), and the best plan
     at its replayed cost wins; those of other layouts ride with it (`Plan.alternatives`), for a
     caller that can compile them to choose by their programs, which the replay only estimates.
-    `time_limit_s` covers it all (`levels.Deadline`).
+    `time_limit_s` covers it all (`levels.Deadline`). A round with no plan within
+    `memory_limit_bytes`: the first goes on with no overlap (its error stands if that finds none
+    either); a later one ends the rounds at the plans so far.
     Ctrl-C: before the first plan, KeyboardInterrupt; after it, the best plan so far,
     `interrupted` (`interrupt`)."""
     deadline = levels.Deadline.after(time_limit_s)
     options = dict(options, built={})  # what every round builds alike: the units, the graph's backbone
+
+    def at(overlap: float) -> Plan:
+        return _found(_search(graph, dataclasses.replace(topo, overlap=overlap), cluster, deadline=deadline,
+                              **options))
+
     with interrupt.session(), few_full_collections():
-        plan = _found(_search(graph, topo, cluster, deadline=deadline, **options))
-        tried, overlap = [plan], topo.overlap
+        overlap = topo.overlap
+        try:
+            plan = at(overlap)
+        except MemoryLimitError:
+            if not overlap or deadline.left() <= 0:
+                raise
+            # Priced as if hidden, gathering a whole weight looks free, and pricing the bytes a
+            # device holds on average does not see the peak it makes: the search that hides
+            # nothing (the rounds' last) may find a plan within the limit; else its error stands.
+            progress.say("rhino_jax: overlap: no plan within memory_limit_bytes with overlap %.3g; searching again "
+                         "with none", overlap)
+            plan, overlap = at(0.0), 0.0
+        tried = [plan]
         try:
             # a plan with nothing off the chain is priced alike at any share: the rounds end
             while overlap and plan.cost.off_chain_comm_s and not interrupt.pressed() and deadline.left() > 0:
@@ -81,12 +99,14 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
                 progress.say("rhino_jax: overlap: the plan hides %.3g s of %.3g s of communication off the chain; "
                              "searching again with overlap %.3g", plan.cost.hidden_s,
                              plan.cost.off_chain_comm_s, overlap)
-                plan = _found(_search(graph, dataclasses.replace(topo, overlap=overlap), cluster, deadline=deadline,
-                                      **options))
+                plan = at(overlap)
                 tried.append(plan)
         except KeyboardInterrupt:  # before the next round's plan: the plans so far
             interrupt.press()
             interrupt.warn("the search for how much communication compute hides")
+        except MemoryLimitError:  # a later round's prices found none within the limit: the plans so far
+            progress.say("rhino_jax: overlap: no plan within memory_limit_bytes with overlap %.3g; keeping the "
+                         "earlier rounds' plans", overlap)
         best = _least(tried)
         if len(tried) > 1:
             _found(best, "kept")

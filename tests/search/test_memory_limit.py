@@ -182,3 +182,15 @@ def test_a_later_overlap_round_starts_from_the_earlier_rounds_answer():
     assert len(alone.search_stats.not_replicated) == 6 and solved == [1, 3, 7, 5, 6]  # gallop, bisection
     assert fit(near=alone) is not None and solved == [6]
     assert len(fit(near=plan_with(range(5))).search_stats.not_replicated) == 6 and solved == [5, 6]
+
+
+def test_a_limit_the_first_overlap_round_cannot_meet_is_searched_with_nothing_hidden():
+    """With overlap (the GPU preset), the first round prices collectives off the chain as hidden:
+    an MLP of 4096-wide weights then gathers whole weights, whose peak pricing memory on
+    average does not lower. A limit its plans miss but the search that hides nothing meets gets
+    that search's plan, not a MemoryLimitError."""
+    step, args = make_mlp_train_step(), mlp_example((64, 4096, 4096, 4096, 64), 256, abstract=True)
+    limit = 150_000_000
+    plan = rj.parallelize(step, mesh=rj.device_mesh((8,), ("data",)), cluster="8x-h100",
+                          memory_limit_bytes=limit).lower(*args).plan
+    assert plan.cost.memory_bytes <= limit
