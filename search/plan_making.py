@@ -188,7 +188,11 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
     ops = combined_ops(planned, topo)
     kernels = [op_kernels_s(planned, group, sides, topo) for group, _ in ops]
     compute += sum(kernels)
-    step = overlap.replay(*overlap.issued(events, ops, kernels)) if cluster.overlap else float("inf")
+    step, exposed = overlap.exposure(*overlap.issued(events, ops, kernels)) if cluster.overlap else (float("inf"), {})
+    # what the ops off the chain hid (an op's exposure is its issuing member's): the next overlap
+    # round's share; the chain's collectives hide too, behind independent compute
+    off_ops = [(group, t) for group, t in ops if planned[group[0]].combinable]
+    off_hidden = sum(t - sum(exposed.get(i, 0.0) for i in group) for group, t in off_ops) if exposed else 0.0
     planned = _taken_branches(planned, graph)
     comm, off_chain = combined_time(planned, topo)
     hidden = min(comm, max(0.0, compute + comm - step))
@@ -221,7 +225,8 @@ def make_plan(graph, topo, cluster, units, groups, choice, fallback, opt_level, 
         value_specs=specs,
         read_specs=read_specs,
         read_paths=read_paths,
-        cost=PlanCost(compute, comm, compute + comm - hidden, memory, hidden, off_chain),
+        cost=PlanCost(compute, comm, compute + comm - hidden, memory, hidden, off_chain,
+                      min(off_chain, max(0.0, off_hidden))),
         collectives=tuple(planned),
         fallback_ops=tuple(fallback),
         search_stats=stats,

@@ -91,13 +91,13 @@ def search(graph: Graph, topo: MeshTopology, cluster: Cluster, *, time_limit_s: 
         try:
             # a plan with nothing off the chain is priced alike at any share: the rounds end
             while overlap and plan.cost.off_chain_comm_s and not interrupt.pressed() and deadline.left() > 0:
-                usable = min(topo.overlap, plan.cost.hidden_s / plan.cost.off_chain_comm_s)
+                usable = min(topo.overlap, plan.cost.off_chain_hidden_s / plan.cost.off_chain_comm_s)
                 # it hid what it was priced to hide, or the rounds are spent: last, the plan of a
                 # search that hides nothing, replayed too (where the replay finds little to hide
                 # behind, it can be the faster)
                 overlap = usable if usable < overlap * 0.99 and len(tried) < OVERLAP_ROUNDS - 1 else 0.0
                 progress.say("rhino_jax: overlap: the plan hides %.3g s of %.3g s of communication off the chain; "
-                             "searching again with overlap %.3g", plan.cost.hidden_s,
+                             "searching again with overlap %.3g", plan.cost.off_chain_hidden_s,
                              plan.cost.off_chain_comm_s, overlap)
                 plan = at(overlap)
                 tried.append(plan)

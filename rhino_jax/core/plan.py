@@ -29,9 +29,11 @@ class PlanCost:
     total_s: float
     memory_bytes: int
     hidden_s: float = 0.0
-    # the communication off the compute chain, which the search priced at the cluster's overlap:
-    # what it hid of this is the share the next overlap round prices at (`search.planner.search`)
+    # the communication off the compute chain, which the search priced at the cluster's overlap,
+    # and what of it the replayed step hid: their ratio is the share the next overlap round
+    # prices at (`search.planner.search`)
     off_chain_comm_s: float = 0.0
+    off_chain_hidden_s: float = 0.0
 
 
 @dataclass(frozen=True)

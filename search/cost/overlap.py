@@ -34,6 +34,7 @@ small transformer steps).
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -103,11 +104,19 @@ def issued(events: Sequence[Event], ops: Sequence[tuple[Sequence[int], float]], 
 
 
 def replay(events: Sequence[Event], durations: Sequence[float]) -> float:
-    """The step's time: compute events on one stream, each collective (of `durations[index]`
-    seconds) on one link, started as its `how` says and waited for where it is read; a loop's
-    body (a run of events of the same `trips`) trip by trip, each trip's compute a share of its
-    events' and its collectives done by the trip's end (the module's docstring). A collective of
-    a value made outside the loop and read in its body runs once, before the loop."""
+    """The step's time (`exposure`)."""
+    return exposure(events, durations)[0]
+
+
+def exposure(events: Sequence[Event], durations: Sequence[float]) -> tuple[float, dict[int, float]]:
+    """The step's time, and the seconds each collective (by index) is exposed: compute events on
+    one stream, each collective (of `durations[index]` seconds) on one link, started as its `how`
+    says and waited for where it is read; a loop's body (a run of events of the same `trips`)
+    trip by trip, each trip's compute a share of its events' and its collectives done by the
+    trip's end (the module's docstring). A collective of a value made outside the loop and read
+    in its body runs once, before the loop. Where compute waits, the wait is the exposure of the
+    collectives on the link meanwhile, each its share of the wait (one queued behind another
+    waits for both); the link's run past the last compute is exposed too."""
     streams = _Streams()
     i = 0
     while i < len(events):
@@ -129,9 +138,10 @@ def replay(events: Sequence[Event], durations: Sequence[float]) -> float:
             link_done = streams.walk([e for e in body if e.index < 0 or e.trip == trip], trips, durations,
                                      begun if trips > 1 else 0.0)
             if trips > 1:  # a trip ends once its collectives are done
-                streams.compute = max(streams.compute, link_done)
+                streams.wait_until(link_done)
         i = end
-    return max(streams.compute, streams.link)
+    streams.wait_until(streams.link)
+    return streams.compute, streams.exposed
 
 
 LOOKAHEAD = 512  # events past a waiting one searched for compute that can run meanwhile
@@ -144,13 +154,31 @@ class _Streams:
     def __init__(self) -> None:
         self.compute = self.link = 0.0
         self.done: dict[int, float] = {}
+        self.runs: list[tuple[float, float, int]] = []  # (start, end, index) on the link, in order
+        self.starts: list[float] = []
+        self.exposed: dict[int, float] = {}
 
     def run(self, e: Event, seconds: float, earliest: float) -> float:
         """Collective `e` of `seconds` on the link, started no earlier than `earliest` (its
         trip's start); returns when it ends. Compute waits for it only where it is read."""
         start = max(self.link, earliest) if e.how == AHEAD else max(self.compute, self.link)
         self.link = self.done[e.index] = start + seconds
+        self.runs.append((start, self.link, e.index))
+        self.starts.append(start)
         return self.link
+
+    def wait_until(self, t: float) -> None:
+        """Compute idles until `t`: each collective on the link meanwhile is exposed for the part
+        of its run within the wait."""
+        if t <= self.compute:
+            return
+        # the runs are in order and apart: from the last that starts before t back to the wait's start
+        for k in range(bisect.bisect_left(self.starts, t) - 1, -1, -1):
+            start, end, index = self.runs[k]
+            if end <= self.compute:
+                break
+            self.exposed[index] = self.exposed.get(index, 0.0) + min(end, t) - max(start, self.compute)
+        self.compute = t
 
     def _ready_at(self, e: Event, unissued: set[int] = frozenset()) -> float:
         """When compute event `e` can start: once what it reads has run (a loop's later trips'
@@ -195,6 +223,7 @@ class _Streams:
                 link_done = self.run(e, durations[e.index], earliest)
                 unissued.discard(e.index)
             else:
-                self.compute = max(self.compute, soonest) + e.seconds / trips
+                self.wait_until(soonest)
+                self.compute += e.seconds / trips
                 ran.add(e.unit)
         return link_done

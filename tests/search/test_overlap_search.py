@@ -10,7 +10,7 @@ import pytest
 import rhino_jax as rj
 from rhino_jax.search.cost.cluster import get_cluster
 from rhino_jax.search.cost.combining import HEAD, TAIL
-from rhino_jax.search.cost.overlap import AHEAD, BEHIND, CHAIN, Event, how_it_runs, issued, replay
+from rhino_jax.search.cost.overlap import AHEAD, BEHIND, CHAIN, Event, exposure, how_it_runs, issued, replay
 
 
 def _k(seconds, reads=()):
@@ -71,6 +71,20 @@ def test_a_gradients_reduction_trails_to_the_steps_end():
 def test_one_link_runs_the_collectives_one_after_another():
     assert replay([_c(0, AHEAD), _c(1, AHEAD), _k(3, reads=(0, 1))], [5, 5]) == 13
     assert replay([_k(4), _c(0, BEHIND), _c(1, CHAIN), _k(1, reads=(1,))], [5, 2]) == 12  # the chain's waits behind
+
+
+def test_each_wait_is_the_exposure_of_the_collectives_on_the_link_meanwhile():
+    """What the overlap rounds price off the chain at: each collective's part of the waits."""
+    assert exposure([_k(10), _c(0, CHAIN), _k(10, reads=(0,))], [5]) == (25, {0: 5})
+    assert exposure([_k(10), _c(0, BEHIND), _k(2)], [5]) == (15, {0: 3})  # the end waits for 3 of it
+    assert exposure([_k(10), _c(0, BEHIND), _k(8)], [5]) == (18, {})
+    # the chain's collective queued behind a gradient's: its reader waits for both (less what compute ran beside)
+    assert exposure([_k(4), _c(0, BEHIND), _c(1, CHAIN), _k(1, reads=(1,))], [5, 2]) == (12, {0: 5, 1: 2})
+    assert exposure([_k(4), _c(0, BEHIND), _k(2), _c(1, CHAIN), _k(1, reads=(1,))], [5, 2]) == (12, {0: 3, 1: 2})
+    # a loop's trip ends once its collectives are done: each trip's wait
+    body = [Event(4, trips=2, unit=0), Event(index=0, how=BEHIND, trips=2, trip=0),
+            Event(index=1, how=BEHIND, trips=2, trip=1)]
+    assert exposure(body, [3, 3]) == (2 * (2 + 3), {0: 3, 1: 3})
 
 
 def test_a_combined_reduction_is_issued_at_its_last_member():
